@@ -1,0 +1,24 @@
+# vlserve — the two set-up commands are `make serve` and `make test` (see README.md).
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+CACHE ?= $(HOME)/.cache/vlserve
+
+.PHONY: install test serve bench clean
+
+# torch first (pins read from pyproject.toml), so no dependency pulls another torch build.
+install:
+	$(PIP) install -q $$($(PYTHON) scripts/pins.py torch torchvision)
+	$(PIP) install -q --no-deps $$($(PYTHON) scripts/pins.py --no-deps)
+	$(PIP) install -q -e ".[test]"
+
+test: install
+	$(PYTHON) -m pytest -q
+
+serve: install
+	vlserve serve
+
+bench: install
+	$(PYTHON) benchmarks/encoder.py
+
+clean:
+	rm -rf build *.egg-info .pytest_cache

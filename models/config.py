@@ -1,0 +1,162 @@
+"""Typed configuration of an encoder and its heads: the only constructor arguments of every module."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMAT_VERSION = 1  # bump when config.json or the weight layout changes incompatibly
+
+PRESETS = ("visualbert", "vl-bert", "vilbert", "lxmert", "u-visualbert")
+TWO_STREAM = ("vilbert", "lxmert")
+HEAD_KINDS = (
+    # task heads
+    "vqa", "nlvr2", "refer", "itm", "multiple_choice", "grounding",
+    # pretraining heads
+    "mlm", "mrfr", "mrc", "image_qa", "tag",
+)
+
+
+@dataclass
+class EncoderConfig:
+    preset: str  # one of PRESETS
+    size: str = "custom"  # name of the size this config was built from (informational)
+    vocab_size: int = 30522  # bert-base-uncased WordPiece vocabulary
+    hidden_size: int = 768  # text-stream (and single-stream) width
+    num_layers: int = 12  # single-stream layers; text layers (ViLBERT); language layers NL (LXMERT)
+    num_heads: int = 12  # attention heads of the text / single stream
+    intermediate_size: int = 3072  # feed-forward width of the text / single stream
+    max_position_embeddings: int = 512  # learned absolute positions
+    type_vocab_size: int = 2  # segments (VL-BERT uses 3: A, B and C for the image)
+    layer_norm_eps: float = 1e-12  # as BERT
+    dropout: float = 0.1  # hidden dropout
+    attention_dropout: float = 0.1  # dropout on attention probabilities
+    visual_feat_dim: int = 2048  # D of the region features the detector produces
+    image_hidden_size: int = 0  # image-stream width (two-stream; 0 = hidden_size)
+    image_num_heads: int = 0  # image-stream heads (0 = num_heads)
+    image_intermediate_size: int = 0  # image-stream FFN width (0 = intermediate_size)
+    num_image_layers: int = 0  # ViLBERT image-stream layers; LXMERT object-relationship layers NR
+    num_cross_layers: int = 0  # LXMERT cross-modality layers NX; ViLBERT co-attention layers
+    coattention_text_layers: tuple[int, ...] = ()  # ViLBERT: text layers run before each co-attention layer
+    coattention_hidden_size: int = 0  # ViLBERT bi-attention width (0 = image_hidden_size)
+    coattention_num_heads: int = 0  # ViLBERT bi-attention heads (0 = image_num_heads)
+    geometry_dim: int = 0  # VL-BERT sin/cos box embedding width (0 = 4 * 64)
+    img_token_id: int = 1  # VL-BERT [IMG] / U-VisualBERT region token: reuses [unused0]
+    end_token_id: int = 2  # VL-BERT [END]: reuses [unused1]
+    pad_token_id: int = 0  # [PAD]
+    cls_token_id: int = 101  # [CLS]
+    sep_token_id: int = 102  # [SEP]
+    mask_token_id: int = 103  # [MASK]
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+        self.coattention_text_layers = tuple(self.coattention_text_layers)
+        for name, width, heads in (
+            ("hidden_size", self.hidden_size, self.num_heads),
+            ("image_hidden_size", self.image_width, self.image_heads),
+        ):
+            if width % heads:
+                raise ValueError(f"{name}={width} is not a multiple of its number of heads ({heads})")
+        if self.preset == "vilbert":
+            if len(self.coattention_text_layers) != self.num_cross_layers:
+                raise ValueError("vilbert needs one coattention_text_layers index per co-attention layer")
+            if self.num_image_layers < self.num_cross_layers:
+                raise ValueError("vilbert needs at least one image layer before each co-attention layer")
+            if any(i > self.num_layers for i in self.coattention_text_layers) or list(
+                self.coattention_text_layers
+            ) != sorted(self.coattention_text_layers):
+                raise ValueError("coattention_text_layers must be non-decreasing counts of text layers (<= num_layers)")
+
+    @property
+    def is_two_stream(self) -> bool:
+        return self.preset in TWO_STREAM
+
+    @property
+    def image_width(self) -> int:
+        if self.preset == "vilbert":
+            return self.image_hidden_size or self.hidden_size
+        return self.hidden_size  # LXMERT and single-stream presets share one width
+
+    @property
+    def image_heads(self) -> int:
+        return (self.image_num_heads or self.num_heads) if self.preset == "vilbert" else self.num_heads
+
+    @property
+    def image_ffn(self) -> int:
+        if self.preset == "vilbert":
+            return self.image_intermediate_size or self.intermediate_size
+        return self.intermediate_size
+
+    @property
+    def coattention_width(self) -> int:
+        return self.coattention_hidden_size or self.image_width
+
+    @property
+    def pooled_size(self) -> int:
+        """Width of the fused pooled vector the classification heads read."""
+        return self.coattention_width if self.preset == "vilbert" else self.hidden_size
+
+    @property
+    def geometry_width(self) -> int:
+        return self.geometry_dim or 256
+
+
+@dataclass
+class HeadConfig:
+    kind: str  # one of HEAD_KINDS
+    num_labels: int = 0  # answers (vqa, image_qa), object classes (mrc); ignored where fixed
+    pool: str = "pooled"  # vqa: "pooled" (CLS / fused) or "answer_slot" (the [MASK] before the final [SEP])
+    classifier: str = "mlp"  # vqa/nlvr2/image_qa: "mlp" (Linear-GELU-LN-Linear, LXMERT/ViLBERT) or "linear"
+    nlvr2_mode: str = "pair"  # nlvr2: "pair" (two passes, concatenated pooled) or "joint" (one pass, both images)
+    mrc_loss: str = "ce"  # mrc: "ce" against the detector's top class or "kl" to its distribution
+    labels: list[str] = field(default_factory=list)  # answer / class names, index-aligned with the logits
+
+    def __post_init__(self) -> None:
+        if self.kind not in HEAD_KINDS:
+            raise ValueError(f"unknown head kind {self.kind!r}; choose one of {', '.join(HEAD_KINDS)}")
+        checks = {
+            "pool": (self.pool, ("pooled", "answer_slot")),
+            "classifier": (self.classifier, ("mlp", "linear")),
+            "nlvr2_mode": (self.nlvr2_mode, ("pair", "joint")),
+            "mrc_loss": (self.mrc_loss, ("ce", "kl")),
+        }
+        for name, (value, allowed) in checks.items():
+            if value not in allowed:
+                raise ValueError(f"head {self.kind}: {name}={value!r} is not one of {allowed}")
+        if self.kind in ("vqa", "image_qa", "mrc") and self.num_labels <= 0:
+            raise ValueError(f"head {self.kind} needs num_labels > 0")
+        if self.labels and len(self.labels) != self.num_labels:
+            raise ValueError(f"head {self.kind}: {len(self.labels)} labels for num_labels={self.num_labels}")
+
+
+@dataclass
+class ModelConfig:
+    encoder: EncoderConfig
+    heads: dict[str, HeadConfig] = field(default_factory=dict)  # task name -> head
+    format_version: int = FORMAT_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        enc_fields = {f.name for f in dataclasses.fields(EncoderConfig)}
+        head_fields = {f.name for f in dataclasses.fields(HeadConfig)}
+        enc = data.get("encoder")
+        if not isinstance(enc, dict):
+            raise ValueError("config field 'encoder' is missing or not an object")
+        unknown = set(enc) - enc_fields
+        if unknown:
+            raise ValueError(f"config field 'encoder' has unknown keys: {', '.join(sorted(unknown))}")
+        heads = {}
+        for name, head in (data.get("heads") or {}).items():
+            unknown = set(head) - head_fields
+            if unknown:
+                raise ValueError(f"config head {name!r} has unknown keys: {', '.join(sorted(unknown))}")
+            heads[name] = HeadConfig(**head)
+        return cls(
+            encoder=EncoderConfig(**enc),
+            heads=heads,
+            format_version=int(data.get("format_version", FORMAT_VERSION)),
+        )

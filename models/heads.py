@@ -1,0 +1,284 @@
+"""Thin task and pretraining heads; every head works on every preset's EncoderOutput.
+
+A head may reshape the batch before the encoder runs (`prepare`: NLVR2 image pairs, multiple-choice
+candidates), maps the encoder output to logits (`forward`) and computes its loss (`loss`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import EncoderConfig, HeadConfig
+from .inputs import VLInputs
+from .outputs import EncoderOutput
+
+NEG = -1e4  # logit given to padded regions / candidates: exp() underflows, but stays finite in fp16
+
+
+def classifier(kind: str, width: int, out: int, eps: float) -> nn.Module:
+    """'linear', or LXMERT/ViLBERT's 'mlp': Linear(w, 2w) - GELU - LayerNorm - Linear(2w, out)."""
+    if kind == "linear":
+        return nn.Linear(width, out)
+    return nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.LayerNorm(2 * width, eps=eps), nn.Linear(2 * width, out))
+
+
+def soft_target_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy against a target distribution over the last axis (targets normalised here).
+
+    Rows whose targets are all zero (no positive) do not count.
+    """
+    total = targets.sum(-1, keepdim=True)
+    valid = total.squeeze(-1) > 0
+    if not valid.any():
+        return logits.sum() * 0.0
+    dist = targets / total.clamp(min=1e-12)
+    nll = -(dist * F.log_softmax(logits, dim=-1)).sum(-1)
+    return nll[valid].mean()
+
+
+def vqa_soft_score_loss(logits: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Multi-label BCE on VQA soft scores, scaled by the answer count (bottom-up attention / LXMERT)."""
+    return F.binary_cross_entropy_with_logits(logits, scores) * scores.shape[-1]
+
+
+class Head(nn.Module):
+    def __init__(self, head: HeadConfig, enc: EncoderConfig):
+        super().__init__()
+        self.head = head
+
+    def prepare(self, inputs: VLInputs) -> VLInputs:
+        return inputs
+
+    def unprepare(self, logits: torch.Tensor, original: VLInputs) -> torch.Tensor:
+        """Reshape logits computed on the prepared batch back to the caller's batch."""
+        return logits
+
+    def loss(self, logits: torch.Tensor, labels, inputs: VLInputs) -> torch.Tensor:
+        return F.cross_entropy(logits, labels)
+
+
+class VQAHead(Head):
+    """Answer scores (B, A) from the pooled vector or from the [MASK] answer slot before the final [SEP]."""
+
+    def __init__(self, head: HeadConfig, enc: EncoderConfig):
+        super().__init__(head, enc)
+        width = enc.pooled_size if head.pool == "pooled" else enc.hidden_size
+        self.dropout = nn.Dropout(enc.dropout)
+        self.cls = classifier(head.classifier, width, head.num_labels, enc.layer_norm_eps)
+
+    def forward(self, enc: EncoderOutput, inputs: VLInputs) -> torch.Tensor:
+        if self.head.pool == "pooled":
+            h = enc.pooled  # (B, P)
+        else:
+            slot = (inputs.attention_mask.sum(1) - 2).long()  # (B,) index of [MASK] before the last [SEP]
+            h = enc.text[torch.arange(slot.shape[0], device=slot.device), slot]  # (B, H)
+        return self.cls(self.dropout(h))  # (B, A)
+
+    def loss(self, logits, labels, inputs):
+        return vqa_soft_score_loss(logits, labels.to(logits.dtype))
+
+
+class NLVR2Head(Head):
+    """True/false logits (B, 2) for a statement about an image pair.
+
+    pair: two encoder passes, the pooled outputs concatenated (LXMERT, ViLBERT). joint: one pass whose
+    regions are both images' regions (VisualBERT's NLVR2 setting).
+    """
+
+    def __init__(self, head: HeadConfig, enc: EncoderConfig):
+        super().__init__(head, enc)
+        width = enc.pooled_size * (2 if head.nlvr2_mode == "pair" else 1)
+        self.dropout = nn.Dropout(enc.dropout)
+        self.cls = classifier(head.classifier, width, 2, enc.layer_norm_eps)
+
+    def prepare(self, inputs: VLInputs) -> VLInputs:
+        b = inputs.region_features.shape[0]
+        if inputs.region_features.dim() != 4 or inputs.region_features.shape[1] != 2:
+            raise ValueError("nlvr2 needs region tensors of shape (B, 2, N, ...): one set per image")
+        if self.head.nlvr2_mode == "joint":
+            join = lambda t: None if t is None else t.reshape(b, -1, *t.shape[3:])  # noqa: E731
+            return inputs.replace(
+                region_features=join(inputs.region_features), region_boxes=join(inputs.region_boxes),
+                region_mask=join(inputs.region_mask), tag_ids=join(inputs.tag_ids), image_feature=None,
+            )
+        twice = lambda t: None if t is None else t.repeat_interleave(2, dim=0)  # noqa: E731
+        flat = lambda t: None if t is None else t.reshape(2 * b, *t.shape[2:])  # noqa: E731
+        return inputs.replace(
+            input_ids=twice(inputs.input_ids), attention_mask=twice(inputs.attention_mask),
+            token_type_ids=twice(inputs.token_type_ids), region_features=flat(inputs.region_features),
+            region_boxes=flat(inputs.region_boxes), region_mask=flat(inputs.region_mask),
+            image_feature=flat(inputs.image_feature), tag_ids=flat(inputs.tag_ids),
+        )
+
+    def forward(self, enc: EncoderOutput, inputs: VLInputs) -> torch.Tensor:
+        pooled = enc.pooled  # (B, P) joint, (2B, P) pair
+        if self.head.nlvr2_mode == "pair":
+            pooled = pooled.reshape(pooled.shape[0] // 2, -1)  # (B, 2P): left then right
+        return self.cls(self.dropout(pooled))  # (B, 2)
+
+
+class ReferHead(Head):
+    """One score per region (B, N); padded regions get NEG. Targets: regions with IoU >= 0.5 to the gold box."""
+
+    def __init__(self, head: HeadConfig, enc: EncoderConfig):
+        super().__init__(head, enc)
+        self.dropout = nn.Dropout(enc.dropout)
+        self.score = nn.Linear(enc.image_width, 1)
+
+    def forward(self, enc: EncoderOutput, inputs: VLInputs) -> torch.Tensor:
+        logits = self.score(self.dropout(enc.image)).squeeze(-1)  # (B, N)
+        return logits.masked_fill(inputs.region_mask == 0, NEG)
+
+    def loss(self, logits, labels, inputs):
+        return soft_target_cross_entropy(logits, labels.to(logits.dtype) * inputs.region_mask)
+
+
+class ITMHead(Head):
+    """Image-text matching logits (B, 2) [no match, match]; retrieval ranks by their difference."""
+
+    def __init__(self, head: HeadConfig, enc: EncoderConfig):
+        super().__init__(head, enc)
+        self.seq_relationship = nn.Linear(enc.pooled_size, 2)
+
+    def forward(self, enc: EncoderOutput, inputs: VLInputs) -> torch.Tensor:
+        return self.seq_relationship(enc.pooled)  # (B, 2)
+
+
+class MultipleChoiceHead(Head):
+    """VCR-style: input_ids (B, C, T), one pass per candidate, softmax over candidates -> (B, C)."""
+
+    def __init__(self, head: HeadConfig, enc: EncoderConfig):
+        super().__init__(head, enc)
+        self.dropout = nn.Dropout(enc.dropout)
+        self.cls = nn.Linear(enc.pooled_size, 1)
+
+    def prepare(self, inputs: VLInputs) -> VLInputs:
+        if inputs.input_ids.dim() != 3:
+            raise ValueError("multiple_choice needs input_ids of shape (B, C, T): one row per candidate")
+        b, c, t = inputs.input_ids.shape
+        per_choice = lambda x: None if x is None else x.repeat_interleave(c, dim=0)  # noqa: E731
+        return inputs.replace(
+            input_ids=inputs.input_ids.reshape(b * c, t), attention_mask=inputs.attention_mask.reshape(b * c, t),
+            token_type_ids=inputs.token_type_ids.reshape(b * c, t),
+            region_features=per_choice(inputs.region_features), region_boxes=per_choice(inputs.region_boxes),
+            region_mask=per_choice(inputs.region_mask), image_feature=per_choice(inputs.image_feature),
+            tag_ids=per_choice(inputs.tag_ids), phrase_index=None,
+        )
+
+    def forward(self, enc: EncoderOutput, inputs: VLInputs) -> torch.Tensor:
+        return self.cls(self.dropout(enc.pooled)).squeeze(-1)  # (B*C,)
+
+    def unprepare(self, logits: torch.Tensor, original: VLInputs) -> torch.Tensor:
+        return logits.view(original.input_ids.shape[0], -1)  # (B, C)
+
+
+class GroundingHead(Head):
+    """Region-to-phrase scores (B, P, N): a phrase's last sub-word queries the regions (VisualBERT, Flickr30K)."""
+
+    def __init__(self, head: HeadConfig, enc: EncoderConfig):
+        super().__init__(head, enc)
+        inner = enc.hidden_size // enc.num_heads  # one attention head of the encoder's head width
+        self.query = nn.Linear(enc.hidden_size, inner)
+        self.key = nn.Linear(enc.image_width, inner)
+
+    def forward(self, enc: EncoderOutput, inputs: VLInputs) -> torch.Tensor:
+        if inputs.phrase_index is None:
+            raise ValueError("grounding needs phrase_index (B, P)")
+        idx = inputs.phrase_index.clamp(min=0)  # (B, P)
+        phrases = torch.gather(enc.text, 1, idx.unsqueeze(-1).expand(-1, -1, enc.text.shape[-1]))  # (B, P, H)
+        q, k = self.query(phrases), self.key(enc.image)
+        scores = q @ k.transpose(1, 2) / q.shape[-1] ** 0.5  # (B, P, N)
+        return scores.masked_fill(inputs.region_mask[:, None, :] == 0, NEG)
+
+    def loss(self, logits, labels, inputs):
+        valid = (inputs.phrase_index >= 0).unsqueeze(-1).to(logits.dtype)
+        return soft_target_cross_entropy(logits, labels.to(logits.dtype) * valid * inputs.region_mask[:, None, :])
+
+
+class Transform(nn.Module):
+    """BERT prediction-head transform: dense - GELU - LayerNorm."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.dense = nn.Linear(width, width)
+        self.LayerNorm = nn.LayerNorm(width, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(F.gelu(self.dense(x)))
+
+
+class MaskedLMHead(Head):
+    """Masked LM over text (B, T, V); decoder tied to the word embeddings. Labels: token ids, -100 = not masked.
+
+    The `tag` kind applies the same prediction to region positions (U-VisualBERT tag reconstruction, (B, N, V)).
+    """
+
+    def __init__(self, head: HeadConfig, enc: EncoderConfig, word_embeddings: nn.Embedding):
+        super().__init__(head, enc)
+        width = enc.image_width if head.kind == "tag" else enc.hidden_size
+        if width != word_embeddings.embedding_dim:
+            raise ValueError(f"head {head.kind} needs the image width to equal the word embedding width")
+        self.transform = Transform(width, enc.layer_norm_eps)
+        self.bias = nn.Parameter(torch.zeros(enc.vocab_size))
+        self._tied = [word_embeddings]  # a list, so the tied weight is not registered (saved) twice
+
+    def forward(self, enc: EncoderOutput, inputs: VLInputs) -> torch.Tensor:
+        h = enc.image if self.head.kind == "tag" else enc.text
+        return F.linear(self.transform(h), self._tied[0].weight, self.bias)  # (B, L, V)
+
+    def loss(self, logits, labels, inputs):
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+class RegionFeatureHead(Head):
+    """Masked region feature regression (B, N, D). Labels: {"features": (B, N, D), "mask": (B, N) 1 = masked}."""
+
+    def __init__(self, head: HeadConfig, enc: EncoderConfig):
+        super().__init__(head, enc)
+        self.transform = Transform(enc.image_width, enc.layer_norm_eps)
+        self.decoder = nn.Linear(enc.image_width, enc.visual_feat_dim)
+
+    def forward(self, enc: EncoderOutput, inputs: VLInputs) -> torch.Tensor:
+        return self.decoder(self.transform(enc.image))
+
+    def loss(self, logits, labels, inputs):
+        masked = labels["mask"].bool()
+        if not masked.any():
+            return logits.sum() * 0.0
+        return F.smooth_l1_loss(logits[masked], labels["features"][masked].to(logits.dtype))
+
+
+class RegionClassHead(Head):
+    """Masked region classification (B, N, C).
+
+    ce: labels (B, N) detector class ids, -100 = not masked. kl: labels (B, N, C) the detector's class
+    distribution, rows of zeros = not masked (ViLBERT).
+    """
+
+    def __init__(self, head: HeadConfig, enc: EncoderConfig):
+        super().__init__(head, enc)
+        self.transform = Transform(enc.image_width, enc.layer_norm_eps)
+        self.decoder = nn.Linear(enc.image_width, head.num_labels)
+
+    def forward(self, enc: EncoderOutput, inputs: VLInputs) -> torch.Tensor:
+        return self.decoder(self.transform(enc.image))
+
+    def loss(self, logits, labels, inputs):
+        if self.head.mrc_loss == "ce":
+            return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        rows = labels.sum(-1) > 0
+        if not rows.any():
+            return logits.sum() * 0.0
+        return F.kl_div(F.log_softmax(logits[rows], -1), labels[rows].to(logits.dtype), reduction="batchmean")
+
+
+def build_head(head: HeadConfig, enc: EncoderConfig, word_embeddings: nn.Embedding) -> Head:
+    simple = {
+        "vqa": VQAHead, "image_qa": VQAHead, "nlvr2": NLVR2Head, "refer": ReferHead, "itm": ITMHead,
+        "multiple_choice": MultipleChoiceHead, "grounding": GroundingHead, "mrfr": RegionFeatureHead,
+        "mrc": RegionClassHead,
+    }
+    if head.kind in ("mlm", "tag"):
+        return MaskedLMHead(head, enc, word_embeddings)
+    return simple[head.kind](head, enc)

@@ -1,0 +1,134 @@
+"""Transformer building blocks shared by every preset (post-LayerNorm, as BERT and the seed papers)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, S) 1 = keep / 0 = pad  ->  (B, 1, 1, S) additive mask for attention scores."""
+    mask = mask[:, None, None, :].to(dtype)
+    return (1.0 - mask) * torch.finfo(dtype).min
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float, need_probs: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scaled dot-product attention over (B, heads, S, d); returns probabilities only when asked."""
+    if not need_probs:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout), None
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5  # (B, h, Sq, Sk)
+    if mask is not None:
+        scores = scores + mask
+    probs = scores.softmax(-1)
+    return F.dropout(probs, dropout, training=dropout > 0) @ v, probs
+
+
+def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    b, s, _ = x.shape
+    return x.view(b, s, heads, -1).transpose(1, 2)  # (B, h, S, d)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    b, h, s, d = x.shape
+    return x.transpose(1, 2).reshape(b, s, h * d)  # (B, S, h*d)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with one fused QKV projection, residual and LayerNorm."""
+
+    def __init__(self, width: int, heads: int, dropout: float, attention_dropout: float, eps: float):
+        super().__init__()
+        self.heads = heads
+        self.attention_dropout = attention_dropout
+        self.qkv = nn.Linear(width, 3 * width)
+        self.dense = nn.Linear(width, width)
+        self.dropout = nn.Dropout(dropout)
+        self.LayerNorm = nn.LayerNorm(width, eps=eps)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, need_probs: bool = False):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, S, H)
+        p = self.attention_dropout if self.training else 0.0
+        ctx, probs = attend(split_heads(q, self.heads), split_heads(k, self.heads), split_heads(v, self.heads), mask, p, need_probs)
+        return self.LayerNorm(x + self.dropout(self.dense(merge_heads(ctx)))), probs
+
+
+class CrossAttention(nn.Module):
+    """Queries from one stream, keys and values from the other; residual and LayerNorm on the query stream."""
+
+    def __init__(
+        self, width: int, ctx_width: int, heads: int, dropout: float, attention_dropout: float, eps: float, inner: int = 0
+    ):
+        super().__init__()
+        inner = inner or width  # attention width (ViLBERT's bi-attention differs from both streams)
+        self.heads = heads
+        self.attention_dropout = attention_dropout
+        self.query = nn.Linear(width, inner)
+        self.kv = nn.Linear(ctx_width, 2 * inner)
+        self.dense = nn.Linear(inner, width)
+        self.dropout = nn.Dropout(dropout)
+        self.LayerNorm = nn.LayerNorm(width, eps=eps)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, ctx_mask: torch.Tensor | None, need_probs: bool = False):
+        k, v = self.kv(ctx).chunk(2, dim=-1)  # 2 x (B, Sk, H)
+        p = self.attention_dropout if self.training else 0.0
+        q = split_heads(self.query(x), self.heads)
+        ctx_out, probs = attend(q, split_heads(k, self.heads), split_heads(v, self.heads), ctx_mask, p, need_probs)
+        return self.LayerNorm(x + self.dropout(self.dense(merge_heads(ctx_out)))), probs
+
+
+class FeedForward(nn.Module):
+    """Position-wise FFN (GELU) with residual and LayerNorm."""
+
+    def __init__(self, width: int, inner: int, dropout: float, eps: float):
+        super().__init__()
+        self.fc1 = nn.Linear(width, inner)
+        self.fc2 = nn.Linear(inner, width)
+        self.dropout = nn.Dropout(dropout)
+        self.LayerNorm = nn.LayerNorm(width, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(x + self.dropout(self.fc2(F.gelu(self.fc1(x)))))
+
+
+class TransformerLayer(nn.Module):
+    """BERT layer: self-attention then feed-forward."""
+
+    def __init__(self, width: int, heads: int, inner: int, dropout: float, attention_dropout: float, eps: float):
+        super().__init__()
+        self.attention = SelfAttention(width, heads, dropout, attention_dropout, eps)
+        self.ffn = FeedForward(width, inner, dropout, eps)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, need_probs: bool = False):
+        x, probs = self.attention(x, mask, need_probs)
+        return self.ffn(x), probs
+
+
+class Pooler(nn.Module):
+    """act(W h_first): the [CLS] (or [IMG]) summary vector; tanh as BERT, ReLU as ViLBERT's stream poolers."""
+
+    def __init__(self, width: int, out: int, activation: str = "tanh"):
+        super().__init__()
+        self.dense = nn.Linear(width, out)
+        self.activation = torch.tanh if activation == "tanh" else torch.relu
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.activation(self.dense(hidden[:, 0]))
+
+
+class TextEmbeddings(nn.Module):
+    """Word + position + segment embeddings (LayerNorm and dropout are applied by the caller)."""
+
+    def __init__(self, vocab: int, width: int, positions: int, segments: int, pad_id: int):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(vocab, width, padding_idx=pad_id)
+        self.position_embeddings = nn.Embedding(positions, width)
+        self.token_type_embeddings = nn.Embedding(segments, width)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, position_ids: torch.Tensor | None = None):
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]  # (1, T)
+        return (
+            self.word_embeddings(input_ids) + self.position_embeddings(position_ids) + self.token_type_embeddings(token_type_ids)
+        )  # (B, T, H)

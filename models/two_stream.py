@@ -1,0 +1,194 @@
+"""Two-stream encoders: LXMERT (language / object-relationship / cross-modality) and ViLBERT (co-attention)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import EncoderConfig
+from .layers import CrossAttention, FeedForward, Pooler, SelfAttention, TextEmbeddings, TransformerLayer, additive_mask
+from .outputs import EncoderOutput
+from .single_stream import whole_image_feature
+from .spatial import spatial_5d
+
+
+class BertTextEmbeddings(TextEmbeddings):
+    """Text embeddings with LayerNorm and dropout (the text side of both two-stream presets)."""
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__(config.vocab_size, config.hidden_size, config.max_position_embeddings, config.type_vocab_size, config.pad_token_id)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, input_ids, token_type_ids):
+        return self.dropout(self.LayerNorm(super().forward(input_ids, token_type_ids)))  # (B, T, H)
+
+
+class LxmertObjectEmbeddings(nn.Module):
+    """LXMERT object input: (LN(FC(feature)) + LN(FC(4-d box))) / 2."""
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        h, eps = config.hidden_size, config.layer_norm_eps
+        self.visn_fc = nn.Linear(config.visual_feat_dim, h)
+        self.visn_layer_norm = nn.LayerNorm(h, eps=eps)
+        self.box_fc = nn.Linear(4, h)
+        self.box_layer_norm = nn.LayerNorm(h, eps=eps)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, features: torch.Tensor, norm_boxes: torch.Tensor) -> torch.Tensor:
+        x = self.visn_layer_norm(self.visn_fc(features))
+        y = self.box_layer_norm(self.box_fc(norm_boxes))
+        return self.dropout((x + y) / 2)  # (B, N, H)
+
+
+class LxmertCrossLayer(nn.Module):
+    """Cross-modality layer: bi-directional cross-attention (one shared module), then self-attention, then FFN."""
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        c = config
+        args = (c.dropout, c.attention_dropout, c.layer_norm_eps)
+        self.visual_attention = CrossAttention(c.hidden_size, c.hidden_size, c.num_heads, *args)
+        self.lang_self_att = SelfAttention(c.hidden_size, c.num_heads, *args)
+        self.visn_self_att = SelfAttention(c.hidden_size, c.num_heads, *args)
+        self.lang_ffn = FeedForward(c.hidden_size, c.intermediate_size, c.dropout, c.layer_norm_eps)
+        self.visn_ffn = FeedForward(c.hidden_size, c.intermediate_size, c.dropout, c.layer_norm_eps)
+
+    def forward(self, lang, lang_bias, visn, visn_bias, need_probs=False):
+        lang_x, probs = self.visual_attention(lang, visn, visn_bias, need_probs)  # text attends to regions
+        visn_x, _ = self.visual_attention(visn, lang, lang_bias)  # regions attend to text, same weights
+        lang_x, _ = self.lang_self_att(lang_x, lang_bias)
+        visn_x, _ = self.visn_self_att(visn_x, visn_bias)
+        return self.lang_ffn(lang_x), self.visn_ffn(visn_x), probs
+
+
+class LxmertEncoder(nn.Module):
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.config = c = config
+        args = (c.hidden_size, c.num_heads, c.intermediate_size, c.dropout, c.attention_dropout, c.layer_norm_eps)
+        self.embeddings = BertTextEmbeddings(c)
+        self.visn_fc = LxmertObjectEmbeddings(c)
+        self.layer = nn.ModuleList(TransformerLayer(*args) for _ in range(c.num_layers))  # NL language layers
+        self.r_layers = nn.ModuleList(TransformerLayer(*args) for _ in range(c.num_image_layers))  # NR object layers
+        self.x_layers = nn.ModuleList(LxmertCrossLayer(c) for _ in range(c.num_cross_layers))  # NX cross layers
+        self.pooler = Pooler(c.hidden_size, c.hidden_size)
+
+    def forward(self, input_ids, attention_mask, token_type_ids, region_features, region_boxes, region_mask,
+                image_feature=None, tag_ids=None, output_attentions: bool = False) -> EncoderOutput:
+        lang = self.embeddings(input_ids, token_type_ids)  # (B, T, H)
+        visn = self.visn_fc(region_features, region_boxes)  # (B, N, H)
+        lang_bias = additive_mask(attention_mask, lang.dtype)
+        visn_bias = additive_mask(region_mask, visn.dtype)
+        attentions, cross = [], []
+        for layer in self.layer:
+            lang, probs = layer(lang, lang_bias, output_attentions)
+            attentions.append(probs)
+        for layer in self.r_layers:
+            visn, _ = layer(visn, visn_bias)
+        for layer in self.x_layers:
+            lang, visn, probs = layer(lang, lang_bias, visn, visn_bias, output_attentions)
+            cross.append(probs)
+        return EncoderOutput(
+            text=lang,
+            image=visn,
+            pooled=self.pooler(lang),
+            attentions=tuple(attentions) if output_attentions else None,
+            cross_attentions=tuple(cross) if output_attentions else None,
+        )
+
+
+class VilbertImageEmbeddings(nn.Module):
+    """ViLBERT image input: FC(region feature) + FC(5-d location), LayerNorm, dropout."""
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        w = config.image_width
+        self.image_embeddings = nn.Linear(config.visual_feat_dim, w)
+        self.image_location_embeddings = nn.Linear(5, w)
+        self.LayerNorm = nn.LayerNorm(w, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, features: torch.Tensor, norm_boxes: torch.Tensor) -> torch.Tensor:
+        x = self.image_embeddings(features) + self.image_location_embeddings(spatial_5d(norm_boxes))
+        return self.dropout(self.LayerNorm(x))  # (B, N, Hv)
+
+
+class CoAttentionLayer(nn.Module):
+    """ViLBERT co-TRM: each stream's queries attend to the other stream's keys/values, then each stream's FFN."""
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        c = config
+        args = (c.dropout, c.attention_dropout, c.layer_norm_eps)
+        inner, heads = c.coattention_width, c.coattention_num_heads or c.image_heads
+        self.text_attention = CrossAttention(c.hidden_size, c.image_width, heads, *args, inner=inner)
+        self.image_attention = CrossAttention(c.image_width, c.hidden_size, heads, *args, inner=inner)
+        self.text_ffn = FeedForward(c.hidden_size, c.intermediate_size, c.dropout, c.layer_norm_eps)
+        self.image_ffn = FeedForward(c.image_width, c.image_ffn, c.dropout, c.layer_norm_eps)
+
+    def forward(self, text, text_bias, image, image_bias, need_probs=False):
+        text_x, probs = self.text_attention(text, image, image_bias, need_probs)
+        image_x, _ = self.image_attention(image, text, text_bias)
+        return self.text_ffn(text_x), self.image_ffn(image_x), probs
+
+
+class VilbertEncoder(nn.Module):
+    """Text layers and image layers interleaved with co-attention layers; an [IMG] region (whole image) leads."""
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.config = c = config
+        self.embeddings = BertTextEmbeddings(c)
+        self.v_embeddings = VilbertImageEmbeddings(c)
+        self.layer = nn.ModuleList(
+            TransformerLayer(c.hidden_size, c.num_heads, c.intermediate_size, c.dropout, c.attention_dropout, c.layer_norm_eps)
+            for _ in range(c.num_layers)
+        )
+        self.v_layer = nn.ModuleList(
+            TransformerLayer(c.image_width, c.image_heads, c.image_ffn, c.dropout, c.attention_dropout, c.layer_norm_eps)
+            for _ in range(c.num_image_layers)
+        )
+        self.c_layer = nn.ModuleList(CoAttentionLayer(c) for _ in range(c.num_cross_layers))
+        self.t_pooler = Pooler(c.hidden_size, c.coattention_width, activation="relu")
+        self.v_pooler = Pooler(c.image_width, c.coattention_width, activation="relu")
+
+    def forward(self, input_ids, attention_mask, token_type_ids, region_features, region_boxes, region_mask,
+                image_feature=None, tag_ids=None, output_attentions: bool = False) -> EncoderOutput:
+        b = input_ids.shape[0]
+        if image_feature is None:
+            image_feature = whole_image_feature(region_features, region_mask)
+        whole_box = region_boxes.new_tensor([0.0, 0.0, 1.0, 1.0]).expand(b, 1, 4)
+        feats = torch.cat([image_feature.unsqueeze(1), region_features], dim=1)  # (B, 1+N, D)
+        boxes = torch.cat([whole_box, region_boxes], dim=1)  # (B, 1+N, 4)
+        vmask = torch.cat([region_mask.new_ones(b, 1), region_mask], dim=1)  # (B, 1+N)
+
+        text = self.embeddings(input_ids, token_type_ids)  # (B, T, H)
+        image = self.v_embeddings(feats, boxes)  # (B, 1+N, Hv)
+        text_bias = additive_mask(attention_mask, text.dtype)
+        image_bias = additive_mask(vmask, image.dtype)
+        attentions, cross = [], []
+        t_next = v_next = 0
+        for k, co_layer in enumerate(self.c_layer):
+            # text layers up to this co-attention point; image layers [.., k) before co-attention k
+            for layer in self.layer[t_next : self.config.coattention_text_layers[k]]:
+                text, probs = layer(text, text_bias, output_attentions)
+                attentions.append(probs)
+            for layer in self.v_layer[v_next:k]:
+                image, _ = layer(image, image_bias)
+            t_next, v_next = self.config.coattention_text_layers[k], k
+            text, image, probs = co_layer(text, text_bias, image, image_bias, output_attentions)
+            cross.append(probs)
+        for layer in self.layer[t_next:]:
+            text, probs = layer(text, text_bias, output_attentions)
+            attentions.append(probs)
+        for layer in self.v_layer[v_next:]:
+            image, _ = layer(image, image_bias)
+        pooled = self.t_pooler(text) * self.v_pooler(image)  # h_CLS ⊙ h_IMG
+        return EncoderOutput(
+            text=text,
+            image=image[:, 1:],
+            pooled=pooled,
+            attentions=tuple(attentions) if output_attentions else None,
+            cross_attentions=tuple(p[..., 1:] for p in cross) if output_attentions else None,
+        )

@@ -1,0 +1,62 @@
+"""VLModel: one encoder preset plus any number of named task heads (one checkpoint serves every endpoint)."""
+from __future__ import annotations
+
+from torch import nn
+
+from .config import ModelConfig
+from .heads import build_head
+from .inputs import VLInputs
+from .outputs import EncoderOutput, ModelOutput
+from .single_stream import SingleStreamEncoder
+from .two_stream import LxmertEncoder, VilbertEncoder
+
+ENCODERS = {
+    "visualbert": SingleStreamEncoder,
+    "vl-bert": SingleStreamEncoder,
+    "u-visualbert": SingleStreamEncoder,
+    "lxmert": LxmertEncoder,
+    "vilbert": VilbertEncoder,
+}
+
+
+class VLModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.encoder = ENCODERS[config.encoder.preset](config.encoder)
+        word_embeddings = self.encoder.embeddings.word_embeddings
+        self.heads = nn.ModuleDict({name: build_head(h, config.encoder, word_embeddings) for name, h in config.heads.items()})
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        # BERT initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                nn.init.zeros_(module.weight[module.padding_idx])
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+    @property
+    def tasks(self) -> list[str]:
+        return list(self.heads)
+
+    def forward_features(self, inputs: VLInputs, output_attentions: bool = False) -> EncoderOutput:
+        return self.encoder(**inputs.encoder_kwargs(), output_attentions=output_attentions)
+
+    def forward_head(self, task: str, enc: EncoderOutput, inputs: VLInputs):
+        return self.heads[task](enc, inputs)
+
+    def forward(self, inputs: VLInputs, task: str, labels=None, output_attentions: bool = False) -> ModelOutput:
+        if task not in self.heads:
+            raise KeyError(f"model has no head {task!r}; it has: {', '.join(self.heads) or 'none'}")
+        head = self.heads[task]
+        prepared = head.prepare(inputs)
+        enc = self.forward_features(prepared, output_attentions)
+        logits = head.unprepare(self.forward_head(task, enc, prepared), inputs)
+        loss = head.loss(logits, labels, inputs) if labels is not None else None
+        return ModelOutput(logits=logits, loss=loss, encoder=enc)
