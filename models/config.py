@@ -110,7 +110,6 @@ class HeadConfig:
     classifier: str = "mlp"  # vqa/nlvr2/image_qa: "mlp" (Linear-GELU-LN-Linear, LXMERT/ViLBERT) or "linear"
     nlvr2_mode: str = "pair"  # nlvr2: "pair" (two passes, concatenated pooled) or "joint" (one pass, both images)
     mrc_loss: str = "ce"  # mrc: "ce" against the detector's top class or "kl" to its distribution
-    labels: list[str] = field(default_factory=list)  # answer / class names, index-aligned with the logits
 
     def __post_init__(self) -> None:
         if self.kind not in HEAD_KINDS:
@@ -126,8 +125,6 @@ class HeadConfig:
                 raise ValueError(f"head {self.kind}: {name}={value!r} is not one of {allowed}")
         if self.kind in ("vqa", "image_qa", "mrc") and self.num_labels <= 0:
             raise ValueError(f"head {self.kind} needs num_labels > 0")
-        if self.labels and len(self.labels) != self.num_labels:
-            raise ValueError(f"head {self.kind}: {len(self.labels)} labels for num_labels={self.num_labels}")
 
 
 @dataclass

@@ -1,0 +1,159 @@
+"""Checkpoint directory: config.json, model.safetensors, tokenizer files, labels.json, manifest.json.
+
+The manifest holds the sha256 of every other file plus the code and detector versions; loading verifies it
+and fails with one message naming the file or field at fault.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .config import FORMAT_VERSION, ModelConfig
+from .tokenizer import TOKENIZER_FILES, VLTokenizer
+from .vl_model import VLModel
+
+CONFIG, WEIGHTS, LABELS, MANIFEST = "config.json", "model.safetensors", "labels.json", "manifest.json"
+CODE_VERSION = "0.1.0"  # vlserve version that wrote the checkpoint
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message names the file or field."""
+
+
+@dataclass
+class Checkpoint:
+    model: VLModel
+    tokenizer: VLTokenizer
+    labels: dict[str, Any]  # {"heads": {task: [answer names]}, "objects": [...], "attributes": [...]}
+    manifest: dict[str, Any] = field(default_factory=dict)
+    path: Path | None = None
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_labels(config: ModelConfig, labels: dict[str, Any]) -> None:
+    for task, names in (labels.get("heads") or {}).items():
+        head = config.heads.get(task)
+        if head is None:
+            raise CheckpointError(f"{LABELS}: labels for unknown head {task!r}")
+        if head.num_labels and len(names) != head.num_labels:
+            raise CheckpointError(f"{LABELS}: head {task!r} has {len(names)} labels but num_labels={head.num_labels}")
+
+
+def save_checkpoint(
+    model: VLModel,
+    out_dir: str | Path,
+    tokenizer: VLTokenizer,
+    labels: dict[str, Any] | None = None,
+    detector: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write a checkpoint directory. `detector` records the detector it expects (fingerprint, feature dim)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    labels = labels or {}
+    _check_labels(model.config, labels)
+    (out / CONFIG).write_text(json.dumps(model.config.to_dict(), indent=2))
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(out / WEIGHTS), metadata={"format_version": str(FORMAT_VERSION)})
+    tokenizer.save(out)
+    (out / LABELS).write_text(json.dumps(labels, indent=2))
+    files = [CONFIG, WEIGHTS, LABELS, *TOKENIZER_FILES]
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "code_version": CODE_VERSION,
+        "torch_version": torch.__version__.split("+")[0],
+        "preset": model.config.encoder.preset,
+        "size": model.config.encoder.size,
+        "visual_feat_dim": model.config.encoder.visual_feat_dim,
+        "detector": detector or {},
+        "files": {name: sha256_file(out / name) for name in files},
+        **(extra or {}),
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return out
+
+
+def verify_manifest(path: str | Path) -> dict[str, Any]:
+    """Check that every file the manifest lists exists and has its recorded sha256; return the manifest."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {path}")
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise CheckpointError(f"{path}: missing file {MANIFEST}")
+    try:
+        manifest = json.loads(mpath.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{mpath}: not a valid manifest ({exc})") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{mpath}: format_version {manifest.get('format_version')!r}, this code reads {FORMAT_VERSION}")
+    for name, digest in files.items():
+        fpath = path / name
+        if not fpath.is_file():
+            raise CheckpointError(f"{path}: missing file {name}")
+        if sha256_file(fpath) != digest:
+            raise CheckpointError(f"{path}: file {name} does not match its sha256 in {MANIFEST} (changed or corrupt)")
+    return manifest
+
+
+def load_checkpoint(
+    path: str | Path,
+    preset: str | None = None,
+    size: str | None = None,
+    visual_feat_dim: int | None = None,
+    device: str | torch.device = "cpu",
+) -> Checkpoint:
+    """Verify and load a checkpoint directory; optional expectations fail with a message naming the field."""
+    path = Path(path)
+    manifest = verify_manifest(path)
+    try:
+        config = ModelConfig.from_dict(json.loads((path / CONFIG).read_text()))
+    except (json.JSONDecodeError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"{path / CONFIG}: {exc}") from None
+    enc = config.encoder
+    for fname, want, have in (("preset", preset, enc.preset), ("size", size, enc.size), ("visual_feat_dim", visual_feat_dim, enc.visual_feat_dim)):
+        if want is not None and want != have:
+            raise CheckpointError(f"{path / CONFIG}: encoder.{fname} is {have!r}, expected {want!r}")
+    try:
+        labels = json.loads((path / LABELS).read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path / LABELS}: invalid JSON ({exc})") from None
+    _check_labels(config, labels)
+    model = VLModel(config)
+    try:
+        state = load_file(str(path / WEIGHTS), device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path / WEIGHTS}: unreadable ({exc})") from None
+    load_state_strict(model, state, path / WEIGHTS)
+    model.to(device).eval()
+    return Checkpoint(model=model, tokenizer=VLTokenizer.from_dir(path), labels=labels, manifest=manifest, path=path)
+
+
+def load_state_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path | str) -> None:
+    """load_state_dict that names the first missing, unexpected or mis-shaped tensor."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    if missing:
+        raise CheckpointError(f"{source}: missing tensor {missing[0]} ({len(missing)} missing)")
+    if unexpected:
+        raise CheckpointError(f"{source}: unexpected tensor {unexpected[0]} ({len(unexpected)} unexpected)")
+    for key, value in state.items():
+        if tuple(value.shape) != tuple(own[key].shape):
+            raise CheckpointError(f"{source}: tensor {key} has shape {tuple(value.shape)}, the config needs {tuple(own[key].shape)}")
+    model.load_state_dict(state)

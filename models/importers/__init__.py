@@ -1,0 +1,1 @@
+"""Importers of public checkpoint formats into vlserve checkpoint directories."""

