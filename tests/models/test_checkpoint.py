@@ -1,0 +1,117 @@
+"""Checkpoint directory: save -> load identity, manifest verification and one clear error per corruption."""
+import json
+
+import pytest
+import torch
+
+from models import VLInputs, create_model
+from models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_manifest
+from models.tokenizer import VLTokenizer
+
+HEADS = {"vqa": {"kind": "vqa", "num_labels": 3}, "refer": {"kind": "refer"}}
+LABELS = {"heads": {"vqa": ["red", "blue", "yes"]}, "objects": ["circle"], "attributes": ["red"]}
+
+
+def batch(d: int = 16) -> VLInputs:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, 2000, (2, 5), generator=g)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    boxes = torch.rand(2, 4, 4, generator=g).sort(-1).values
+    return VLInputs(ids, mask, torch.zeros_like(ids), torch.randn(2, 4, d, generator=g), boxes, torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return VLTokenizer.pretrained_minilm()
+
+
+@pytest.fixture
+def saved(tmp_path, tokenizer):
+    torch.manual_seed(0)
+    model = create_model("lxmert", "tiny", heads=HEADS).eval()
+    path = save_checkpoint(model, tmp_path / "ckpt", tokenizer, labels=LABELS, detector={"fingerprint": "abc", "feature_dim": 16})
+    return model, path
+
+
+@pytest.mark.parametrize("preset", ["visualbert", "vl-bert", "vilbert", "lxmert", "u-visualbert"])
+def test_save_load_gives_identical_outputs(tmp_path, tokenizer, preset):
+    torch.manual_seed(1)
+    model = create_model(preset, "tiny", heads=HEADS).eval()
+    path = save_checkpoint(model, tmp_path / preset, tokenizer, labels=LABELS)
+    ckpt = load_checkpoint(path)
+    with torch.no_grad():
+        for task in HEADS:
+            assert torch.equal(model(batch(), task).logits, ckpt.model(batch(), task).logits)
+    assert ckpt.labels == LABELS
+    assert ckpt.tokenizer.encode(["a red circle"])["input_ids"].tolist() == tokenizer.encode(["a red circle"])["input_ids"].tolist()
+    assert not ckpt.model.training
+
+
+def test_manifest_lists_every_file_with_its_hash(saved):
+    _, path = saved
+    manifest = verify_manifest(path)
+    on_disk = {p.name for p in path.iterdir()} - {"manifest.json"}
+    assert set(manifest["files"]) == on_disk
+    assert manifest["detector"]["fingerprint"] == "abc"
+    assert manifest["preset"] == "lxmert"
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "labels.json", "vocab.txt", "manifest.json"])
+def test_missing_file_is_named(saved, name):
+    _, path = saved
+    (path / name).unlink()
+    with pytest.raises(CheckpointError, match=f"missing file {name}"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "labels.json", "vocab.txt"])
+def test_changed_file_fails_its_hash(saved, name):
+    _, path = saved
+    with open(path / name, "ab") as f:
+        f.write(b" ")
+    with pytest.raises(CheckpointError, match=f"file {name} does not match its sha256"):
+        load_checkpoint(path)
+
+
+def test_expectations_name_the_field(saved):
+    _, path = saved
+    with pytest.raises(CheckpointError, match="encoder.preset is 'lxmert', expected 'visualbert'"):
+        load_checkpoint(path, preset="visualbert")
+    with pytest.raises(CheckpointError, match="encoder.size is 'tiny', expected 'base'"):
+        load_checkpoint(path, size="base")
+    with pytest.raises(CheckpointError, match="encoder.visual_feat_dim is 16, expected 2048"):
+        load_checkpoint(path, visual_feat_dim=2048)
+
+
+def _rewrite(path, name, mutate):
+    """Change a file and re-sign the manifest, as a careless hand edit would."""
+    from models.checkpoint import sha256_file
+
+    data = json.loads((path / name).read_text())
+    mutate(data)
+    (path / name).write_text(json.dumps(data))
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"][name] = sha256_file(path / name)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_config_weight_mismatch_names_the_tensor(saved):
+    _, path = saved
+    _rewrite(path, "config.json", lambda c: c["encoder"].update(visual_feat_dim=32))
+    with pytest.raises(CheckpointError, match=r"tensor encoder\.visn_fc\.visn_fc\.weight has shape \(32, 16\), the config needs \(32, 32\)"):
+        load_checkpoint(path)
+
+
+def test_unknown_preset_and_bad_labels_are_clear(saved):
+    _, path = saved
+    _rewrite(path, "labels.json", lambda lab: lab["heads"].update(vqa=["only-one"]))
+    with pytest.raises(CheckpointError, match="head 'vqa' has 1 labels but num_labels=3"):
+        load_checkpoint(path)
+    _rewrite(path, "config.json", lambda c: c["encoder"].update(preset="resnet"))
+    with pytest.raises(CheckpointError, match="unknown preset 'resnet'"):
+        load_checkpoint(path)
+
+
+def test_not_a_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="checkpoint directory not found"):
+        load_checkpoint(tmp_path / "nowhere")

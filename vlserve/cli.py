@@ -1,0 +1,38 @@
+"""The `vlserve` console script: one entry point, one module per subcommand under vlserve/commands/."""
+from __future__ import annotations
+
+import typer
+
+from vlserve import __version__
+from vlserve.commands.import_cmd import app as import_app
+from vlserve.commands.info import info
+
+app = typer.Typer(
+    help="vlserve: serve VisualBERT, VL-BERT, ViLBERT, LXMERT and U-VisualBERT models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(import_app, name="import", help="Convert public checkpoints (transformers' VisualBERT, LXMERT) into vlserve checkpoint directories.")
+app.command("info")(info)
+
+
+@app.command("serve")
+def serve() -> None:
+    """Run the HTTP service (POST /vqa /refer /retrieve /nlvr2)."""
+    typer.echo(
+        "error: the HTTP service is not built yet: it needs the service package (issue 5: FastAPI endpoints, "
+        "feature store, batcher) and a demo model (issue 4: `make zoo`).",
+        err=True,
+    )
+    raise typer.Exit(2)
+
+
+@app.command("version")
+def version() -> None:
+    """Print the vlserve version."""
+    typer.echo(__version__)
+
+
+if __name__ == "__main__":
+    app()
