@@ -1,0 +1,307 @@
+"""Region-feature files: our append-only record file for extraction runs, and the LXMERT `obj36` TSV.
+
+Record file (one file per extraction run, suffix `.vlfeat` by convention), all integers little-endian:
+
+    header  MAGIC (8 bytes) | u32 format version | u32 n | n bytes of JSON meta (e.g. detector fingerprint)
+    record  RECORD_MAGIC (4 bytes) | u32 k | u64 v | k bytes image id (UTF-8) | v bytes RegionFeatures.to_bytes()
+            | u32 CRC32 of id + value
+
+Records are only ever appended, so an interrupted run leaves at worst one torn record at the end: readers
+ignore it (`FeatureFile.truncated_bytes` says how much) and `FeatureFileWriter` cuts it off before
+resuming. The same image id written twice resolves to the last record. Damage anywhere before the tail
+raises FeatureFormatError.
+
+obj36 TSV (airsplay/lxmert, bottom-up-attention): one image per line, tab separated, no header, columns
+FIELDNAMES; array columns are base64 of raw little-endian numpy bytes (ids int64, confidences and boxes
+float32, features float32 (num_boxes, D)). Only the real regions are written (no padding rows, no
+whole-image feature); reading gives float32 features and N = num_boxes.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import csv
+import json
+import os
+import struct
+import sys
+import zlib
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+
+import numpy as np
+
+from .region_features import FeatureFormatError, RegionFeatures
+
+MAGIC = b"VLSFEAT\n"
+FILE_VERSION = 1  # of the record layout; the values carry their own RegionFeatures format version
+RECORD_MAGIC = b"REC\x00"
+_FILE_HEADER = struct.Struct("<8sII")  # magic, version, meta length
+_RECORD_HEADER = struct.Struct("<4sIQ")  # magic, id length, value length
+_CRC = struct.Struct("<I")
+
+
+# --- record file ---
+
+def _read_file_header(f) -> tuple[dict, int]:
+    """(meta, offset of the first record); FeatureFormatError for a foreign or other-version file."""
+    raw = f.read(_FILE_HEADER.size)
+    if len(raw) < _FILE_HEADER.size:
+        raise FeatureFormatError("feature file: too short for a header")
+    magic, version, meta_len = _FILE_HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise FeatureFormatError("feature file: not a vlserve feature file (bad magic)")
+    if version != FILE_VERSION:
+        raise FeatureFormatError(f"feature file: version {version}, this code reads {FILE_VERSION}")
+    meta_raw = f.read(meta_len)
+    try:
+        meta = json.loads(meta_raw)
+    except (ValueError, RecursionError) as e:
+        raise FeatureFormatError(f"feature file: meta is not JSON: {e}") from None
+    if len(meta_raw) < meta_len or not isinstance(meta, dict):
+        raise FeatureFormatError("feature file: meta is not a JSON object")
+    return meta, _FILE_HEADER.size + meta_len
+
+
+def _record_crc(f, offset: int, key_len: int, value_len: int) -> tuple[int, int]:
+    """(stored CRC, computed CRC) of the record at `offset`."""
+    f.seek(offset + _RECORD_HEADER.size)
+    body = f.read(key_len + value_len)
+    stored = f.read(_CRC.size)
+    if len(stored) < _CRC.size:
+        return -1, zlib.crc32(body)
+    return _CRC.unpack(stored)[0], zlib.crc32(body)
+
+
+def _zeros_to_end(f, offset: int) -> bool:
+    f.seek(offset)
+    while chunk := f.read(1 << 20):
+        if chunk.count(0) != len(chunk):
+            return False
+    return True
+
+
+def _scan(f, start: int, size: int) -> tuple[dict[str, tuple[int, int, int]], int]:
+    """Index {image_id: (record offset, id length, value length)} and the offset where good records end.
+
+    Checks structure (magic, lengths) and the CRC of the last record only, so opening stays cheap:
+    a torn tail is left out, damage before it raises FeatureFormatError.
+    """
+    records: list[tuple[str, int, int, int]] = []
+    offset = start
+    while offset < size:
+        f.seek(offset)
+        raw = f.read(_RECORD_HEADER.size)
+        if len(raw) < _RECORD_HEADER.size:
+            break  # torn header at the tail
+        magic, key_len, value_len = _RECORD_HEADER.unpack(raw)
+        end = offset + _RECORD_HEADER.size + key_len + value_len + _CRC.size
+        if end > size:
+            break  # torn record at the tail (its lengths may be garbage too)
+        if magic != RECORD_MAGIC:
+            if _zeros_to_end(f, offset):
+                break  # a crash can leave the tail zero-filled
+            raise FeatureFormatError(f"feature file: bad record magic at byte {offset}")
+        try:
+            image_id = f.read(key_len).decode("utf-8")
+        except UnicodeDecodeError:
+            raise FeatureFormatError(f"feature file: image id at byte {offset} is not UTF-8") from None
+        records.append((image_id, offset, key_len, value_len))
+        offset = end
+    if records and offset == size:  # complete length, but the last write may still be torn
+        stored, computed = _record_crc(f, *records[-1][1:])
+        if stored != computed:
+            offset = records.pop()[1]
+    return {image_id: tuple(rest) for image_id, *rest in records}, offset
+
+
+class FeatureFile(Mapping[str, RegionFeatures]):
+    """Read-only mapping image_id -> RegionFeatures over a record file; values are read on access."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._f = open(self.path, "rb")
+        try:
+            self.meta, start = _read_file_header(self._f)
+            size = os.fstat(self._f.fileno()).st_size
+            self._index, end = _scan(self._f, start, size)
+            self.truncated_bytes = size - end  # a torn last record left by an interrupted run
+        except BaseException:
+            self._f.close()
+            raise
+
+    def __getitem__(self, image_id: str) -> RegionFeatures:
+        offset, key_len, value_len = self._index[image_id]
+        stored, computed = _record_crc(self._f, offset, key_len, value_len)
+        if stored != computed:
+            raise FeatureFormatError(f"feature file: record {image_id!r} at byte {offset} is corrupt (CRC)")
+        self._f.seek(offset + _RECORD_HEADER.size + key_len)
+        return RegionFeatures.from_bytes(self._f.read(value_len))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, image_id: object) -> bool:
+        return image_id in self._index
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> FeatureFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class FeatureFileWriter:
+    """Appends records to a feature file; an existing file is resumed (torn tail cut, meta must match)."""
+
+    def __init__(self, path: str | os.PathLike, meta: dict | None = None):
+        self.path = Path(path)
+        meta = {} if meta is None else json.loads(json.dumps(meta))  # JSON-normalized, to compare on resume
+        if self.path.exists() and self.path.stat().st_size > 0:
+            with FeatureFile(self.path) as existing:
+                if existing.meta != meta:
+                    raise FeatureFormatError(
+                        f"feature file {self.path}: written with meta {existing.meta}, resuming with {meta}")
+                self.written: set[str] = set(existing)
+                good_end = self.path.stat().st_size - existing.truncated_bytes
+            self._f = open(self.path, "r+b")
+            self._f.truncate(good_end)
+            self._f.seek(good_end)
+        else:
+            meta_raw = json.dumps(meta, sort_keys=True).encode()
+            self.written = set()
+            self._f = open(self.path, "wb")
+            self._f.write(_FILE_HEADER.pack(MAGIC, FILE_VERSION, len(meta_raw)) + meta_raw)
+            self._f.flush()
+        self.meta = meta
+
+    def __contains__(self, image_id: str) -> bool:
+        return image_id in self.written
+
+    def append(self, image_id: str, features: RegionFeatures) -> None:
+        """Write one record and flush it, so an interruption loses at most this record."""
+        key, value = image_id.encode("utf-8"), features.to_bytes()
+        crc = zlib.crc32(value, zlib.crc32(key))
+        self._f.write(_RECORD_HEADER.pack(RECORD_MAGIC, len(key), len(value)) + key + value + _CRC.pack(crc))
+        self._f.flush()
+        self.written.add(image_id)
+
+    def close(self, fsync: bool = True) -> None:
+        if self._f.closed:
+            return
+        self._f.flush()
+        if fsync:
+            os.fsync(self._f.fileno())
+        self._f.close()
+
+    def __enter__(self) -> FeatureFileWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def write_feature_file(path: str | os.PathLike, items: Iterable[tuple[str, RegionFeatures]],
+                       meta: dict | None = None) -> int:
+    """Append (image_id, features) pairs to `path` (created or resumed); returns how many were written."""
+    count = 0
+    with FeatureFileWriter(path, meta) as writer:
+        for image_id, features in items:
+            writer.append(image_id, features)
+            count += 1
+    return count
+
+
+def read_feature_file(path: str | os.PathLike) -> dict[str, RegionFeatures]:
+    """Every record of a feature file, loaded into memory."""
+    with FeatureFile(path) as f:
+        return dict(f.items())
+
+
+# --- LXMERT / bottom-up-attention obj36 TSV ---
+
+FIELDNAMES = ["img_id", "img_h", "img_w", "objects_id", "objects_conf",
+              "attrs_id", "attrs_conf", "num_boxes", "boxes", "features"]
+# TSV column -> (RegionFeatures field, dtype in the file, whether it is (num_boxes, k) rather than (num_boxes,))
+_TSV_ARRAYS = {
+    "objects_id": ("obj_ids", np.dtype("<i8"), False),
+    "objects_conf": ("obj_scores", np.dtype("<f4"), False),
+    "attrs_id": ("attr_ids", np.dtype("<i8"), False),
+    "attrs_conf": ("attr_scores", np.dtype("<f4"), False),
+    "boxes": ("boxes", np.dtype("<f4"), True),
+    "features": ("features", np.dtype("<f4"), True),
+}
+
+
+def _raise_csv_field_limit() -> None:
+    """A features field (36 x 2048 float32 in base64) is ~400 KB, far over csv's default 128 KB limit."""
+    limit = sys.maxsize
+    while True:
+        try:
+            csv.field_size_limit(limit)
+            return
+        except OverflowError:  # C long is 32-bit on some platforms
+            limit //= 2
+
+
+def encode_obj_row(image_id: str, features: RegionFeatures) -> dict[str, str]:
+    """One TSV row (FIELDNAMES -> text) with the real regions of `features`."""
+    if any(c in image_id for c in "\t\r\n"):
+        raise ValueError(f"img_id: {image_id!r} contains a tab or newline")
+    real = features.trimmed()
+    row = {"img_id": image_id, "img_h": str(real.image_hw[0]), "img_w": str(real.image_hw[1]),
+           "num_boxes": str(real.num_boxes)}
+    for column, (field, dtype, _) in _TSV_ARRAYS.items():
+        row[column] = base64.b64encode(getattr(real, field).astype(dtype).tobytes()).decode("ascii")
+    return row
+
+
+def decode_obj_row(row: Mapping[str, str | None]) -> tuple[str, RegionFeatures]:
+    """(img_id, RegionFeatures) from one TSV row; FeatureFormatError if it does not parse."""
+    try:
+        if row.get(None) or any(row.get(k) is None for k in FIELDNAMES):  # extra / missing columns
+            raise ValueError(f"expected {len(FIELDNAMES)} tab-separated columns")
+        num_boxes = int(row["num_boxes"])
+        arrays = {}
+        for column, (field, dtype, is_matrix) in _TSV_ARRAYS.items():
+            flat = np.frombuffer(base64.b64decode(row[column], validate=True), dtype=dtype)
+            if is_matrix:
+                width = 4 if column == "boxes" else (flat.size // num_boxes if num_boxes else 0)
+                arrays[field] = flat.reshape(num_boxes, width)
+            else:
+                arrays[field] = flat.reshape(num_boxes)
+        image_hw = (int(row["img_h"]), int(row["img_w"]))
+        return row["img_id"], RegionFeatures(**arrays, image_hw=image_hw, num_boxes=num_boxes)
+    except (ValueError, TypeError, binascii.Error) as e:
+        raise FeatureFormatError(f"obj36 TSV row {row.get('img_id')!r}: {e}") from None
+
+
+def write_obj_tsv(path: str | os.PathLike, items: Iterable[tuple[str, RegionFeatures]], append: bool = False) -> int:
+    """Write (img_id, features) pairs as obj36 TSV lines; returns how many were written."""
+    count = 0
+    with open(path, "a" if append else "w", newline="") as f:
+        writer = csv.DictWriter(f, FIELDNAMES, delimiter="\t", lineterminator="\n")
+        for image_id, features in items:
+            writer.writerow(encode_obj_row(image_id, features))
+            count += 1
+    return count
+
+
+def read_obj_tsv(path: str | os.PathLike, topk: int | None = None) -> Iterator[tuple[str, RegionFeatures]]:
+    """Yield (img_id, RegionFeatures) per line (the first `topk` lines if given); bad lines -> FeatureFormatError."""
+    _raise_csv_field_limit()
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f, FIELDNAMES, delimiter="\t")
+        for i, row in enumerate(reader):
+            if topk is not None and i >= topk:
+                return
+            try:
+                yield decode_obj_row(row)
+            except FeatureFormatError as e:
+                raise FeatureFormatError(f"{path} line {reader.line_num}: {e}") from None
