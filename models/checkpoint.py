@@ -53,6 +53,19 @@ def _check_labels(config: ModelConfig, labels: dict[str, Any]) -> None:
             raise CheckpointError(f"{LABELS}: head {task!r} has {len(names)} labels but num_labels={head.num_labels}")
 
 
+def write_manifest(out: Path, files: list[str], fields: dict[str, Any]) -> dict[str, Any]:
+    """manifest.json: format and code versions, the sha256 of every listed file, and the given fields."""
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "code_version": CODE_VERSION,
+        "torch_version": torch.__version__.split("+")[0],
+        **fields,
+        "files": {name: sha256_file(out / name) for name in files},
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
 def save_checkpoint(
     model: VLModel,
     out_dir: str | Path,
@@ -71,19 +84,13 @@ def save_checkpoint(
     save_file(state, str(out / WEIGHTS), metadata={"format_version": str(FORMAT_VERSION)})
     tokenizer.save(out)
     (out / LABELS).write_text(json.dumps(labels, indent=2))
-    files = [CONFIG, WEIGHTS, LABELS, *TOKENIZER_FILES]
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "code_version": CODE_VERSION,
-        "torch_version": torch.__version__.split("+")[0],
+    write_manifest(out, [CONFIG, WEIGHTS, LABELS, *TOKENIZER_FILES], {
         "preset": model.config.encoder.preset,
         "size": model.config.encoder.size,
         "visual_feat_dim": model.config.encoder.visual_feat_dim,
         "detector": detector or {},
-        "files": {name: sha256_file(out / name) for name in files},
         **(extra or {}),
-    }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    })
     return out
 
 

@@ -10,7 +10,7 @@ from .vl_model import VLModel
 # so its text side can start from that pretrained BERT; "tiny" is for tests.
 _SINGLE = {
     "base": dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072, visual_feat_dim=2048),
-    "small": dict(hidden_size=384, num_layers=6, num_heads=12, intermediate_size=1536, visual_feat_dim=1280),
+    "small": dict(hidden_size=384, num_layers=6, num_heads=12, intermediate_size=1536, visual_feat_dim=512),
     "tiny": dict(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, visual_feat_dim=16, max_position_embeddings=128),
 }
 _TWO_STREAM = {

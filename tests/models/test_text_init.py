@@ -33,7 +33,7 @@ def test_text_stream_reproduces_minilm(minilm):
     ids, mask, seg = (torch.tensor(enc[k]) for k in ("input_ids", "attention_mask", "token_type_ids"))
     with torch.no_grad():
         ref = minilm(input_ids=ids, attention_mask=mask, token_type_ids=seg)
-        out = model.encoder(ids, mask, seg, torch.zeros(2, 1, 1280), torch.zeros(2, 1, 4), torch.ones(2, 1))
+        out = model.encoder(ids, mask, seg, torch.zeros(2, 1, 512), torch.zeros(2, 1, 4), torch.ones(2, 1))
     real = mask.bool()
     assert torch.allclose(out.text[real], ref.last_hidden_state[real], atol=1e-5)
     assert torch.allclose(out.pooled, ref.pooler_output, atol=1e-5)

@@ -1,0 +1,51 @@
+"""Detector checkpoint directory (config.json, model.safetensors, labels.json, manifest.json) and fingerprint."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ..checkpoint import CONFIG, LABELS, WEIGHTS, CheckpointError, load_state_strict, verify_manifest, write_manifest
+from .config import DetectorConfig
+from .model import RegionDetector
+
+
+def fingerprint_of(manifest: dict) -> str:
+    """Detector identity for feature-cache keys: changes whenever its weights or config change."""
+    files = manifest["files"]
+    return hashlib.sha256(f"{files[CONFIG]}:{files[WEIGHTS]}".encode()).hexdigest()[:16]
+
+
+def save_detector(detector: RegionDetector, out_dir: str | Path, extra: dict | None = None) -> str:
+    """Write the detector directory; returns its fingerprint."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = detector.config
+    (out / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2))
+    state = {k: v.detach().cpu().contiguous() for k, v in detector.state_dict().items()}
+    save_file(state, str(out / WEIGHTS))
+    (out / LABELS).write_text(json.dumps({"objects": cfg.classes, "attributes": cfg.attributes}, indent=2))
+    manifest = write_manifest(out, [CONFIG, WEIGHTS, LABELS], {"kind": "detector", "feature_dim": cfg.feature_dim, **(extra or {})})
+    return fingerprint_of(manifest)
+
+
+def load_detector(path: str | Path, device: str = "cpu") -> tuple[RegionDetector, str]:
+    """Verify and load a detector directory -> (detector in eval mode, fingerprint)."""
+    path = Path(path)
+    manifest = verify_manifest(path)
+    if manifest.get("kind") != "detector":
+        raise CheckpointError(f"{path}: not a detector directory (manifest kind {manifest.get('kind')!r})")
+    try:
+        cfg = DetectorConfig.from_dict(json.loads((path / CONFIG).read_text()))
+    except (json.JSONDecodeError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"{path / CONFIG}: {exc}") from None
+    detector = RegionDetector(cfg, pretrained_backbone=False)
+    try:
+        state = load_file(str(path / WEIGHTS))
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path / WEIGHTS}: unreadable ({exc})") from None
+    load_state_strict(detector, state, path / WEIGHTS)
+    return detector.to(device).eval(), fingerprint_of(manifest)

@@ -1,0 +1,190 @@
+"""RegionDetector: torchvision Faster R-CNN parts on EfficientNet-Lite0 + FPN, with a box head that also returns
+the pooled region feature, object-class logits and attribute logits (as the Visual Genome bottom-up detector).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchvision.models.detection.anchor_utils import AnchorGenerator
+from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
+from torchvision.models.detection.image_list import ImageList
+from torchvision.models.detection.roi_heads import RoIHeads, fastrcnn_loss
+from torchvision.models.detection.rpn import RegionProposalNetwork, RPNHead
+from torchvision.ops import MultiScaleRoIAlign, box_iou, clip_boxes_to_image
+
+from ..region_features import RegionFeatures
+from .backbone import EfficientNetFPN
+from .config import DetectorConfig
+from .preprocess import Prepared, group_by_canvas, prepare_image
+from .select import choose_regions, detections, region_confidence
+
+
+@dataclass
+class HeadOutputs:
+    """Box-head outputs for one image's proposals, in resized-image coordinates."""
+
+    proposals: torch.Tensor  # (R, 4)
+    features: torch.Tensor  # (R, D)
+    class_logits: torch.Tensor  # (R, K+1), column 0 = background
+    box_regression: torch.Tensor  # (R, 4 (K+1))
+    attr_logits: torch.Tensor  # (R, A)
+    image_feature: torch.Tensor | None  # (D,)
+
+
+class RegionDetector(nn.Module):
+    def __init__(self, config: DetectorConfig, pretrained_backbone: bool = True):
+        super().__init__()
+        self.config = c = config
+        self.backbone = EfficientNetFPN(c.fpn_channels, c.trainable_blocks, pretrained_backbone)
+        anchors = AnchorGenerator(c.anchor_sizes, (c.aspect_ratios,) * len(c.anchor_sizes))
+        self.rpn = RegionProposalNetwork(
+            anchors, RPNHead(c.fpn_channels, anchors.num_anchors_per_location()[0]),
+            fg_iou_thresh=0.7, bg_iou_thresh=0.3, batch_size_per_image=256, positive_fraction=0.5,
+            pre_nms_top_n=dict(training=c.rpn_train_pre_nms_top_n, testing=c.rpn_pre_nms_top_n),
+            post_nms_top_n=dict(training=c.rpn_train_post_nms_top_n, testing=c.rpn_post_nms_top_n),
+            nms_thresh=c.rpn_nms_thresh,
+        )
+        num_classes = len(c.classes) + 1  # + background
+        self.roi_heads = RoIHeads(
+            MultiScaleRoIAlign(["0", "1", "2"], c.roi_size, sampling_ratio=2),
+            TwoMLPHead(c.fpn_channels * c.roi_size**2, c.feature_dim),
+            FastRCNNPredictor(c.feature_dim, num_classes),
+            fg_iou_thresh=0.5, bg_iou_thresh=0.5, batch_size_per_image=c.box_batch_size_per_image,
+            positive_fraction=0.25, bbox_reg_weights=None,
+            score_thresh=c.det_score_thresh, nms_thresh=c.det_nms_thresh, detections_per_img=100,
+        )
+        self.attr_score = nn.Linear(c.feature_dim, max(1, len(c.attributes)))
+
+    # ---- shared forward ----------------------------------------------------------------------------
+    def _box_head(self, feats, boxes: list[torch.Tensor], image_sizes) -> torch.Tensor:
+        pooled = self.roi_heads.box_roi_pool(feats, boxes, image_sizes)  # (R, C, roi, roi)
+        return self.roi_heads.box_head(pooled)  # (R, D)
+
+    def _heads(self, canvas: torch.Tensor, image_sizes: list[tuple[int, int]]) -> list[HeadOutputs]:
+        feats = self.backbone(canvas)
+        proposals, _ = self.rpn(ImageList(canvas, image_sizes), feats)
+        features = self._box_head(feats, proposals, image_sizes)
+        class_logits, box_regression = self.roi_heads.box_predictor(features)
+        attr_logits = self.attr_score(features)
+        whole = None
+        if self.config.image_feature:
+            whole_boxes = [canvas.new_tensor([[0.0, 0.0, w, h]]) for h, w in image_sizes]
+            whole = self._box_head(feats, whole_boxes, image_sizes)  # (B, D)
+        out, start = [], 0
+        for i, props in enumerate(proposals):
+            sl = slice(start, start + props.shape[0])
+            start += props.shape[0]
+            out.append(HeadOutputs(props, features[sl], class_logits[sl], box_regression[sl], attr_logits[sl],
+                                   None if whole is None else whole[i]))
+        return out
+
+    def _decode(self, head: HeadOutputs, resized_hw: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Class-specific boxes (R, K, 4) clipped to the resized image, and foreground scores (R, K)."""
+        boxes = self.roi_heads.box_coder.decode(head.box_regression, [head.proposals])  # (R, K+1, 4)
+        boxes = clip_boxes_to_image(boxes, resized_hw)
+        scores = F.softmax(head.class_logits, -1)
+        return boxes[:, 1:], scores[:, 1:]
+
+    def _run(self, images: list[np.ndarray], batch_size: int):
+        """Yield (index, Prepared, HeadOutputs) per image, batching images that share a canvas size."""
+        prepared = [prepare_image(im, self.config) for im in images]
+        device = next(self.parameters()).device
+        for _, idxs in group_by_canvas(prepared).items():
+            for s in range(0, len(idxs), batch_size):
+                chunk = idxs[s : s + batch_size]
+                canvas = torch.stack([prepared[i].tensor for i in chunk]).to(device)
+                heads = self._heads(canvas, [prepared[i].resized_hw for i in chunk])
+                for i, head in zip(chunk, heads):
+                    yield i, prepared[i], head
+
+    # ---- inference ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def extract(self, images: list[np.ndarray], batch_size: int = 8) -> list[RegionFeatures]:
+        """Region features per image (padded to config.max_regions); batched output equals per-image output."""
+        c = self.config
+        results: list[RegionFeatures | None] = [None] * len(images)
+        for i, prep, head in self._run(images, batch_size):
+            boxes, scores = self._decode(head, prep.resized_hw)
+            conf = region_confidence(boxes, scores, c.region_nms_thresh)
+            keep = choose_regions(conf, c.num_boxes, c.adaptive, c.min_boxes, c.max_boxes, c.conf_thresh)
+            obj_scores, obj_ids = scores[keep].max(-1)
+            chosen = boxes[keep, obj_ids] / prep.scale  # (k, 4) in original pixels
+            h, w = prep.original_hw
+            chosen = clip_boxes_to_image(chosen, (h, w))
+            attr = torch.sigmoid(head.attr_logits[keep])
+            attr_scores, attr_ids = attr.max(-1)
+            results[i] = RegionFeatures(
+                boxes=chosen.float().cpu().numpy(),
+                features=head.features[keep].float().cpu().numpy(),
+                obj_ids=obj_ids.cpu().numpy().astype(np.int64),
+                obj_scores=obj_scores.float().cpu().numpy(),
+                attr_ids=attr_ids.cpu().numpy().astype(np.int64),
+                attr_scores=attr_scores.float().cpu().numpy(),
+                image_hw=(h, w),
+                num_boxes=int(keep.shape[0]),
+                image_feature=None if head.image_feature is None else head.image_feature.float().cpu().numpy(),
+            ).pad_to(c.max_regions)
+        return results  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def detect(self, images: list[np.ndarray], batch_size: int = 8) -> list[dict[str, torch.Tensor]]:
+        """Standard detections (boxes in original pixels, scores, 0-based labels) for mAP evaluation."""
+        c = self.config
+        results: list[dict | None] = [None] * len(images)
+        for i, prep, head in self._run(images, batch_size):
+            boxes, scores = self._decode(head, prep.resized_hw)
+            b, s, lab = detections(boxes, scores, c.det_score_thresh, c.det_nms_thresh)
+            results[i] = {"boxes": clip_boxes_to_image(b / prep.scale, prep.original_hw), "scores": s, "labels": lab}
+        return results  # type: ignore[return-value]
+
+    # ---- training ----------------------------------------------------------------------------------
+    def losses(self, images: list[np.ndarray], targets: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Training losses. targets: boxes (M, 4) original pixels, labels (M,) 0-based, attributes (M, A) multi-hot."""
+        prepared = [prepare_image(im, self.config) for im in images]
+        device = next(self.parameters()).device
+        canvas = pad_stack([p.tensor for p in prepared]).to(device)
+        sizes = [p.resized_hw for p in prepared]
+        scaled = [scale_target(t, p, device) for t, p in zip(targets, prepared)]
+        feats = self.backbone(canvas)
+        proposals, rpn_losses = self.rpn(ImageList(canvas, sizes), feats, scaled)
+        proposals, matched, labels, reg_targets = self.roi_heads.select_training_samples(proposals, scaled)
+        features = self._box_head(feats, proposals, sizes)
+        class_logits, box_regression = self.roi_heads.box_predictor(features)
+        loss_cls, loss_box = fastrcnn_loss(class_logits, box_regression, labels, reg_targets)
+        attr_logits = self.attr_score(features)
+        fg = torch.cat(labels) > 0
+        attr_targets = torch.cat([t["attributes"][m] for t, m in zip(scaled, matched)])  # (R, A)
+        if fg.any() and self.config.attributes:
+            loss_attr = F.binary_cross_entropy_with_logits(attr_logits[fg], attr_targets[fg])
+        else:
+            loss_attr = attr_logits.sum() * 0.0
+        return {**rpn_losses, "loss_classifier": loss_cls, "loss_box_reg": loss_box, "loss_attributes": loss_attr}
+
+
+def pad_stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Stack (3, H, W) canvases, zero-padding to the largest (training only: features need not match alone)."""
+    h = max(t.shape[1] for t in tensors)
+    w = max(t.shape[2] for t in tensors)
+    return torch.stack([F.pad(t, (0, w - t.shape[2], 0, h - t.shape[1])) for t in tensors])
+
+
+def scale_target(target: dict[str, torch.Tensor], prep: Prepared, device) -> dict[str, torch.Tensor]:
+    """Boxes to resized-image pixels, labels to 1-based (0 = background), attributes as float."""
+    return {
+        "boxes": (target["boxes"].float() * prep.scale).to(device),
+        "labels": (target["labels"].long() + 1).to(device),
+        "attributes": target["attributes"].float().to(device),
+    }
+
+
+def box_recall(pred: torch.Tensor, gold: torch.Tensor, thresh: float = 0.5) -> float:
+    """Fraction of gold boxes matched by some predicted box with IoU >= thresh."""
+    if gold.numel() == 0:
+        return 1.0
+    if pred.numel() == 0:
+        return 0.0
+    return float((box_iou(gold, pred).max(dim=1).values >= thresh).float().mean())
