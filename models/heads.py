@@ -37,6 +37,14 @@ def soft_target_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> to
     return nll[valid].mean()
 
 
+def masked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over (..., C) logits at positions whose label is not -100; 0 (not NaN) when none is."""
+    labels = labels.flatten()
+    if not (labels != -100).any():
+        return logits.sum() * 0.0
+    return F.cross_entropy(logits.flatten(0, -2), labels, ignore_index=-100)
+
+
 def vqa_soft_score_loss(logits: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """Multi-label BCE on VQA soft scores, scaled by the answer count (bottom-up attention / LXMERT)."""
     return F.binary_cross_entropy_with_logits(logits, scores) * scores.shape[-1]
@@ -217,18 +225,21 @@ class MaskedLMHead(Head):
     def __init__(self, head: HeadConfig, enc: EncoderConfig, word_embeddings: nn.Embedding):
         super().__init__(head, enc)
         width = enc.image_width if head.kind == "tag" else enc.hidden_size
-        if width != word_embeddings.embedding_dim:
-            raise ValueError(f"head {head.kind} needs the image width to equal the word embedding width")
         self.transform = Transform(width, enc.layer_norm_eps)
+        # ViLBERT's image stream is wider than the word table: project onto it before the tied decoder
+        dim = word_embeddings.embedding_dim
+        self.project = nn.Linear(width, dim) if width != dim else None
         self.bias = nn.Parameter(torch.zeros(enc.vocab_size))
         self._tied = [word_embeddings]  # a list, so the tied weight is not registered (saved) twice
 
     def forward(self, enc: EncoderOutput, inputs: VLInputs) -> torch.Tensor:
-        h = enc.image if self.head.kind == "tag" else enc.text
-        return F.linear(self.transform(h), self._tied[0].weight, self.bias)  # (B, L, V)
+        h = self.transform(enc.image if self.head.kind == "tag" else enc.text)
+        if self.project is not None:
+            h = self.project(h)
+        return F.linear(h, self._tied[0].weight, self.bias)  # (B, L, V)
 
     def loss(self, logits, labels, inputs):
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return masked_cross_entropy(logits, labels)
 
 
 class RegionFeatureHead(Head):
@@ -266,7 +277,7 @@ class RegionClassHead(Head):
 
     def loss(self, logits, labels, inputs):
         if self.head.mrc_loss == "ce":
-            return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+            return masked_cross_entropy(logits, labels)
         rows = labels.sum(-1) > 0
         if not rows.any():
             return logits.sum() * 0.0

@@ -1,0 +1,168 @@
+"""Head losses against hand-computed values, and what each head promises beyond shapes (see test_presets.py)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from models import PRESETS
+from models.heads import NEG, soft_target_cross_entropy, vqa_soft_score_loss
+
+
+def test_soft_target_cross_entropy_by_hand():
+    uniform = torch.zeros(1, 3)
+    # two positives out of three equally likely classes: -(.5 ln 1/3 + .5 ln 1/3) = ln 3
+    assert soft_target_cross_entropy(uniform, torch.tensor([[1.0, 1.0, 0.0]])).item() == pytest.approx(math.log(3))
+    # softmax(ln 1, ln 2, ln 1) = (.25, .5, .25); targets are normalised, so 2 on the middle class is one-hot
+    logits = torch.tensor([[0.0, math.log(2), 0.0]])
+    assert soft_target_cross_entropy(logits, torch.tensor([[0.0, 2.0, 0.0]])).item() == pytest.approx(math.log(2))
+    assert soft_target_cross_entropy(logits, torch.tensor([[1.0, 0.0, 1.0]])).item() == pytest.approx(math.log(4))
+
+
+def test_soft_target_cross_entropy_skips_rows_without_a_positive():
+    logits = torch.tensor([[0.0, math.log(2), 0.0], [5.0, -3.0, 1.0]])
+    targets = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    assert soft_target_cross_entropy(logits, targets).item() == pytest.approx(math.log(2))
+    logits.requires_grad_(True)
+    none = soft_target_cross_entropy(logits, torch.zeros(2, 3))
+    none.backward()
+    assert none.item() == 0.0 and not logits.grad.any()  # zero, not NaN, and still differentiable
+
+
+def test_vqa_soft_score_loss_by_hand():
+    # BCE averaged over B x A entries, times A answers: the sum over answers, averaged over the batch
+    assert vqa_soft_score_loss(torch.zeros(1, 2), torch.tensor([[1.0, 0.0]])).item() == pytest.approx(2 * math.log(2))
+    sig = 1 / (1 + math.exp(-2.0))
+    first = -(0.6 * math.log(sig) + 0.4 * math.log(1 - sig))  # logit 2, soft score .6
+    second = -math.log(1 - 1 / (1 + math.exp(1.0)))  # logit -1, score 0
+    got = vqa_soft_score_loss(torch.tensor([[2.0, -1.0]]), torch.tensor([[0.6, 0.0]]))
+    assert got.item() == pytest.approx(first + second, rel=1e-6)
+    batch = vqa_soft_score_loss(torch.tensor([[2.0, -1.0], [0.0, 0.0]]), torch.tensor([[0.6, 0.0], [1.0, 0.0]]))
+    assert batch.item() == pytest.approx((first + second + 2 * math.log(2)) / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["mlm", "tag", "mrc", "mrfr"])
+def test_nothing_masked_is_zero_loss_not_nan(kind, make_model, make_batch, make_labels):
+    model = make_model("u-visualbert", kind)
+    inputs = make_batch(model.config.encoder)
+    labels = make_labels(model.config.heads[kind], model.config.encoder, inputs)
+    if kind == "mrfr":
+        labels["mask"].zero_()
+    else:
+        labels.fill_(-100)
+    loss = model(inputs, kind, labels=labels).loss
+    loss.backward()
+    assert loss.item() == 0.0
+
+
+@pytest.mark.parametrize(
+    "kind,options",
+    [("vqa", dict(pool="answer_slot")), ("vqa", dict(classifier="linear")), ("nlvr2", dict(nlvr2_mode="joint")),
+     ("nlvr2", dict(classifier="linear")), ("mrc", dict(mrc_loss="kl"))],
+    ids=["vqa-answer-slot", "vqa-linear", "nlvr2-joint", "nlvr2-linear", "mrc-kl"],
+)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_head_options_on_every_preset(preset, kind, options, make_model, make_batch, make_labels):
+    model = make_model(preset, kind, options=options)
+    inputs = make_batch(model.config.encoder, head=kind)
+    head = model.config.heads[kind]
+    out = model(inputs, kind, labels=make_labels(head, model.config.encoder, inputs))
+    regions = inputs.region_mask.shape[-1]
+    assert out.logits.shape == {"vqa": (2, head.num_labels), "nlvr2": (2, 2), "mrc": (2, regions, head.num_labels)}[kind]
+    assert torch.isfinite(out.loss)
+    out.loss.backward()
+    assert model.encoder.embeddings.word_embeddings.weight.grad.abs().sum() > 0
+
+
+def test_refer_ignores_padded_regions(make_model, make_batch):
+    model = make_model("visualbert", "refer").eval()
+    inputs = make_batch(model.config.encoder)
+    pad = inputs.region_mask == 0
+    assert pad.any()
+    out = model(inputs, "refer")
+    assert (out.logits[pad] == NEG).all() and (out.logits[~pad] > NEG).all()
+    gold = torch.zeros_like(out.logits)
+    gold[:, 0] = 1.0
+    with_padding_marked = gold + pad.float()  # a target on a padded region must not count
+    torch.testing.assert_close(model(inputs, "refer", labels=with_padding_marked).loss, model(inputs, "refer", labels=gold).loss)
+
+
+def test_grounding_ignores_absent_phrases(make_model, make_batch, make_labels):
+    model = make_model("visualbert", "grounding").eval()
+    inputs = make_batch(model.config.encoder)
+    assert (inputs.phrase_index == -1).any()
+    labels = make_labels(model.config.heads["grounding"], model.config.encoder, inputs)
+    with torch.no_grad():
+        out = model(inputs, "grounding", labels=labels)
+        present = inputs.phrase_index >= 0  # (B, P)
+        expected = soft_target_cross_entropy(out.logits[present], labels[present])
+        assert out.logits.masked_select(inputs.region_mask[:, None, :] == 0).eq(NEG).all()
+    torch.testing.assert_close(out.loss, expected)
+
+
+def test_multiple_choice_is_permutation_equivariant(make_model, make_batch):
+    model = make_model("lxmert", "multiple_choice").eval()
+    inputs = make_batch(model.config.encoder, head="multiple_choice")
+    order = torch.tensor([2, 0, 1])
+    permuted = inputs.replace(input_ids=inputs.input_ids[:, order], attention_mask=inputs.attention_mask[:, order],
+                              token_type_ids=inputs.token_type_ids[:, order])
+    with torch.no_grad():
+        logits, logits_permuted = model(inputs, "multiple_choice").logits, model(permuted, "multiple_choice").logits
+    torch.testing.assert_close(logits_permuted, logits[:, order], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("preset", ["vilbert", "vl-bert"])
+def test_nlvr2_pair_is_two_passes_left_then_right(preset, make_model, make_batch):
+    model = make_model(preset, "nlvr2").eval()
+    inputs = make_batch(model.config.encoder, head="nlvr2", image_feature=True)
+
+    def image(i: int):
+        return inputs.replace(region_features=inputs.region_features[:, i], region_boxes=inputs.region_boxes[:, i],
+                              region_mask=inputs.region_mask[:, i], tag_ids=inputs.tag_ids[:, i],
+                              image_feature=inputs.image_feature[:, i])
+
+    with torch.no_grad():
+        left, right = model.forward_features(image(0)).pooled, model.forward_features(image(1)).pooled
+        expected = model.heads["nlvr2"].cls(torch.cat([left, right], dim=-1))
+        torch.testing.assert_close(model(inputs, "nlvr2").logits, expected, atol=1e-5, rtol=0)
+        swapped = model.heads["nlvr2"].cls(torch.cat([right, left], dim=-1))
+    assert not torch.allclose(swapped, expected)
+
+
+def test_vqa_answer_slot_reads_the_token_before_the_last_sep(make_model, make_batch):
+    model = make_model("vl-bert", "vqa", options=dict(pool="answer_slot")).eval()
+    inputs = make_batch(model.config.encoder)
+    slot = inputs.attention_mask.sum(1) - 2  # rows have different lengths
+    assert slot.unique().numel() > 1
+    with torch.no_grad():
+        text = model.forward_features(inputs).text
+        expected = model.heads["vqa"].cls(text[torch.arange(2), slot])
+        torch.testing.assert_close(model(inputs, "vqa").logits, expected, atol=1e-6, rtol=0)
+
+
+def test_masked_lm_decoder_is_the_word_table(make_model, make_batch):
+    model = make_model("visualbert", "mlm", "tag").eval()
+    assert not any("decoder" in k for k in model.state_dict() if k.startswith("heads."))  # stored once, as the embedding
+    inputs = make_batch(model.config.encoder)
+    with torch.no_grad():
+        before = model(inputs, "tag").logits
+        model.encoder.embeddings.word_embeddings.weight[5000] += 1.0  # a word no input uses
+        after = model(inputs, "tag").logits
+    changed = (after - before).abs().amax(dim=(0, 1)) > 0
+    assert changed[5000] and changed.sum() == 1
+
+
+def test_tag_head_on_a_wider_image_stream(make_model, make_batch):
+    """ViLBERT's image stream (48 wide at tiny) is projected onto the 32-wide word table before decoding."""
+    model = make_model("vilbert", "tag")
+    enc = model.config.encoder
+    assert enc.image_width != enc.hidden_size
+    logits = model(make_batch(enc), "tag").logits
+    assert logits.shape == (2, make_batch(enc).region_mask.shape[1], enc.vocab_size)
+
+
+def test_unknown_task_names_the_heads(make_model, make_batch):
+    model = make_model("visualbert", "vqa", "itm")
+    with pytest.raises(KeyError, match="vqa, itm"):
+        model(make_batch(model.config.encoder), "refer")
