@@ -1,0 +1,1 @@
+"""vlserve training: datasets, objectives, loops, metrics and analysis."""

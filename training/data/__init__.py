@@ -1,0 +1,1 @@
+"""Datasets: the synthetic shapes world, its task annotations and on-disk cache."""
