@@ -6,6 +6,7 @@ import typer
 from vlserve import __version__
 from vlserve.commands.import_cmd import app as import_app
 from vlserve.commands.info import info
+from vlserve.commands.train import app as train_app
 
 app = typer.Typer(
     help="vlserve: serve VisualBERT, VL-BERT, ViLBERT, LXMERT and U-VisualBERT models.",
@@ -15,6 +16,7 @@ app = typer.Typer(
 )
 app.add_typer(import_app, name="import", help="Convert public checkpoints (transformers' VisualBERT, LXMERT) into vlserve checkpoint directories.")
 app.command("info")(info)
+app.add_typer(train_app, name="train")
 
 
 @app.command("serve")

@@ -35,7 +35,7 @@ def prepare_image(image: np.ndarray, cfg: DetectorConfig) -> Prepared:
     h, w = image.shape[:2]
     scale = resize_scale(h, w, cfg.min_size, cfg.max_size)
     rh, rw = max(1, round(h * scale)), max(1, round(w * scale))
-    x = torch.from_numpy(image).permute(2, 0, 1).float().div_(255.0)  # (3, H, W)
+    x = torch.from_numpy(image if image.flags.writeable else image.copy()).permute(2, 0, 1).float().div_(255.0)  # (3, H, W)
     if (rh, rw) != (h, w):
         x = F.interpolate(x[None], size=(rh, rw), mode="bilinear", align_corners=False, antialias=scale < 1)[0]
     mean = torch.tensor(cfg.mean).view(3, 1, 1)
