@@ -5,6 +5,7 @@ import typer
 
 from vlserve import __version__
 from vlserve.commands.import_cmd import app as import_app
+from vlserve.commands.extract import extract
 from vlserve.commands.info import info
 from vlserve.commands.train import app as train_app
 
@@ -16,6 +17,7 @@ app = typer.Typer(
 )
 app.add_typer(import_app, name="import", help="Convert public checkpoints (transformers' VisualBERT, LXMERT) into vlserve checkpoint directories.")
 app.command("info")(info)
+app.command("extract")(extract)
 app.add_typer(train_app, name="train")
 
 

@@ -109,9 +109,9 @@ class RegionDetector(nn.Module):
         results: list[RegionFeatures | None] = [None] * len(images)
         for i, prep, head in self._run(images, batch_size):
             boxes, scores = self._decode(head, prep.resized_hw)
-            conf = region_confidence(boxes, scores, c.region_nms_thresh)
+            conf, cls = region_confidence(boxes, scores, c.region_nms_thresh)
             keep = choose_regions(conf, c.num_boxes, c.adaptive, c.min_boxes, c.max_boxes, c.conf_thresh)
-            obj_scores, obj_ids = scores[keep].max(-1)
+            obj_scores, obj_ids = conf[keep], cls[keep]  # most confident first
             chosen = boxes[keep, obj_ids] / prep.scale  # (k, 4) in original pixels
             h, w = prep.original_hw
             chosen = clip_boxes_to_image(chosen, (h, w))

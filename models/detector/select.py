@@ -5,17 +5,20 @@ import torch
 from torchvision.ops import batched_nms, nms
 
 
-def region_confidence(boxes: torch.Tensor, scores: torch.Tensor, nms_thresh: float) -> torch.Tensor:
-    """Per proposal, its best class score among the classes for which it survives per-class NMS.
+def region_confidence(boxes: torch.Tensor, scores: torch.Tensor, nms_thresh: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per proposal, its best class score among the classes for which it survives per-class NMS, and that class.
 
-    boxes (R, K, 4) class-specific boxes, scores (R, K) foreground class probabilities -> (R,).
+    boxes (R, K, 4) class-specific boxes, scores (R, K) foreground class probabilities -> (R,), (R,).
     A proposal suppressed for every class gets 0, so duplicates of one object rank last.
     """
     conf = torch.zeros(scores.shape[0], dtype=scores.dtype, device=scores.device)
+    cls = scores.argmax(-1)
     for k in range(scores.shape[1]):
         keep = nms(boxes[:, k], scores[:, k], nms_thresh)
-        conf[keep] = torch.maximum(conf[keep], scores[keep, k])
-    return conf
+        better = scores[keep, k] > conf[keep]
+        conf[keep[better]] = scores[keep[better], k]
+        cls[keep[better]] = k
+    return conf, cls
 
 
 def choose_regions(conf: torch.Tensor, num_boxes: int, adaptive: bool, min_boxes: int, max_boxes: int, thresh: float) -> torch.Tensor:

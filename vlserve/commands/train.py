@@ -15,7 +15,7 @@ def detector(
     out: Annotated[Path, typer.Option(help="checkpoint directory to write")],
     steps: Annotated[int, typer.Option(min=1, help="optimizer steps")] = 1200,
     batch_size: Annotated[int, typer.Option(min=1, help="images per step")] = 8,
-    lr: Annotated[float, typer.Option(min=0.0, help="peak SGD learning rate")] = 0.02,
+    lr: Annotated[float, typer.Option(min=0.0, help="peak SGD learning rate")] = 0.01,
     eval_every: Annotated[int, typer.Option(min=1, help="steps between val mAP evaluations")] = 400,
     train_scenes: Annotated[int, typer.Option(min=1, help="shapes-world training scenes")] = 20_000,
     val_scenes: Annotated[int, typer.Option(min=1, help="shapes-world validation scenes")] = 2_000,

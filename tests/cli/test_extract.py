@@ -1,0 +1,87 @@
+"""`vlserve extract`: folders of images to feature files, bad files reported and skipped, resume, TSV output."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+from models.detector import DetectorConfig, RegionDetector
+from models.detector.io import save_detector
+from models.feature_files import FeatureFile, read_obj_tsv
+from vlserve.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def detector_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = DetectorConfig(classes=["circle", "square"], attributes=["red"], min_size=64, max_size=128,
+                         rpn_pre_nms_top_n=100, rpn_post_nms_top_n=30, num_boxes=8)
+    path = tmp_path_factory.mktemp("det") / "detector"
+    save_detector(RegionDetector(cfg), path)
+    return path
+
+
+@pytest.fixture
+def folder(tmp_path):
+    d = tmp_path / "images"
+    (d / "sub").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name, size in [("a.png", (64, 64)), ("b.jpg", (48, 80)), ("sub/c.png", (90, 60))]:
+        Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)).save(d / name)
+    (d / "empty.png").write_bytes(b"")
+    (d / "notes.png").write_bytes(b"not an image at all")
+    (d / "readme.txt").write_text("ignored: not an image suffix")
+    return d
+
+
+def run(*args):
+    return runner.invoke(app, ["extract", *map(str, args)])
+
+
+def test_folder_to_feature_file_reports_bad_files(detector_dir, folder, tmp_path):
+    out = tmp_path / "feats.vlfeat"
+    result = run(folder, "--detector", detector_dir, "--out", out, "--batch-size", "2")
+    assert result.exit_code == 1, result.output
+    assert "skipped" in result.stderr and "empty.png" in result.stderr and "notes.png" in result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["written"] == 3 and summary["failed"] == 2
+    with FeatureFile(out) as f:
+        assert sorted(f) == ["a", "b", "c"]
+        assert f["b"].image_hw == (48, 80) and f["b"].boxes.shape == (8, 4)
+        assert f.meta["detector"] == summary["detector"]
+
+
+def test_resume_skips_what_is_done(detector_dir, folder, tmp_path):
+    out = tmp_path / "feats.vlfeat"
+    run(folder / "a.png", "--detector", detector_dir, "--out", out)
+    result = run(folder / "a.png", folder / "b.jpg", "--detector", detector_dir, "--out", out)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary == {**summary, "written": 1, "already_done": 1, "failed": 0}
+
+
+def test_tsv_output_matches_the_feature_file(detector_dir, folder, tmp_path):
+    run(folder / "a.png", folder / "sub", "--detector", detector_dir, "--out", tmp_path / "f.vlfeat")
+    result = run(folder / "a.png", folder / "sub", "--detector", detector_dir, "--out", tmp_path / "f.tsv", "--format", "tsv")
+    assert result.exit_code == 0, result.output
+    rows = dict(read_obj_tsv(tmp_path / "f.tsv"))
+    with FeatureFile(tmp_path / "f.vlfeat") as f:
+        assert sorted(rows) == sorted(f) == ["a", "c"]
+        for key, rf in rows.items():
+            n = rf.num_boxes
+            assert n == f[key].num_boxes
+            np.testing.assert_allclose(rf.boxes, f[key].boxes[:n])
+            np.testing.assert_allclose(rf.features[:n], f[key].features[:n].astype(np.float32), atol=2e-2)  # fp16 at rest
+
+
+def test_usage_errors_exit_2(detector_dir, folder, tmp_path):
+    assert run(folder, "--detector", tmp_path / "nope", "--out", tmp_path / "x").exit_code == 2
+    assert run(tmp_path / "missing", "--detector", detector_dir, "--out", tmp_path / "x").exit_code == 2
+    assert run(folder, "--detector", detector_dir, "--out", tmp_path / "x", "--format", "csv").exit_code == 2
+    (folder / "sub" / "a.png").write_bytes((folder / "a.png").read_bytes())
+    dup = run(folder, "--detector", detector_dir, "--out", tmp_path / "x")
+    assert dup.exit_code == 2 and "share the id 'a'" in dup.stderr

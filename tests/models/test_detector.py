@@ -1,0 +1,125 @@
+"""Region detector: output contract, batched = per-image extraction, training lowers the loss, checkpoints."""
+import numpy as np
+import pytest
+import torch
+
+from models.checkpoint import CheckpointError
+from models.detector import DetectorConfig, RegionDetector
+from models.detector.io import load_detector, save_detector
+from models.detector.select import choose_regions, region_confidence
+
+CLASSES, ATTRS = ["circle", "rectangle", "triangle"], ["red", "blue", "small", "large"]
+
+
+def small_config(**kw) -> DetectorConfig:
+    """Small images and few proposals keep the tests fast; the architecture is the real one."""
+    base = dict(classes=CLASSES, attributes=ATTRS, min_size=64, max_size=160, rpn_pre_nms_top_n=200,
+                rpn_post_nms_top_n=60, num_boxes=12)
+    return DetectorConfig(**{**base, **kw})
+
+
+def scene(h: int, w: int, seed: int) -> tuple[np.ndarray, dict]:
+    """A pale image with two filled rectangles, and its targets."""
+    rng = np.random.default_rng(seed)
+    img = np.full((h, w, 3), 240, np.uint8)
+    boxes = []
+    for k in range(2):
+        bw, bh = int(rng.integers(w // 6, w // 3)), int(rng.integers(h // 6, h // 3))
+        x, y = int(rng.integers(0, w - bw)), int(rng.integers(0, h - bh))
+        img[y : y + bh, x : x + bw] = (200, 30, 30) if k == 0 else (30, 30, 200)
+        boxes.append([x, y, x + bw, y + bh])
+    target = {"boxes": torch.tensor(boxes, dtype=torch.float32), "labels": torch.tensor([1, 1]),
+              "attributes": torch.tensor([[1.0, 0, 0, 1], [0, 1, 0, 1]])}
+    return img, target
+
+
+@pytest.fixture(scope="module")
+def detector():
+    torch.manual_seed(0)
+    return RegionDetector(small_config()).eval()
+
+
+IMAGES = [scene(64, 64, 0)[0], scene(100, 150, 1)[0], scene(64, 64, 2)[0], scene(77, 41, 3)[0], scene(200, 120, 4)[0]]
+
+
+def test_output_contract(detector):
+    for img, rf in zip(IMAGES, detector.extract(IMAGES)):
+        h, w = img.shape[:2]
+        n = rf.num_boxes
+        assert rf.boxes.shape == (12, 4) and rf.features.shape == (12, 512) and rf.image_hw == (h, w)
+        assert 0 < n <= 12
+        assert rf.image_feature.shape == (512,)
+        real = rf.boxes[:n]
+        assert (real[:, 0] >= 0).all() and (real[:, 1] >= 0).all() and (real[:, 2] <= w).all() and (real[:, 3] <= h).all()
+        assert (real[:, 2] >= real[:, 0]).all() and (real[:, 3] >= real[:, 1]).all()
+        assert np.all(np.diff(rf.obj_scores[:n]) <= 0), "regions come most confident first"
+        assert ((rf.obj_ids[:n] >= 0) & (rf.obj_ids[:n] < len(CLASSES))).all()
+        assert ((rf.attr_ids[:n] >= 0) & (rf.attr_ids[:n] < len(ATTRS))).all()
+        assert (rf.obj_ids[n:] == -1).all() and not rf.features[n:].any() and not rf.boxes[n:].any()
+        assert rf.region_mask().sum() == n
+
+
+def test_batched_equals_per_image_on_mixed_sizes(detector):
+    batched = detector.extract(IMAGES, batch_size=4)
+    for img, b in zip(IMAGES, batched):
+        alone = detector.extract([img])[0]
+        assert alone.num_boxes == b.num_boxes
+        np.testing.assert_allclose(b.features.astype(np.float32), alone.features.astype(np.float32), atol=1e-4)
+        np.testing.assert_allclose(b.boxes, alone.boxes, atol=1e-3)
+        np.testing.assert_array_equal(b.obj_ids, alone.obj_ids)
+
+
+def test_adaptive_mode_keeps_between_min_and_max():
+    torch.manual_seed(0)
+    det = RegionDetector(small_config(adaptive=True, min_boxes=3, max_boxes=20, conf_thresh=0.5)).eval()
+    for rf in det.extract(IMAGES[:2]):
+        assert rf.boxes.shape[0] == 20 and 3 <= rf.num_boxes <= 20
+
+
+def test_region_selection_functions():
+    boxes = torch.tensor([[[0, 0, 10, 10.0]], [[0, 0, 10, 9.0]], [[20, 20, 30, 30.0]]])  # (R=3, K=1, 4)
+    scores = torch.tensor([[0.9], [0.8], [0.3]])
+    conf, cls = region_confidence(boxes, scores, 0.3)
+    assert conf.tolist() == pytest.approx([0.9, 0.0, 0.3])  # the duplicate is suppressed
+    assert cls.tolist() == [0, 0, 0]
+    assert choose_regions(conf, 2, False, 1, 5, 0.5).tolist() == [0, 2]
+    assert choose_regions(conf, 2, True, 1, 5, 0.5).tolist() == [0]  # only one above 0.5
+    assert choose_regions(conf, 2, True, 2, 5, 0.95).tolist() == [0, 2]  # at least min_boxes
+
+
+def test_a_few_training_steps_lower_the_loss():
+    torch.manual_seed(0)
+    det = RegionDetector(small_config())
+    batch = [scene(64, 64, s) for s in range(4)]
+    images, targets = [b[0] for b in batch], [b[1] for b in batch]
+    opt = torch.optim.SGD([p for p in det.parameters() if p.requires_grad], lr=0.005, momentum=0.9)
+    det.train()
+    losses = []
+    for _ in range(8):
+        loss = sum(det.losses(images, targets).values())
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(det.parameters(), 10.0)
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_save_load_and_tampering(detector, tmp_path):
+    fp = save_detector(detector, tmp_path / "det")
+    loaded, fp2 = load_detector(tmp_path / "det")
+    assert fp == fp2 and len(fp) == 16
+    a, b = detector.extract(IMAGES[:1])[0], loaded.extract(IMAGES[:1])[0]
+    np.testing.assert_array_equal(a.features, b.features)
+    with open(tmp_path / "det" / "model.safetensors", "r+b") as f:
+        f.seek(-8, 2)
+        f.write(b"\x00" * 8)
+    with pytest.raises(CheckpointError, match="model.safetensors does not match its sha256"):
+        load_detector(tmp_path / "det")
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="at least one object class"):
+        DetectorConfig(classes=[])
+    with pytest.raises(ValueError, match="unknown keys: colour"):
+        DetectorConfig.from_dict({"classes": ["a"], "colour": 1})
