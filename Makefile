@@ -6,7 +6,9 @@ CACHE ?= $(HOME)/.cache/vlserve
 .PHONY: install test serve bench clean
 
 # torch first (pins read from pyproject.toml), so no dependency pulls another torch build.
+# redis-server comes from Debian: the tests start their own on a free loopback port.
 install:
+	command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
 	$(PIP) install -q $$($(PYTHON) scripts/pins.py torch torchvision)
 	$(PIP) install -q --no-deps $$($(PYTHON) scripts/pins.py --no-deps)
 	$(PIP) install -q -e ".[test]"
