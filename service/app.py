@@ -1,0 +1,195 @@
+"""`create_app(settings)`: the FastAPI app. Models load in the lifespan; /readyz turns 200 after warm-up.
+
+Start-up: detector and encoder checkpoint (refused when the checkpoint expects another detector) ->
+feature store -> RegionService -> runtime -> one Batcher per served task -> warm-up -> ready.
+Shutdown (SIGTERM via uvicorn, which first stops accepting and lets in-flight requests finish): not ready ->
+batchers drained -> detector drained -> feature store (Redis) closed -> runtime closed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from models.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from models.detector import RegionDetector
+from models.detector.io import load_detector
+
+from .batcher import Batcher, BatcherConfig
+from .errors import PROBLEM_JSON, install_error_handlers
+from .feature_store import create_store
+from .metrics import Metrics, MetricsMiddleware
+from .pipeline import Limits, Pipeline, batch_fn, task_specs
+from .regions import RegionService
+from .routes import ROUTERS
+from .routes.common import Services
+from .runtime import create_runtime
+from .schemas import ModelInfo
+from .security import PUBLIC_PATHS, APIKeyMiddleware, BodyLimitMiddleware
+from .settings import Settings
+
+log = logging.getLogger("vlserve.app")
+
+DEMO_MISSING = (
+    "no model to serve: set VLSERVE_MODEL_DIR and VLSERVE_DETECTOR_DIR (or --model-dir / --detector-dir). "
+    "The built-in demo model does not exist yet (a later issue builds it with `make zoo`)."
+)
+DESCRIPTION = """Vision-and-language inference: VQA, referring expressions, image-text retrieval and NLVR2.
+
+Send images inline (`image`: base64) or register them once with `POST /images` and then refer to them by
+`image_id` (sha256 of the bytes). Add `?timings=true` to any task request for per-stage timings (ms).
+Errors are RFC 9457 problem details (`application/problem+json`). When API keys are configured every route
+but /healthz and /readyz needs the header `X-API-Key`.
+"""
+
+
+class StartupError(RuntimeError):
+    """The service cannot start with these settings; the message says why in one line."""
+
+
+@dataclass
+class Loaded:
+    detector: RegionDetector
+    fingerprint: str
+    checkpoint: Checkpoint
+
+
+def load_models(settings: Settings) -> Loaded:
+    """Detector and encoder checkpoint, checked against each other."""
+    try:
+        detector, fingerprint = load_detector(settings.detector_dir, device=settings.device)
+        checkpoint = load_checkpoint(settings.model_dir)
+    except (CheckpointError, FileNotFoundError) as exc:
+        raise StartupError(str(exc)) from None
+    expected = (checkpoint.manifest.get("detector") or {}).get("fingerprint")
+    if expected and expected != fingerprint:
+        raise StartupError(
+            f"{settings.model_dir} was trained on region features of detector {expected}, but {settings.detector_dir} "
+            f"is detector {fingerprint}; serve the checkpoint with the detector it expects")
+    want, have = checkpoint.model.config.encoder.visual_feat_dim, detector.config.feature_dim
+    if want != have:
+        raise StartupError(f"{settings.model_dir} reads {want}-d region features but the detector gives {have}-d")
+    return Loaded(detector, fingerprint, checkpoint)
+
+
+def model_info(loaded: Loaded, runtime_name: str) -> ModelInfo:
+    enc = loaded.checkpoint.model.config.encoder
+    weights = (loaded.checkpoint.manifest.get("files") or {}).get("model.safetensors", "")
+    return ModelInfo(preset=enc.preset, size=enc.size, checkpoint=weights[:12], detector=loaded.fingerprint,
+                     runtime=runtime_name)
+
+
+def warm_up(loaded: Loaded, pipeline: Pipeline, runtime) -> None:
+    """The detector on a small image, then one example per served task through the runtime."""
+    image = np.full((64, 64, 3), 128, np.uint8)
+    image[16:48, 16:48] = (200, 40, 40)
+    (rf,) = loaded.detector.extract([image])
+    pipeline.warm_up(runtime, rf.to_float16())
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings: Settings = app.state.settings
+    metrics: Metrics = app.state.metrics
+    async with AsyncExitStack() as stack:
+        try:
+            loaded = await asyncio.to_thread(load_models, settings)
+            runtime = create_runtime(settings, loaded.checkpoint)
+        except (StartupError, ValueError) as exc:
+            app.state.startup_error = str(exc)
+            log.error("start-up failed: %s", exc)
+            raise StartupError(str(exc)) from None
+        stack.callback(runtime.close)
+        store = create_store(settings, loaded.fingerprint)
+        stack.push_async_callback(store.close)
+        # one thread each: the detector and the encoder run side by side, never two batches of one
+        detector_pool = ThreadPoolExecutor(1, thread_name_prefix="vlserve-detector")
+        encoder_pool = ThreadPoolExecutor(1, thread_name_prefix="vlserve-encoder")
+        stack.callback(detector_pool.shutdown, wait=False, cancel_futures=True)
+        stack.callback(encoder_pool.shutdown, wait=False, cancel_futures=True)
+
+        regions = RegionService(
+            loaded.detector, loaded.fingerprint, store,
+            BatcherConfig(settings.detector_max_batch_size, settings.detector_max_wait_ms, settings.max_queue),
+            settings.max_pixels, detector_pool, on_batch=metrics.on_batch("detector"))
+        config = loaded.checkpoint.model.config
+        specs = task_specs(runtime.tasks, {t: {"pool": h.pool} for t, h in config.heads.items()}, loaded.checkpoint.labels)
+        encoder_batching = BatcherConfig(settings.max_batch_size, settings.max_wait_ms, settings.max_queue)
+        batchers = {spec.task: Batcher(spec.task, batch_fn(runtime, spec.task), encoder_batching, encoder_pool,
+                                       on_batch=metrics.on_batch(spec.task)) for spec in specs.values()}
+        limits = Limits(settings.max_text_chars, settings.max_text_tokens, settings.max_top_k, settings.max_candidates)
+        pipeline = Pipeline(regions, loaded.checkpoint.tokenizer, specs, batchers, limits)
+        metrics.watch({**batchers, "detector": regions}, store, regions)
+
+        await regions.start()
+        stack.push_async_callback(regions.stop, settings.shutdown_timeout_s)
+        for batcher in batchers.values():
+            await batcher.start()
+            stack.push_async_callback(batcher.stop, settings.shutdown_timeout_s)
+        await asyncio.to_thread(warm_up, loaded, pipeline, runtime)
+
+        app.state.services = Services(pipeline=pipeline, model=model_info(loaded, runtime.name))
+        app.state.ready = True
+        metrics.ready.set(1)
+        log.info("ready: %s serving %s", app.state.services.model.preset, ", ".join(specs) or "nothing")
+        try:
+            yield
+        finally:
+            app.state.ready = False  # new requests get 503 while the batchers drain
+            metrics.ready.set(0)
+    app.state.services = None
+
+
+def custom_openapi(app: FastAPI, api_keys: bool):
+    """The generated schema, with error answers as application/problem+json and the API-key scheme."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for path, operations in schema.get("paths", {}).items():
+            for operation in operations.values():
+                for status, response in operation.get("responses", {}).items():
+                    content = response.get("content", {})
+                    if status[:1] in "45" and "application/json" in content:
+                        content[PROBLEM_JSON] = content.pop("application/json")
+                if api_keys and path not in PUBLIC_PATHS:
+                    operation["security"] = [{"APIKey": []}]
+        if api_keys:
+            schema.setdefault("components", {})["securitySchemes"] = {
+                "APIKey": {"type": "apiKey", "in": "header", "name": "X-API-Key"}}
+        app.openapi_schema = schema
+        return schema
+
+    return openapi
+
+
+def create_app(settings: Settings) -> FastAPI:
+    """The service for `settings`; nothing loads until the lifespan starts (uvicorn, or `with TestClient(app)`)."""
+    if settings.model_dir is None or settings.detector_dir is None:
+        raise StartupError(DEMO_MISSING)
+    from vlserve import __version__
+
+    app = FastAPI(title="vlserve", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app.state.settings = settings
+    app.state.metrics = metrics = Metrics()
+    app.state.services = None
+    app.state.ready = False
+    app.state.startup_error = None
+    install_error_handlers(app)
+    for router in ROUTERS:
+        app.include_router(router)
+    # outermost last: metrics see every answer, keys are checked before the body is read
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(APIKeyMiddleware, keys=settings.api_keys)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.openapi = custom_openapi(app, bool(settings.api_keys))
+    return app

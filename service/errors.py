@@ -1,0 +1,159 @@
+"""Every error answer is RFC 9457 problem details (application/problem+json); no stack trace ever leaves.
+
+| status | type                         | when                                                                  |
+|--------|------------------------------|-----------------------------------------------------------------------|
+| 401    | /problems/unauthorized       | API keys are configured and X-API-Key is missing or wrong             |
+| 404    | /problems/not-found          | no such route                                                         |
+| 404    | /problems/unknown-image      | an image_id the service has not seen (POST /images or send the image) |
+| 404    | /problems/no-head            | the model has no head for this endpoint                               |
+| 405    | /problems/method-not-allowed | wrong method for the route                                            |
+| 413    | /problems/body-too-large     | request body over max_body_bytes                                      |
+| 422    | /problems/validation-error   | missing fields, wrong types, bad base64, limits (errors[] lists them) |
+| 422    | /problems/invalid-image      | bytes that are not a supported image, truncated, or over max_pixels   |
+| 429    | /problems/queue-full         | the task's batch queue is full; Retry-After says when to retry        |
+| 503    | /problems/not-ready          | models still loading / warming up, or shutting down                   |
+| 500    | /problems/internal-error     | a bug; the detail is generic and the log has the request id           |
+"""
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from models.images import ImageError
+
+from .batcher import BatcherClosedError, QueueFullError
+from .regions import UnknownImageError
+
+log = logging.getLogger("vlserve.errors")
+PROBLEM_JSON = "application/problem+json"
+_TYPES = {401: "unauthorized", 404: "not-found", 405: "method-not-allowed", 413: "body-too-large",
+          422: "validation-error", 429: "queue-full", 503: "not-ready", 500: "internal-error"}
+
+
+class ProblemError(Exception):
+    """An error that already knows its problem+json answer (raised by routes and the pipeline's callers)."""
+
+    def __init__(self, status: int, detail: str, kind: str | None = None, title: str | None = None,
+                 headers: dict[str, str] | None = None, errors: list[dict[str, Any]] | None = None):
+        super().__init__(detail)
+        self.status, self.detail, self.headers, self.errors = status, detail, headers, errors
+        self.kind = kind or _TYPES.get(status, "error")
+        self.title = title or HTTPStatus(status).phrase
+
+
+class InvalidInput(ValueError):
+    """A request value breaks a limit that depends on settings (text length, top_k, candidates): a 422."""
+
+    def __init__(self, loc: tuple[str | int, ...], msg: str):
+        super().__init__(f"{'.'.join(map(str, loc))}: {msg}")
+        self.loc, self.msg = loc, msg
+
+
+class NoHeadError(LookupError):
+    """The loaded model has no head of the kind an endpoint needs."""
+
+
+def request_id(request_or_scope) -> str:
+    """The request's id (X-Request-ID when the client sent a sane one), created once per request."""
+    scope = request_or_scope if isinstance(request_or_scope, dict) else request_or_scope.scope
+    state = scope.setdefault("state", {})
+    if "request_id" not in state:
+        sent = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
+        state["request_id"] = sent if 0 < len(sent) <= 64 and sent.isprintable() else uuid.uuid4().hex
+    return state["request_id"]
+
+
+def problem_body(status: int, detail: str, instance: str, rid: str, kind: str | None = None,
+                 title: str | None = None, errors: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    body = {
+        "type": f"/problems/{kind or _TYPES.get(status, 'error')}",
+        "title": title or HTTPStatus(status).phrase,
+        "status": status,
+        "detail": detail,
+        "instance": instance,
+        "request_id": rid,
+    }
+    if errors is not None:
+        body["errors"] = errors
+    return body
+
+
+def problem_response(request: Request, status: int, detail: str, kind: str | None = None, title: str | None = None,
+                     headers: dict[str, str] | None = None, errors: list[dict[str, Any]] | None = None) -> JSONResponse:
+    rid = request_id(request)
+    body = problem_body(status, detail, request.url.path, rid, kind, title, errors)
+    return JSONResponse(body, status_code=status, media_type=PROBLEM_JSON, headers={**(headers or {}), "X-Request-ID": rid})
+
+
+def _jsonable_errors(errors) -> list[dict[str, Any]]:
+    """Pydantic error entries without the echoed input (it may be a megabyte of base64) or exception objects."""
+    return [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")).removeprefix("Value error, "),
+             "type": str(e.get("type", ""))} for e in errors]
+
+
+def _validation_detail(errors: list[dict[str, Any]]) -> str:
+    parts = [f"{'.'.join(str(p) for p in e['loc'][1:] or e['loc']) or 'body'}: {e['msg']}" for e in errors[:5]]
+    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    return "; ".join(parts) + more
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ProblemError)
+    async def _problem(request: Request, exc: ProblemError):
+        return problem_response(request, exc.status, exc.detail, exc.kind, exc.title, exc.headers, exc.errors)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        errors = _jsonable_errors(exc.errors())
+        return problem_response(request, 422, _validation_detail(errors), "validation-error",
+                                "Invalid request", errors=errors)
+
+    @app.exception_handler(InvalidInput)
+    async def _invalid(request: Request, exc: InvalidInput):
+        errors = [{"loc": ["body", *exc.loc], "msg": exc.msg, "type": "limit"}]
+        return problem_response(request, 422, str(exc), "validation-error", "Invalid request", errors=errors)
+
+    @app.exception_handler(ImageError)
+    async def _image(request: Request, exc: ImageError):
+        return problem_response(request, 422, str(exc), "invalid-image", "Invalid image")
+
+    @app.exception_handler(UnknownImageError)
+    async def _unknown_image(request: Request, exc: UnknownImageError):
+        return problem_response(request, 404, str(exc), "unknown-image", "Unknown image")
+
+    @app.exception_handler(BatcherClosedError)
+    async def _closed(request: Request, exc: BatcherClosedError):
+        return problem_response(request, 503, "the service is shutting down; retry on another replica",
+                                "not-ready", headers={"Retry-After": "1"})
+
+    @app.exception_handler(NoHeadError)
+    async def _no_head(request: Request, exc: NoHeadError):
+        return problem_response(request, 404, str(exc), "no-head", "Task not served by this model")
+
+    @app.exception_handler(QueueFullError)
+    async def _queue_full(request: Request, exc: QueueFullError):
+        retry = max(1, math.ceil(float(getattr(exc, "retry_after_s", 1) or 1)))
+        return problem_response(request, 429, f"the service is at capacity; retry in {retry} s", "queue-full",
+                                "Too many requests", headers={"Retry-After": str(retry)})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        detail = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).description
+        if exc.status_code == 404 and detail == "Not Found":
+            detail = f"no route {request.url.path}; see /docs"
+        elif exc.status_code == 405:
+            detail = f"{request.method} is not allowed on {request.url.path}"
+        return problem_response(request, exc.status_code, detail, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("request %s %s failed (request_id %s)", request.method, request.url.path, request_id(request))
+        return problem_response(request, 500, f"internal error; quote request id {request_id(request)} when reporting it")

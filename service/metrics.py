@@ -1,0 +1,113 @@
+"""Prometheus metrics of one app, in the app's own CollectorRegistry (tests build many apps in one process).
+
+Request counts and latency per route and status come from an ASGI middleware; batch sizes, queue wait and
+encoder time from each Batcher's on_batch callback; queue depth, feature-store and detector counters are
+read from their owners at scrape time.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class _Live(Collector):
+    """Values read at scrape time from the objects that own them (no double bookkeeping)."""
+
+    def __init__(self, read: Callable[[], list]):
+        self.read = read
+
+    def collect(self):
+        return self.read()
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("vlserve_requests", "HTTP requests", ["endpoint", "method", "status"], registry=r)
+        self.latency = Histogram("vlserve_request_seconds", "HTTP request latency", ["endpoint", "method", "status"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("vlserve_batch_size", "items per encoder batch", ["task"], buckets=BATCH_BUCKETS, registry=r)
+        self.queue_wait = Histogram("vlserve_queue_wait_seconds", "time the oldest item of a batch waited in the queue",
+                                    ["task"], buckets=LATENCY_BUCKETS, registry=r)
+        self.encoder_seconds = Histogram("vlserve_encoder_seconds", "runtime time per encoder batch", ["task"],
+                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.ready = Gauge("vlserve_ready", "1 once models are loaded and warmed up", registry=r)
+        self._live: _Live | None = None
+
+    def on_batch(self, task: str) -> Callable[[int, float, float], None]:
+        """The Batcher callback of one task: (batch_size, wait_s, run_s)."""
+        size, wait, run = self.batch_size.labels(task), self.queue_wait.labels(task), self.encoder_seconds.labels(task)
+
+        def record(batch_size: int, wait_s: float, run_s: float) -> None:
+            size.observe(batch_size)
+            wait.observe(wait_s)
+            run.observe(run_s)
+
+        return record
+
+    def watch(self, batchers: dict, store, regions) -> None:
+        """Queue depth per batcher, feature-store hits/misses/errors, detector runs and time, read when scraped."""
+
+        def read() -> list:
+            depth = GaugeMetricFamily("vlserve_queue_depth", "items waiting per batcher", labels=["batcher"])
+            for name, batcher in batchers.items():
+                depth.add_metric([name], batcher.queue_depth)
+            out = [depth]
+            for name, doc, value in (
+                ("vlserve_feature_store_hits", "feature-store lookups that found regions", store.hits),
+                ("vlserve_feature_store_misses", "feature-store lookups that found nothing usable", store.misses),
+                ("vlserve_feature_store_errors", "feature-store operations that failed (served without cache)", store.errors),
+                ("vlserve_detector_images", "images the detector ran on", regions.detector_runs),
+                ("vlserve_detector_seconds", "time spent in the detector", regions.detector_seconds),
+            ):
+                family = CounterMetricFamily(name, doc)
+                family.add_metric([], float(value))
+                out.append(family)
+            return out
+
+        if self._live is not None:  # the app started again (tests enter one app's lifespan twice)
+            self.registry.unregister(self._live)
+        self._live = _Live(read)
+        self.registry.register(self._live)
+
+
+def route_label(scope: Scope) -> str:
+    """The matched route's path template (bounded label values), or 'unmatched'."""
+    route = scope.get("route")
+    return getattr(route, "path", None) or "unmatched"
+
+
+class MetricsMiddleware:
+    """Counts and times every HTTP request by route template, method and status."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        scope.setdefault("state", {})["received_at"] = start  # the routes' timings start here too
+        status = [500]
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            labels = (route_label(scope), scope["method"], str(status[0]))
+            self.metrics.requests.labels(*labels).inc()
+            self.metrics.latency.labels(*labels).observe(time.perf_counter() - start)

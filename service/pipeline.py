@@ -1,0 +1,304 @@
+"""What happens between a validated request and its answer, free of HTTP and of torch.
+
+images -> RegionService (feature store, batched detector) · text -> tokenizer within the limits · one item
+(numpy arrays of one example) -> the task's Batcher, whose batch function pads the items and calls the
+runtime · logits -> answers, boxes, rankings (small pure functions below, tested directly).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from models.region_features import RegionFeatures, stack
+from models.tokenizer import VLTokenizer
+
+from .batcher import Batcher
+from .collate import pad_and_stack
+from .errors import InvalidInput, NoHeadError
+from .regions import RegionService
+from .runtime.base import Runtime
+
+SERVED_KINDS = ("vqa", "refer", "itm", "nlvr2")  # head kinds that answer an endpoint
+ENDPOINT_OF = {"vqa": "/vqa", "refer": "/refer", "itm": "/retrieve", "nlvr2": "/nlvr2"}
+RUNNER_UP = 4  # regions listed after the best one by /refer
+
+Item = dict[str, np.ndarray]  # one example, no batch axis
+
+
+# ---- post-processing (pure) -----------------------------------------------------------------------
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-np.clip(x, -60, 60)))
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def top_answers(logits: np.ndarray, names: Sequence[str], k: int) -> list[tuple[str, float]]:
+    """(answer, sigmoid score) of the k best answers of a soft-score VQA head, best first."""
+    order = np.argsort(-logits, kind="stable")[:k]
+    scores = sigmoid(logits.astype(np.float64))
+    return [(names[i], float(scores[i])) for i in order]
+
+
+def ranked_regions(logits: np.ndarray, num_boxes: int, k: int) -> list[tuple[int, float]]:
+    """(region index, softmax score over the real regions) of the k best regions, best first."""
+    real = logits[:num_boxes].astype(np.float64)
+    probs = softmax(real)
+    order = np.argsort(-real, kind="stable")[:k]
+    return [(int(i), float(probs[i])) for i in order]
+
+
+def match_scores(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ITM (K, 2) [no match, match] logits -> (score = logit difference, probability of match)."""
+    diff = (logits[:, 1] - logits[:, 0]).astype(np.float64)
+    return diff, sigmoid(diff)  # softmax over two classes = sigmoid of the difference
+
+
+def rank(scores: np.ndarray, k: int) -> list[int]:
+    """Indices of the k highest scores, best first; ties keep the request's order."""
+    return [int(i) for i in np.argsort(-scores, kind="stable")[:k]]
+
+
+def true_probability(logits: np.ndarray) -> float:
+    """NLVR2 (2,) [false, true] logits -> P(true)."""
+    return float(softmax(logits.astype(np.float64))[1])
+
+
+# ---- per-request bookkeeping ------------------------------------------------------------------------
+
+@dataclass
+class Timer:
+    """Per-stage wall time (ms) of one request; stages that run several times (several images) add up."""
+
+    stages: dict[str, float] = field(default_factory=dict)
+    cache_hit: bool | None = None
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t0)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.stages[name] = self.stages.get(name, 0.0) + seconds * 1000
+
+    def hit(self, cached: bool) -> None:
+        self.cache_hit = cached if self.cache_hit is None else (self.cache_hit and cached)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One item's logits and when the batch it ran in started and ended (perf_counter seconds)."""
+
+    logits: np.ndarray
+    started: float
+    ended: float
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    task: str  # head name in the checkpoint
+    kind: str  # head kind (vqa, refer, itm, nlvr2)
+    answer_slot: bool = False  # VQA read from the [MASK] slot: the text layout needs one
+    labels: tuple[str, ...] = ()  # VQA answer names
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_text_chars: int
+    max_text_tokens: int
+    max_top_k: int
+    max_candidates: int
+
+
+def task_specs(tasks: dict[str, str], head_options: dict[str, dict[str, Any]], labels: dict[str, Any]) -> dict[str, TaskSpec]:
+    """kind -> TaskSpec for every served kind the model has (the first head of a kind answers its endpoint)."""
+    specs: dict[str, TaskSpec] = {}
+    for task, kind in tasks.items():
+        if kind not in SERVED_KINDS or kind in specs:
+            continue
+        names = tuple((labels.get("heads") or {}).get(task) or ())
+        options = head_options.get(task, {})
+        specs[kind] = TaskSpec(task, kind, answer_slot=options.get("pool") == "answer_slot", labels=names)
+    return specs
+
+
+def batch_fn(runtime: Runtime, task: str) -> Callable[[list[Item]], list[Scored]]:
+    """The synchronous function a task's Batcher runs in its executor: pad, run, split."""
+
+    def run(items: list[Item]) -> list[Scored]:
+        started = time.perf_counter()
+        logits = runtime.run(task, pad_and_stack(items))
+        ended = time.perf_counter()
+        return [Scored(np.asarray(row), started, ended) for row in logits]
+
+    return run
+
+
+def region_arrays(images: Sequence[RegionFeatures]) -> Item:
+    """Encoder inputs of one image, or of an image pair (leading axis 2, NLVR2)."""
+    batch = stack(images)
+    arrays = {
+        "region_features": batch["features"].astype(np.float32),  # (k, N, D)
+        "region_boxes": batch["norm_boxes"],  # (k, N, 4) in [0, 1]
+        "region_mask": batch["region_mask"],  # (k, N)
+    }
+    if "image_feature" in batch:
+        arrays["image_feature"] = batch["image_feature"].astype(np.float32)  # (k, D)
+    if len(images) == 1:
+        arrays = {name: value[0] for name, value in arrays.items()}
+    return arrays
+
+
+class Pipeline:
+    """Runs the four tasks for the routes; raises InvalidInput / NoHeadError / UnknownImageError / ImageError /
+    QueueFullError, which the app turns into problem+json answers."""
+
+    def __init__(self, regions: RegionService, tokenizer: VLTokenizer, specs: dict[str, TaskSpec],
+                 batchers: dict[str, Batcher], limits: Limits):
+        self.regions = regions
+        self.tokenizer = tokenizer
+        self.specs = specs  # kind -> spec
+        self.batchers = batchers  # task name -> batcher
+        self.limits = limits
+
+    # ---- inputs ----
+
+    def spec(self, kind: str) -> TaskSpec:
+        spec = self.specs.get(kind)
+        if spec is None:
+            endpoint = ENDPOINT_OF.get(kind, kind)
+            raise NoHeadError(f"this model has no {kind} head, so it does not serve {endpoint}; "
+                              f"it serves: {', '.join(ENDPOINT_OF[k] for k in self.specs) or 'nothing'}")
+        return spec
+
+    def check_top_k(self, top_k: int) -> None:
+        if not 1 <= top_k <= self.limits.max_top_k:
+            raise InvalidInput(("top_k",), f"must be between 1 and {self.limits.max_top_k}, got {top_k}")
+
+    def check_candidates(self, loc: str, count: int) -> None:
+        if count > self.limits.max_candidates:
+            raise InvalidInput((loc,), f"at most {self.limits.max_candidates} candidates per request, got {count}")
+
+    def text(self, text: str, loc: tuple[str | int, ...], answer_slot: bool = False) -> Item:
+        """Token arrays of one text row, refusing empty, too long (characters) or too many word pieces."""
+        if not text.strip():
+            raise InvalidInput(loc, "must not be empty or only whitespace")
+        if len(text) > self.limits.max_text_chars:
+            raise InvalidInput(loc, f"is {len(text)} characters long; the limit is {self.limits.max_text_chars}")
+        length = len(self.tokenizer.token_ids(text)) + 2 + int(answer_slot)  # [CLS] text ([MASK]) [SEP]
+        if length > self.limits.max_text_tokens:
+            raise InvalidInput(loc, f"is {length} word pieces long; the limit is {self.limits.max_text_tokens}")
+        encoded = self.tokenizer.encode([text], answer_slot=answer_slot, max_length=length)
+        return {name: value[0] for name, value in encoded.items()}
+
+    async def image(self, data: bytes | None, image_id: str | None, timer: Timer) -> tuple[str, RegionFeatures]:
+        """(image_id, regions) of an inline image or of one registered earlier."""
+        with timer.stage("regions"):
+            if data is not None:
+                image_id, rf, hit = await self.regions.from_bytes(data)
+            else:
+                rf, hit = await self.regions.from_id(image_id), True
+        timer.hit(hit)
+        return image_id, rf
+
+    async def images(self, refs: Sequence[tuple[bytes | None, str | None]], timer: Timer) -> list[tuple[str, RegionFeatures]]:
+        # sequential on purpose: concurrent stages would make the per-stage timings overlap; the
+        # detector batches images of concurrent requests anyway
+        return [await self.image(data, image_id, timer) for data, image_id in refs]
+
+    async def run(self, spec: TaskSpec, items: list[Item], timer: Timer) -> list[np.ndarray]:
+        """Logits of each item from the task's batcher (items of one request may share a batch)."""
+        submitted = time.perf_counter()
+        results: list[Scored] = await asyncio.gather(*(self.batchers[spec.task].submit(item) for item in items))
+        timer.add("queue", min(r.started for r in results) - submitted)
+        batches = {(r.started, r.ended) for r in results}
+        timer.add("encoder", sum(end - start for start, end in batches))
+        return [r.logits for r in results]
+
+    def tokens(self, text: str, loc: tuple[str | int, ...], timer: Timer, answer_slot: bool = False) -> Item:
+        with timer.stage("tokenize"):
+            return self.text(text, loc, answer_slot)
+
+    # ---- tasks ----
+
+    async def vqa(self, data: bytes | None, image_id: str | None, question: str, top_k: int, timer: Timer) -> dict[str, Any]:
+        spec = self.spec("vqa")
+        self.check_top_k(top_k)
+        text = self.tokens(question, ("question",), timer, spec.answer_slot)
+        image_id, rf = await self.image(data, image_id, timer)
+        (logits,) = await self.run(spec, [{**text, **region_arrays([rf])}], timer)
+        names = spec.labels or tuple(f"answer_{i}" for i in range(logits.shape[-1]))
+        answers = top_answers(logits, names, top_k)
+        return {"image_id": image_id, "answers": [{"answer": a, "score": s} for a, s in answers]}
+
+    async def refer(self, data: bytes | None, image_id: str | None, expression: str, timer: Timer) -> dict[str, Any]:
+        spec = self.spec("refer")
+        text = self.tokens(expression, ("expression",), timer)
+        image_id, rf = await self.image(data, image_id, timer)
+        if rf.num_boxes == 0:
+            raise InvalidInput(("image",), "the detector found no regions in this image")
+        (logits,) = await self.run(spec, [{**text, **region_arrays([rf])}], timer)
+        regions = [{"index": i, "box": [float(v) for v in rf.boxes[i]], "score": s}
+                   for i, s in ranked_regions(logits, rf.num_boxes, 1 + RUNNER_UP)]
+        best = regions[0]
+        return {"image_id": image_id, "box": best["box"], "score": best["score"], "region": best,
+                "runner_up": regions[1:], "image_size": list(rf.image_hw)}
+
+    async def text_to_images(self, text: str, image_ids: list[str], top_k: int, timer: Timer) -> dict[str, Any]:
+        spec = self.spec("itm")
+        self.check_top_k(top_k)
+        self.check_candidates("image_ids", len(image_ids))
+        tokens = self.tokens(text, ("text",), timer)
+        images = await self.images([(None, i) for i in image_ids], timer)
+        logits = await self.run(spec, [{**tokens, **region_arrays([rf])} for _, rf in images], timer)
+        score, prob = match_scores(np.stack(logits))
+        hits = [{"image_id": image_ids[i], "score": float(score[i]), "probability": float(prob[i])} for i in rank(score, top_k)]
+        return {"direction": "text_to_images", "results": hits}
+
+    async def image_to_texts(self, data: bytes | None, image_id: str | None, texts: list[str], top_k: int,
+                             timer: Timer) -> dict[str, Any]:
+        spec = self.spec("itm")
+        self.check_top_k(top_k)
+        self.check_candidates("texts", len(texts))
+        rows = [self.tokens(t, ("texts", i), timer) for i, t in enumerate(texts)]
+        image_id, rf = await self.image(data, image_id, timer)
+        regions = region_arrays([rf])
+        logits = await self.run(spec, [{**row, **regions} for row in rows], timer)
+        score, prob = match_scores(np.stack(logits))
+        hits = [{"index": i, "text": texts[i], "score": float(score[i]), "probability": float(prob[i])}
+                for i in rank(score, top_k)]
+        return {"direction": "image_to_texts", "image_id": image_id, "results": hits}
+
+    async def nlvr2(self, refs: Sequence[tuple[bytes | None, str | None]], statement: str, timer: Timer) -> dict[str, Any]:
+        spec = self.spec("nlvr2")
+        text = self.tokens(statement, ("statement",), timer)
+        pair = await self.images(refs, timer)
+        (logits,) = await self.run(spec, [{**text, **region_arrays([rf for _, rf in pair])}], timer)
+        p_true = true_probability(logits)
+        return {"image_ids": [i for i, _ in pair], "answer": p_true >= 0.5, "probability": p_true}
+
+    async def register(self, data: bytes, timer: Timer) -> dict[str, Any]:
+        image_id, rf = await self.image(data, None, timer)
+        return {"image_id": image_id, "num_boxes": rf.num_boxes, "image_size": list(rf.image_hw),
+                "cached": bool(timer.cache_hit)}
+
+    # ---- start-up ----
+
+    def warm_up(self, runtime: Runtime, rf: RegionFeatures) -> None:
+        """One tiny example per served task straight through the runtime (first-call allocations, lazy init)."""
+        for spec in self.specs.values():
+            text = self.text("warm up", ("warm_up",), spec.answer_slot)
+            regions = region_arrays([rf, rf] if spec.kind == "nlvr2" else [rf])
+            batch_fn(runtime, spec.task)([{**text, **regions}])

@@ -1,0 +1,6 @@
+"""One router per resource; routes speak HTTP only and hand validated requests to the pipeline."""
+from . import health, images, metrics, nlvr2, refer, retrieve, vqa
+
+ROUTERS = (vqa.router, refer.router, retrieve.router, nlvr2.router, images.router, health.router, metrics.router)
+
+__all__ = ["ROUTERS"]

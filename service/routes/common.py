@@ -1,0 +1,67 @@
+"""What every task route shares: the loaded services, the per-request timer, and the response envelope."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar
+
+from fastapi import Depends, Query, Request
+
+from ..errors import ProblemError
+from ..pipeline import Pipeline, Timer
+from ..schemas import ModelInfo, Problem, Response, Timings
+
+R = TypeVar("R", bound=Response)
+
+# Error answers every task route may give (documented in OpenAPI as application/problem+json).
+PROBLEMS: dict[int | str, dict[str, Any]] = {
+    status: {"model": Problem, "description": text}
+    for status, text in ((401, "missing or wrong X-API-Key"), (404, "unknown image_id, or the model has no head for this task"),
+                         (413, "request body too large"), (422, "invalid request, image or limit"),
+                         (429, "queue full; see Retry-After"), (503, "not ready or shutting down"))
+}
+
+
+@dataclass
+class Services:
+    """Everything the lifespan loaded, as the routes see it."""
+
+    pipeline: Pipeline
+    model: ModelInfo
+
+
+def received_at(request: Request) -> float:
+    """perf_counter() when the request arrived (set by the metrics middleware), else now."""
+    return request.scope.get("state", {}).get("received_at") or time.perf_counter()
+
+
+def get_services(request: Request) -> Services:
+    services = getattr(request.app.state, "services", None)
+    if services is None or not request.app.state.ready:
+        raise ProblemError(503, "the models are still loading and warming up, or the service is shutting down",
+                           "not-ready", headers={"Retry-After": "1"})
+    return services
+
+
+class Call:
+    """One task request: the pipeline, its timer, and whether the client asked for timings."""
+
+    def __init__(self, request: Request,
+                 services: Annotated[Services, Depends(get_services)],
+                 timings: Annotated[bool, Query(description="add per-stage timings (ms) to the response")] = False):
+        self.services = services
+        self.pipeline = services.pipeline
+        self.want_timings = timings
+        self.started = received_at(request)
+        self.timer = Timer()
+        self.timer.add("decode", time.perf_counter() - self.started)  # body read, JSON parse, base64 decode
+
+    def respond(self, response: type[R], result: dict[str, Any]) -> R:
+        timings = None
+        if self.want_timings:
+            stages = {**self.timer.stages, "total": (time.perf_counter() - self.started) * 1000}
+            timings = Timings(**{k: round(v, 3) for k, v in stages.items()}, cache_hit=self.timer.cache_hit)
+        return response(model=self.services.model, timings=timings, **result)
+
+
+CallDep = Annotated[Call, Depends()]

@@ -1,0 +1,49 @@
+"""POST /images: register an image (JSON base64 or multipart upload); its regions are computed and cached."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from starlette.datastructures import UploadFile
+
+from ..schemas import ImageInput, ImageResponse
+from .common import PROBLEMS, CallDep
+
+router = APIRouter(tags=["images"])
+
+_UPLOAD_SCHEMA = {
+    "type": "object",
+    "properties": {"file": {"type": "string", "format": "binary", "description": "the image file"}},
+    "required": ["file"],
+}
+
+
+async def image_bytes(request: Request) -> bytes:
+    """The image of a multipart upload (field `file`) or of a JSON body {"image": base64}."""
+    content_type = request.headers.get("content-type", "").lower()
+    if content_type.startswith("multipart/form-data"):
+        async with request.form(max_files=1, max_fields=4) as form:
+            upload = form.get("file")
+            if not isinstance(upload, UploadFile):
+                raise RequestValidationError([{"loc": ("body", "file"), "msg": "a file field named 'file' is required",
+                                               "type": "missing"}])
+            return await upload.read()
+    try:
+        return ImageInput.model_validate_json(await request.body()).image
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+
+
+@router.post(
+    "/images", response_model=ImageResponse, response_model_exclude_none=True, responses=PROBLEMS,
+    openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": ImageInput.model_json_schema(ref_template="#/components/schemas/{model}")},
+        "multipart/form-data": {"schema": _UPLOAD_SCHEMA},
+    }}},
+)
+async def register_image(request: Request, call: CallDep) -> ImageResponse:
+    """Compute (or find in the feature store) the image's regions; answer its `image_id` for later requests."""
+    with call.timer.stage("decode"):
+        data = await image_bytes(request)
+    result = await call.pipeline.register(data, call.timer)
+    return call.respond(ImageResponse, result)

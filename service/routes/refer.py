@@ -1,0 +1,14 @@
+"""POST /refer: the region a referring expression describes."""
+from fastapi import APIRouter
+
+from ..schemas import ReferRequest, ReferResponse
+from .common import PROBLEMS, CallDep
+
+router = APIRouter(tags=["tasks"])
+
+
+@router.post("/refer", response_model=ReferResponse, response_model_exclude_none=True, responses=PROBLEMS)
+async def refer(body: ReferRequest, call: CallDep) -> ReferResponse:
+    """The best region's box (pixels, x1 y1 x2 y2) with its softmax score over the image's regions, and the runners-up."""
+    result = await call.pipeline.refer(body.image, body.image_id, body.expression, call.timer)
+    return call.respond(ReferResponse, result)

@@ -1,0 +1,17 @@
+"""POST /retrieve: rank known images for a text, or candidate texts for an image (image-text matching head)."""
+from fastapi import APIRouter
+
+from ..schemas import RetrieveRequest, RetrieveResponse
+from .common import PROBLEMS, CallDep
+
+router = APIRouter(tags=["tasks"])
+
+
+@router.post("/retrieve", response_model=RetrieveResponse, response_model_exclude_none=True, responses=PROBLEMS)
+async def retrieve(body: RetrieveRequest, call: CallDep) -> RetrieveResponse:
+    """`{text, image_ids}` ranks images the service knows; `{image | image_id, texts}` ranks captions. Best first."""
+    if body.direction == "text_to_images":
+        result = await call.pipeline.text_to_images(body.text, body.image_ids, body.top_k, call.timer)
+    else:
+        result = await call.pipeline.image_to_texts(body.image, body.image_id, body.texts, body.top_k, call.timer)
+    return call.respond(RetrieveResponse, result)

@@ -1,0 +1,98 @@
+"""Optional API keys (X-API-Key) and the request body size limit, as pure ASGI middleware.
+
+Both answer before the route runs and before the body is read: an unauthenticated client cannot make the
+service buffer a large body, and a large body is refused at its Content-Length or as soon as the streamed
+bytes pass the limit.
+"""
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterable
+
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import PROBLEM_JSON, problem_body, request_id
+
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})  # probes: they carry no data and cannot always send headers
+
+
+async def send_problem(scope: Scope, receive: Receive, send: Send, status: int, detail: str,
+                       headers: dict[str, str] | None = None) -> None:
+    rid = request_id(scope)
+    body = problem_body(status, detail, scope.get("path", ""), rid)
+    response = JSONResponse(body, status_code=status, media_type=PROBLEM_JSON,
+                            headers={**(headers or {}), "X-Request-ID": rid})
+    await response(scope, receive, send)
+
+
+class APIKeyMiddleware:
+    """401 unless X-API-Key equals one of the keys (constant-time against every key). No keys = open service."""
+
+    def __init__(self, app: ASGIApp, keys: Iterable[str]):
+        self.app = app
+        self.keys = [k.encode() for k in keys if k]
+
+    def allowed(self, sent: bytes) -> bool:
+        ok = False
+        for key in self.keys:  # no early exit: the time taken does not depend on which key matched
+            ok |= hmac.compare_digest(sent, key)
+        return ok
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.keys or scope["path"] in PUBLIC_PATHS:
+            return await self.app(scope, receive, send)
+        sent = dict(scope["headers"]).get(b"x-api-key")
+        if sent is None:
+            return await send_problem(scope, receive, send, 401, "this service needs an API key in the X-API-Key header",
+                                      {"WWW-Authenticate": "ApiKey"})
+        if not self.allowed(sent):
+            return await send_problem(scope, receive, send, 401, "the X-API-Key is not valid", {"WWW-Authenticate": "ApiKey"})
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over max_bytes: by Content-Length up front, else by counting the streamed chunks.
+
+    The body is read here (at most max_bytes of it) and replayed to the app, so the app never sees a
+    partial body and the 413 is always a complete problem+json answer.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def too_large(self) -> str:
+        return f"request body is over the limit of {self.max_bytes} bytes"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                return await send_problem(scope, receive, send, 400, "Content-Length is not a number")
+            if declared > self.max_bytes:
+                return await send_problem(scope, receive, send, 413, self.too_large())
+        chunks, total = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # client went away: let the app see it
+                chunks.append(message)
+                break
+            total += len(message.get("body", b""))
+            if total > self.max_bytes:
+                return await send_problem(scope, receive, send, 413, self.too_large())
+            chunks.append(message)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(m.get("body", b"") for m in chunks if m["type"] == "http.request")
+        replay: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
+        replay += [m for m in chunks if m["type"] != "http.request"]
+
+        async def replayed() -> Message:
+            return replay.pop(0) if replay else await receive()
+
+        await self.app(scope, replayed, send)
