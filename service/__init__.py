@@ -1,0 +1,1 @@
+"""vlserve service: FastAPI app, settings, feature store, batcher and runtimes (never imports training/)."""

@@ -1,0 +1,244 @@
+"""Dynamic batching: one future per request, one consumer task per queue, inference in an executor thread.
+
+The consumer takes the first queued item, waits up to `max_wait_ms` (counted from that item's arrival)
+for more, up to `max_batch_size`, and runs the synchronous batch function once in the executor, so the
+event loop never blocks on inference. A bounded queue turns overload into `QueueFullError` (HTTP 429).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatcherConfig:
+    max_batch_size: int  # items per call of the batch function
+    max_wait_ms: float  # how long a batch waits to fill, counted from its first item's arrival
+    max_queue: int  # items waiting (not yet in a running batch) before submit raises QueueFullError
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if not self.max_wait_ms >= 0:  # also rejects NaN
+            raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+
+
+class QueueFullError(Exception):
+    """The batcher's queue is full; try again after `retry_after_s` (HTTP 429 with Retry-After)."""
+
+    def __init__(self, name: str, max_queue: int, retry_after_s: float) -> None:
+        super().__init__(f"{name}: queue full ({max_queue} requests waiting); retry in {retry_after_s:.2f} s")
+        self.name = name
+        self.retry_after_s = retry_after_s
+
+
+class BatcherClosedError(RuntimeError):
+    """submit() on a batcher that is not started or is shutting down (HTTP 503)."""
+
+
+@dataclass
+class _Pending(Generic[T, R]):
+    item: T
+    future: asyncio.Future[R]
+    enqueued: float  # loop.time() at submit
+
+
+def retry_after(queue_depth: int, max_batch_size: int, batch_seconds: float, max_wait_s: float) -> float:
+    """Seconds until a request queued now would likely start: the batches ahead times a batch's run time."""
+    batches_ahead = math.ceil((queue_depth + 1) / max_batch_size)
+    return max(batches_ahead * batch_seconds, max_wait_s, 0.001)
+
+
+def check_results(results: object, n: int) -> list:
+    """The batch function's return value as a list of n results, or a clear RuntimeError."""
+    if isinstance(results, (str, bytes)) or not isinstance(results, Sequence):
+        raise RuntimeError(f"batch function returned {type(results).__name__}, expected a list of {n} results")
+    if len(results) != n:
+        raise RuntimeError(f"batch function returned {len(results)} results for a batch of {n}")
+    return list(results)
+
+
+class Batcher(Generic[T, R]):
+    """Collects concurrent `submit(item)` calls into batches for a synchronous `fn(items) -> results`.
+
+    `fn` runs in `executor` (by default a private one-thread pool, shut down by stop()). If it raises,
+    every request of that batch gets the exception; a result that is an Exception instance fails only
+    its own request. `on_batch(batch_size, max_queue_wait_s, run_s)` is called after every batch (metrics).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[[list[T]], list[R]],
+        config: BatcherConfig,
+        executor: Executor | None = None,
+        on_batch: Callable[[int, float, float], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.fn = fn
+        self.config = config
+        self.on_batch = on_batch
+        self._executor = executor
+        self._own_executor = executor is None
+        self._queue: deque[_Pending[T, R]] = deque()
+        self._arrived: asyncio.Event | None = None
+        self._consumer: asyncio.Task | None = None
+        self._closing = False
+        self._batch_seconds = config.max_wait_ms / 1000  # moving average of fn's run time, for Retry-After
+        self.batches = 0  # batches run
+        self.items = 0  # items run
+
+    @property
+    def queue_depth(self) -> int:
+        """Items waiting for a batch (cancelled ones included until the consumer drops them)."""
+        return len(self._queue)
+
+    @property
+    def running(self) -> bool:
+        return self._consumer is not None and not self._consumer.done() and not self._closing
+
+    async def start(self) -> None:
+        if self._consumer is not None:
+            raise RuntimeError(f"batcher {self.name} already started")
+        if self._own_executor:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"vlserve-{self.name}")
+        self._arrived = asyncio.Event()
+        self._closing = False
+        self._consumer = asyncio.create_task(self._consume(), name=f"batcher-{self.name}")
+
+    async def stop(self, timeout_s: float | None = None) -> None:
+        """Refuse new items, finish every queued one, then stop; after timeout_s the rest fail with BatcherClosedError."""
+        if self._consumer is None:
+            return
+        self._closing = True
+        self._arrived.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._consumer), timeout_s)
+        except TimeoutError:
+            self._consumer.cancel()
+            await asyncio.gather(self._consumer, return_exceptions=True)
+        finally:
+            self._fail_queued(BatcherClosedError(f"batcher {self.name} stopped before this request ran"))
+            self._consumer = None
+            if self._own_executor and self._executor is not None:
+                self._executor.shutdown(wait=False, cancel_futures=True)
+                self._executor = None
+
+    async def submit(self, item: T) -> R:
+        """The result of `fn` for this item, computed in some batch."""
+        if self._consumer is None or self._closing:
+            raise BatcherClosedError(f"batcher {self.name} is not running")
+        if len(self._queue) >= self.config.max_queue:
+            raise QueueFullError(self.name, self.config.max_queue, retry_after(
+                len(self._queue), self.config.max_batch_size, self._batch_seconds, self.config.max_wait_ms / 1000))
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[R] = loop.create_future()
+        self._queue.append(_Pending(item, future, loop.time()))
+        self._arrived.set()
+        return await future  # cancelling the caller cancels the future; the consumer then skips it
+
+    # --- consumer ---------------------------------------------------------------------------------
+
+    async def _consume(self) -> None:
+        while True:
+            batch = await self._collect()
+            if batch is None:
+                return
+            try:
+                await self._run(batch)
+            except asyncio.CancelledError:
+                for p in batch:
+                    if not p.future.done():
+                        p.future.set_exception(BatcherClosedError(f"batcher {self.name} stopped while this request ran"))
+                raise
+            except Exception:  # a bug here must not kill the consumer and strand every later request
+                log.exception("batcher %s: unexpected error handling a batch", self.name)
+                for p in batch:
+                    if not p.future.done():
+                        p.future.set_exception(RuntimeError(f"batcher {self.name}: internal error"))
+
+    async def _collect(self) -> list[_Pending[T, R]] | None:
+        """The next batch of live items, or None once closing with nothing left."""
+        loop = asyncio.get_running_loop()
+        while True:
+            self._drop_cancelled()
+            if self._queue:
+                break
+            if self._closing:
+                return None
+            self._arrived.clear()
+            await self._arrived.wait()
+        batch = [self._queue.popleft()]
+        deadline = batch[0].enqueued + self.config.max_wait_ms / 1000
+        while len(batch) < self.config.max_batch_size:
+            if self._queue:
+                p = self._queue.popleft()
+                if not p.future.done():
+                    batch.append(p)
+                continue
+            if self._closing or loop.time() >= deadline:
+                break
+            self._arrived.clear()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._arrived.wait()
+            except TimeoutError:
+                break
+        return batch
+
+    async def _run(self, batch: list[_Pending[T, R]]) -> None:
+        loop = asyncio.get_running_loop()
+        live = [p for p in batch if not p.future.done()]  # callers may have gone while the batch filled
+        if not live:
+            return
+        started = loop.time()
+        max_wait = started - min(p.enqueued for p in live)
+        t0 = time.perf_counter()
+        try:
+            results = check_results(await loop.run_in_executor(self._executor, self.fn, [p.item for p in live]), len(live))
+        except Exception as exc:
+            for p in live:
+                if not p.future.done():
+                    p.future.set_exception(exc)
+            results = None
+        run_s = time.perf_counter() - t0
+        if results is not None:
+            for p, result in zip(live, results):
+                if p.future.done():
+                    continue
+                if isinstance(result, Exception):
+                    p.future.set_exception(result)
+                else:
+                    p.future.set_result(result)
+        self.batches += 1
+        self.items += len(live)
+        self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * run_s
+        if self.on_batch is not None:
+            try:
+                self.on_batch(len(live), max_wait, run_s)
+            except Exception:  # metrics must never break serving
+                log.exception("batcher %s: on_batch hook failed", self.name)
+
+    def _drop_cancelled(self) -> None:
+        while self._queue and self._queue[0].future.done():
+            self._queue.popleft()
+
+    def _fail_queued(self, exc: Exception) -> None:
+        while self._queue:
+            p = self._queue.popleft()
+            if not p.future.done():
+                p.future.set_exception(exc)

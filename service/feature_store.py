@@ -1,0 +1,230 @@
+"""Feature store: region features by image id, in Redis (shared by pods) or in an in-process LRU.
+
+A store never raises on get/put: a corrupt or foreign value is a miss, and an unreachable Redis means
+"compute and serve without cache" (DESIGN.md). Values are `RegionFeatures.to_bytes()` (safetensors with a
+format version), so what comes back is exactly what a fresh extraction stored, features in float16.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from models.region_features import FeatureFormatError, RegionFeatures
+
+if TYPE_CHECKING:
+    from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "vlserve:feat"
+_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)  # Redis down, restarting or too slow
+
+
+def feature_key(fingerprint: str, image_id: str) -> str:
+    """`vlserve:feat:{detector fingerprint}:{sha256 of the image bytes}`: a new detector never reads old entries."""
+    return f"{KEY_PREFIX}:{fingerprint}:{image_id}"
+
+
+class FeatureStore(ABC):
+    """Region features by image id. get/put never raise; the counters feed /metrics."""
+
+    name: str = "store"
+
+    def __init__(self) -> None:
+        self.hits = 0
+        self.misses = 0
+        self.errors = 0  # store unreachable or failing (the request went on without cache)
+        self.corrupt = 0  # values that were not readable region features (counted as misses too)
+
+    @abstractmethod
+    async def get(self, image_id: str) -> RegionFeatures | None:
+        """The stored regions, or None on a miss (absent, corrupt, foreign, or store unavailable)."""
+
+    @abstractmethod
+    async def put(self, image_id: str, rf: RegionFeatures) -> None:
+        """Store (or overwrite) the regions of an image; silently skipped if the store is unavailable."""
+
+    async def close(self) -> None:
+        """Release connections; the store must not be used afterwards."""
+
+    def stats(self) -> dict[str, Any]:
+        return {"name": self.name, "hits": self.hits, "misses": self.misses, "errors": self.errors, "corrupt": self.corrupt}
+
+    def _decode(self, value: bytes, where: str) -> RegionFeatures | None:
+        """Stored bytes -> regions, or None (a miss) when they are not a value this version reads."""
+        try:
+            rf = RegionFeatures.from_bytes(value)
+        except FeatureFormatError as exc:
+            self.corrupt += 1
+            self.misses += 1
+            log.warning("feature store %s: ignoring unreadable value at %s (%s)", self.name, where, exc)
+            return None
+        self.hits += 1
+        return rf
+
+
+class InProcessStore(FeatureStore):
+    """LRU bounded by the bytes of its stored values (the embedded default; one per process)."""
+
+    name = "memory"
+
+    def __init__(self, max_bytes: int, fingerprint: str = "") -> None:
+        super().__init__()
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.fingerprint = fingerprint
+        self.evictions = 0
+        self._bytes = 0
+        self._values: OrderedDict[str, bytes] = OrderedDict()  # key -> to_bytes(), least recently used first
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored values (what max_bytes bounds)."""
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    async def get(self, image_id: str) -> RegionFeatures | None:
+        key = feature_key(self.fingerprint, image_id)
+        value = self._values.get(key)
+        if value is None:
+            self.misses += 1
+            return None
+        self._values.move_to_end(key)
+        rf = self._decode(value, key)
+        if rf is None:
+            self._drop(key)
+        return rf
+
+    async def put(self, image_id: str, rf: RegionFeatures) -> None:
+        key = feature_key(self.fingerprint, image_id)
+        value = rf.to_bytes()
+        self._drop(key)
+        if len(value) > self.max_bytes:
+            log.warning("feature store memory: %d-byte value exceeds max_bytes=%d; not cached", len(value), self.max_bytes)
+            return
+        while self._bytes + len(value) > self.max_bytes:
+            self._drop(next(iter(self._values)))
+            self.evictions += 1
+        self._values[key] = value
+        self._bytes += len(value)
+
+    async def close(self) -> None:
+        self._values.clear()
+        self._bytes = 0
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "items": len(self._values), "bytes": self._bytes, "max_bytes": self.max_bytes,
+                "evictions": self.evictions}
+
+    def _drop(self, key: str) -> None:
+        value = self._values.pop(key, None)
+        if value is not None:
+            self._bytes -= len(value)
+
+
+class RedisStore(FeatureStore):
+    """Redis (redis.asyncio + hiredis), SET with EX ttl; shared by every pod.
+
+    Run Redis with `maxmemory-policy allkeys-lru` (and a `maxmemory`) so it evicts old images instead of
+    refusing writes; the server owns that policy (tests, docs and k8s config set it), never this client.
+    Short socket timeouts and a back-off keep a dead Redis cheap: after a failure, Redis is skipped for
+    `backoff_s` (every request a plain miss), then tried again, so the store recovers on its own.
+    """
+
+    name = "redis"
+
+    def __init__(self, url: str, fingerprint: str, ttl_s: int, *, timeout_s: float = 0.5, backoff_s: float = 1.0) -> None:
+        super().__init__()
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        self.url = url
+        self.fingerprint = fingerprint
+        self.ttl_s = ttl_s
+        self.backoff_s = backoff_s
+        self.skipped = 0  # operations not attempted during a back-off
+        self._down_until = 0.0  # time.monotonic() before which Redis is not tried
+        # No retries: one failed attempt is cheaper than three, and the pool already reconnects stale sockets.
+        self._redis = aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False, decode_responses=False, client_name="vlserve")
+
+    @property
+    def available(self) -> bool:
+        """False during a back-off after a failure."""
+        return time.monotonic() >= self._down_until
+
+    def key(self, image_id: str) -> str:
+        return feature_key(self.fingerprint, image_id)
+
+    async def get(self, image_id: str) -> RegionFeatures | None:
+        if not self.available:
+            self.skipped += 1
+            self.misses += 1
+            return None
+        key = self.key(image_id)
+        try:
+            value = await self._redis.get(key)
+        except (RedisError, *_UNREACHABLE) as exc:
+            self._failed("get", exc)
+            self.misses += 1
+            return None
+        if value is None:
+            self.misses += 1
+            return None
+        return self._decode(value, key)  # a corrupt value stays until the next put overwrites it
+
+    async def put(self, image_id: str, rf: RegionFeatures) -> None:
+        if not self.available:
+            self.skipped += 1
+            return
+        try:
+            await self._redis.set(self.key(image_id), rf.to_bytes(), ex=self.ttl_s)
+        except (RedisError, *_UNREACHABLE) as exc:
+            self._failed("put", exc)
+
+    async def ping(self) -> bool:
+        """True when Redis answers now (ignores the back-off; for readiness details, not for requests)."""
+        try:
+            return bool(await self._redis.ping())
+        except (RedisError, *_UNREACHABLE):
+            return False
+
+    async def close(self) -> None:
+        try:
+            await self._redis.aclose()
+        except (RedisError, *_UNREACHABLE) as exc:  # closing a broken connection is not worth a crash at shutdown
+            log.debug("feature store redis: error on close (%s)", exc)
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "skipped": self.skipped, "available": self.available}
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        self.errors += 1
+        if isinstance(exc, _UNREACHABLE):
+            was_up = self.available
+            self._down_until = time.monotonic() + self.backoff_s
+            if was_up:
+                log.warning("feature store redis: %s failed (%s: %s); serving without cache, retrying in %.1f s",
+                            op, type(exc).__name__, exc, self.backoff_s)
+        else:  # e.g. a ResponseError (OOM under noeviction, READONLY replica): Redis is up, this call failed
+            log.warning("feature store redis: %s failed (%s: %s)", op, type(exc).__name__, exc)
+
+
+def create_store(settings: Settings, fingerprint: str) -> FeatureStore:
+    """Redis when settings.redis_url is set, otherwise the in-process LRU."""
+    if settings.redis_url:
+        return RedisStore(settings.redis_url, fingerprint, settings.redis_ttl_s)
+    return InProcessStore(settings.cache_max_bytes, fingerprint)

@@ -1,0 +1,120 @@
+"""Service settings from `VLSERVE_*` environment variables (or keyword overrides), validated at start-up."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+MiB = 1 << 20
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+class Settings(BaseSettings):
+    """Everything `vlserve serve` can be told; every field is `VLSERVE_<NAME>` in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="VLSERVE_", extra="forbid")
+
+    # models
+    model_dir: Path | None = None  # encoder checkpoint directory; None = the demo model
+    detector_dir: Path | None = None  # detector directory; None = the demo model's detector
+    runtime: Literal["torch", "onnxruntime", "tensorrt"] = "torch"  # inference backend
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
+    threads: int = Field(2, ge=1)  # intra-op threads of the inference runtime
+    # feature store
+    redis_url: str | None = None  # redis://host:port/db; None or "" = in-process LRU
+    redis_ttl_s: int = Field(604800, gt=0)  # lifetime of a cached image's regions in Redis (a week)
+    cache_max_bytes: int = Field(256 * MiB, gt=0)  # in-process feature store bound, in bytes of stored values
+    # batching (encoder, per task)
+    max_batch_size: int = Field(32, ge=1)  # requests per encoder batch
+    max_wait_ms: float = Field(5.0, ge=0)  # how long a batch waits to fill after its first request
+    max_queue: int = Field(256, ge=1)  # queued requests per batcher before 429
+    # batching (detector)
+    detector_max_batch_size: int = Field(8, ge=1)  # images per detector batch
+    detector_max_wait_ms: float = Field(5.0, ge=0)  # how long a detector batch waits to fill
+    # request limits
+    max_body_bytes: int = Field(10 * MiB, gt=0)  # larger request bodies get 413
+    max_pixels: int = Field(40_000_000, gt=0)  # larger images are refused before decoding (decompression bombs)
+    max_text_chars: int = Field(512, gt=0)  # longest question / expression / caption, in characters
+    max_text_tokens: int = Field(64, ge=4)  # WordPiece budget of one text row ([CLS] text [MASK] [SEP] needs 4)
+    max_top_k: int = Field(100, ge=1)  # largest top_k a request may ask for
+    max_candidates: int = Field(100, ge=1)  # most image_ids / texts one retrieval request may rank
+    # access
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)  # empty = no auth; env: comma-separated
+    # server
+    host: str = "127.0.0.1"  # bind address
+    port: int = Field(8000, ge=0, le=65535)  # bind port (0 = any free port)
+    shutdown_timeout_s: float = Field(30.0, ge=0)  # grace period for in-flight requests on SIGTERM
+
+    @field_validator("model_dir", "detector_dir")
+    @classmethod
+    def _existing_dir(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_dir():
+            raise ValueError(f"directory not found: {value}")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        value = value.strip().lower()
+        if not _DEVICE.match(value):
+            raise ValueError(f"{value!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'")
+        return value
+
+    @field_validator("redis_url", mode="before")
+    @classmethod
+    def _redis_url(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = value.strip()
+            if not value:
+                return None  # VLSERVE_REDIS_URL="" turns Redis off
+            if not value.startswith(_REDIS_SCHEMES):
+                raise ValueError(f"{value!r} is not a Redis URL; it must start with {', '.join(_REDIS_SCHEMES)}")
+        return value
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        """"a, b,c" -> ["a", "b", "c"]; blanks dropped, duplicates kept once."""
+        if isinstance(value, str):
+            value = value.split(",")
+        if isinstance(value, (list, tuple)):
+            keys = [k.strip() if isinstance(k, str) else k for k in value]
+            return list(dict.fromkeys(k for k in keys if k != ""))
+        return value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _no_inner_space(cls, keys: list[str]) -> list[str]:
+        for i, key in enumerate(keys):
+            if any(c.isspace() for c in key):
+                raise ValueError(f"API key #{i + 1} contains whitespace")
+        return keys
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("host must not be empty")
+        return value.strip()
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings from the environment, keyword overrides winning; raises pydantic.ValidationError."""
+    return Settings(**overrides)
+
+
+def settings_error_message(error: ValidationError) -> str:
+    """One readable message for a failed start-up: `invalid settings: VLSERVE_THREADS: ...; VLSERVE_PORT: ...`."""
+    parts = []
+    for e in error.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "settings"
+        name = f"VLSERVE_{field.upper()}" if e["loc"] and isinstance(e["loc"][0], str) else field
+        msg = e["msg"].removeprefix("Value error, ")
+        given = e.get("input")
+        shown = "" if isinstance(given, dict) or field == "api_keys" else f" (got {given!r})"
+        parts.append(f"{name}: {msg}{shown}")
+    return "invalid settings: " + "; ".join(parts)

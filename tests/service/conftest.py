@@ -1,0 +1,146 @@
+"""Service fixtures: a real redis-server on a free loopback port, and a tiny real detector saved to disk."""
+from __future__ import annotations
+
+import io
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+import redis
+import torch
+from PIL import Image
+
+from models.detector import DetectorConfig, RegionDetector
+from models.detector.io import save_detector
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A redis-server child process (no persistence, allkeys-lru as in production) that tests may stop and restart."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        """A synchronous client for test set-up and inspection."""
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2)
+
+    def start(self) -> None:
+        if self.proc is not None:
+            return
+        cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+               "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru", "--dir", str(self.workdir)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if self.client().ping():
+                    return
+            except redis.exceptions.ConnectionError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"redis-server did not start on port {self.port}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+        self.proc = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory) -> Iterator[RedisServer]:
+    """One redis-server for the session: `.url`, `.client()`, `.stop()`, `.start()` (same port)."""
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed; `make install` provides it")
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """The URL of an empty, running Redis."""
+    redis_server.start()
+    with redis_server.client() as client:
+        client.flushall()
+    return redis_server.url
+
+
+@pytest.fixture
+def restartable_redis(redis_server: RedisServer, redis_url: str) -> Iterator[RedisServer]:
+    """The server, for tests that stop it; it is running again afterwards whatever the test did."""
+    yield redis_server
+    redis_server.start()
+
+
+class TinyDetector(NamedTuple):
+    dir: Path
+    detector: RegionDetector
+    fingerprint: str
+
+
+TINY_DETECTOR = dict(min_size=64, max_size=128, rpn_pre_nms_top_n=100, rpn_post_nms_top_n=30, num_boxes=8,
+                     feature_dim=16, classes=["circle", "rectangle", "triangle"], attributes=["red", "blue"])
+
+
+def build_tiny_detector(out_dir: Path, seed: int = 0, **overrides) -> TinyDetector:
+    """A real detector at test size (random weights, seeded), saved as a detector directory."""
+    torch.manual_seed(seed)
+    detector = RegionDetector(DetectorConfig(**{**TINY_DETECTOR, **overrides}), pretrained_backbone=False).eval()
+    fingerprint = save_detector(detector, out_dir)
+    return TinyDetector(out_dir, detector, fingerprint)
+
+
+@pytest.fixture(scope="session")
+def tiny_detector(tmp_path_factory) -> TinyDetector:
+    """(dir, detector, fingerprint) of the tiny detector; feature_dim 16 matches the "tiny" encoder size."""
+    return build_tiny_detector(tmp_path_factory.mktemp("detector"))
+
+
+def shapes_image(h: int = 96, w: int = 128, seed: int = 0) -> np.ndarray:
+    """A pale (h, w, 3) uint8 image with a red and a blue rectangle."""
+    rng = np.random.default_rng(seed)
+    img = np.full((h, w, 3), 240, np.uint8)
+    for colour in ((200, 30, 30), (30, 30, 200)):
+        bh, bw = int(rng.integers(h // 6, h // 2)), int(rng.integers(w // 6, w // 2))
+        y, x = int(rng.integers(0, h - bh)), int(rng.integers(0, w - bw))
+        img[y : y + bh, x : x + bw] = colour
+    return img
+
+
+def png_bytes(img: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture
+def make_image_bytes() -> Callable[..., bytes]:
+    """make_image_bytes(seed=0, h=96, w=128) -> PNG bytes of a distinct little shapes image per seed."""
+    return lambda seed=0, h=96, w=128: png_bytes(shapes_image(h, w, seed))

@@ -1,0 +1,234 @@
+"""Batcher: right result to the right caller, failures stay in their batch, max wait, bounded queue, drain on stop."""
+import asyncio
+import random
+import threading
+import time
+
+import pytest
+
+from service.batcher import Batcher, BatcherClosedError, BatcherConfig, QueueFullError, check_results, retry_after
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+class Recorder:
+    """A batch function that records its batch sizes; `delay` seconds per call, `fail_on` items raise."""
+
+    def __init__(self, delay: float = 0.0, fail_on: set | None = None):
+        self.delay = delay
+        self.fail_on = fail_on or set()
+        self.sizes: list[int] = []
+        self.threads: set[str] = set()
+
+    def __call__(self, items: list[int]) -> list[int]:
+        self.sizes.append(len(items))
+        self.threads.add(threading.current_thread().name)
+        if self.delay:
+            time.sleep(self.delay)
+        if self.fail_on & set(items):
+            raise ValueError(f"bad item in {items}")
+        return [x * 10 for x in items]
+
+
+def test_results_return_to_their_callers_under_concurrency():
+    fn = Recorder()
+    hooks = []
+
+    async def main():
+        b = Batcher("t", fn, BatcherConfig(max_batch_size=8, max_wait_ms=2, max_queue=1000),
+                    on_batch=lambda n, wait, run_s: hooks.append((n, wait, run_s)))
+        await b.start()
+
+        async def client(i: int) -> tuple[int, int]:
+            await asyncio.sleep(random.random() * 0.02)  # randomized arrival
+            return i, await b.submit(i)
+
+        results = await asyncio.gather(*(client(i) for i in range(200)))
+        await b.stop()
+        return results, b
+
+    random.seed(0)
+    results, b = run(main())
+    assert all(r == i * 10 for i, r in results)
+    assert sum(fn.sizes) == 200 and max(fn.sizes) <= 8 and len(fn.sizes) < 200, "requests were batched"
+    assert all(not name.startswith("MainThread") for name in fn.threads), "fn runs off the event loop thread"
+    assert [n for n, _, _ in hooks] == fn.sizes and all(w >= 0 and r >= 0 for _, w, r in hooks)
+    assert b.batches == len(fn.sizes) and b.items == 200
+
+
+def test_exception_fails_only_its_own_batch():
+    fn = Recorder(fail_on={13})
+
+    async def main():
+        b = Batcher("t", fn, BatcherConfig(max_batch_size=4, max_wait_ms=20, max_queue=100))
+        await b.start()
+        first = await asyncio.gather(*(b.submit(i) for i in (11, 12, 13, 14)), return_exceptions=True)
+        second = await asyncio.gather(*(b.submit(i) for i in (1, 2, 3)), return_exceptions=True)
+        await b.stop()
+        return first, second
+
+    first, second = run(main())
+    assert fn.sizes == [4, 3]
+    assert all(isinstance(r, ValueError) and "bad item" in str(r) for r in first)
+    assert second == [10, 20, 30]
+
+
+def test_exception_result_fails_only_its_item_and_wrong_count_fails_the_batch():
+    def per_item(items):
+        return [ValueError("odd") if x % 2 else x for x in items]
+
+    def wrong_count(items):
+        return items[:-1]
+
+    async def main():
+        a = Batcher("a", per_item, BatcherConfig(4, 20, 100))
+        w = Batcher("w", wrong_count, BatcherConfig(4, 20, 100))
+        await a.start()
+        await w.start()
+        mixed = await asyncio.gather(*(a.submit(i) for i in range(4)), return_exceptions=True)
+        wrong = await asyncio.gather(*(w.submit(i) for i in range(3)), return_exceptions=True)
+        after = await a.submit(2)  # both consumers survive
+        await a.stop()
+        await w.stop()
+        return mixed, wrong, after
+
+    mixed, wrong, after = run(main())
+    assert mixed[0] == 0 and mixed[2] == 2 and isinstance(mixed[1], ValueError) and isinstance(mixed[3], ValueError)
+    assert all(isinstance(r, RuntimeError) and "2 results for a batch of 3" in str(r) for r in wrong)
+    assert after == 2
+
+
+def test_lone_item_waits_max_wait_and_full_batch_runs_at_once():
+    fn = Recorder()
+
+    async def main():
+        b = Batcher("t", fn, BatcherConfig(max_batch_size=4, max_wait_ms=100, max_queue=100))
+        await b.start()
+        t0 = time.perf_counter()
+        await b.submit(1)
+        lone = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        await asyncio.gather(*(b.submit(i) for i in range(4)))
+        full = time.perf_counter() - t0
+        await b.stop()
+        return lone, full
+
+    lone, full = run(main())
+    assert 0.095 <= lone < 0.4, f"a lone item ran after {lone:.3f} s; max_wait_ms is 100"
+    assert full < 0.05, f"a full batch waited {full:.3f} s"
+    assert fn.sizes == [1, 4]
+
+
+def test_zero_wait_runs_whatever_is_queued():
+    fn = Recorder()
+
+    async def main():
+        b = Batcher("t", fn, BatcherConfig(max_batch_size=16, max_wait_ms=0, max_queue=100))
+        await b.start()
+        out = await asyncio.gather(*(b.submit(i) for i in range(10)))
+        await b.stop()
+        return out
+
+    assert run(main()) == [i * 10 for i in range(10)]
+    assert fn.sizes == [10], "items queued in the same loop iteration share a batch"
+
+
+def test_full_queue_raises_queue_full_with_retry_after():
+    fn = Recorder(delay=0.2)
+
+    async def main():
+        b = Batcher("t", fn, BatcherConfig(max_batch_size=1, max_wait_ms=0, max_queue=3))
+        await b.start()
+        running = asyncio.ensure_future(b.submit(0))
+        await asyncio.sleep(0.05)  # item 0 is running; the queue is empty again
+        queued = [asyncio.ensure_future(b.submit(i)) for i in (1, 2, 3)]
+        await asyncio.sleep(0)
+        assert b.queue_depth == 3
+        with pytest.raises(QueueFullError) as err:
+            await b.submit(4)
+        results = await asyncio.gather(running, *queued)
+        await b.stop()
+        return err.value, results
+
+    err, results = run(main())
+    assert err.retry_after_s > 0 and "queue full" in str(err)
+    assert results == [0, 10, 20, 30]
+
+
+def test_stop_drains_queued_work_then_refuses():
+    fn = Recorder(delay=0.02)
+
+    async def main():
+        b = Batcher("t", fn, BatcherConfig(max_batch_size=2, max_wait_ms=50, max_queue=100))
+        await b.start()
+        pending = [asyncio.ensure_future(b.submit(i)) for i in range(7)]
+        await asyncio.sleep(0)
+        await b.stop()
+        assert all(p.done() for p in pending)
+        with pytest.raises(BatcherClosedError):
+            await b.submit(1)
+        return [p.result() for p in pending]
+
+    assert run(main()) == [i * 10 for i in range(7)]
+    assert fn.sizes == [2, 2, 2, 1]
+
+
+def test_stop_timeout_fails_the_rest():
+    fn = Recorder(delay=0.3)
+
+    async def main():
+        b = Batcher("t", fn, BatcherConfig(max_batch_size=1, max_wait_ms=0, max_queue=100))
+        await b.start()
+        pending = [asyncio.ensure_future(b.submit(i)) for i in range(3)]
+        await asyncio.sleep(0.01)
+        await b.stop(timeout_s=0.05)
+        return await asyncio.gather(*pending, return_exceptions=True)
+
+    assert all(isinstance(r, BatcherClosedError) for r in run(main()))
+
+
+def test_cancelled_callers_do_not_break_the_consumer():
+    fn = Recorder(delay=0.05)
+
+    async def main():
+        b = Batcher("t", fn, BatcherConfig(max_batch_size=4, max_wait_ms=10, max_queue=100))
+        await b.start()
+        running = [asyncio.ensure_future(b.submit(i)) for i in range(4)]  # first batch
+        await asyncio.sleep(0.02)
+        queued = [asyncio.ensure_future(b.submit(i)) for i in range(4, 8)]  # waits behind it
+        await asyncio.sleep(0)
+        running[0].cancel()  # cancelled while its batch runs
+        for q in queued[:3]:
+            q.cancel()  # cancelled while queued: never run
+        later = await b.submit(9)
+        rest = await asyncio.gather(*running[1:], queued[3])
+        await b.stop()
+        return later, rest
+
+    later, rest = run(main())
+    assert later == 90 and rest == [10, 20, 30, 70]
+    assert sum(fn.sizes) == 4 + 2, "cancelled queued items were dropped, not run"
+
+
+def test_submit_before_start_and_bad_config():
+    async def main():
+        b = Batcher("t", Recorder(), BatcherConfig(1, 0, 1))
+        with pytest.raises(BatcherClosedError):
+            await b.submit(1)
+
+    run(main())
+    for bad in (dict(max_batch_size=0), dict(max_wait_ms=-1), dict(max_wait_ms=float("nan")), dict(max_queue=0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            BatcherConfig(**{**dict(max_batch_size=1, max_wait_ms=0, max_queue=1), **bad})
+
+
+def test_pure_helpers():
+    assert retry_after(queue_depth=63, max_batch_size=32, batch_seconds=0.5, max_wait_s=0.005) == 1.0
+    assert retry_after(0, 32, 0.0, 0.0) > 0
+    assert check_results((1, 2), 2) == [1, 2]
+    with pytest.raises(RuntimeError, match="returned int"):
+        check_results(3, 1)
+    with pytest.raises(RuntimeError, match="1 results for a batch of 2"):
+        check_results([1], 2)
