@@ -104,8 +104,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             loaded = await asyncio.to_thread(load_models, settings)
             runtime = create_runtime(settings, loaded.checkpoint)
         except (StartupError, ValueError) as exc:
-            app.state.startup_error = str(exc)
-            log.error("start-up failed: %s", exc)
+            app.state.startup_error = str(exc)  # `vlserve serve` prints it as one line
             raise StartupError(str(exc)) from None
         stack.callback(runtime.close)
         store = create_store(settings, loaded.fingerprint)

@@ -7,6 +7,7 @@ from vlserve import __version__
 from vlserve.commands.import_cmd import app as import_app
 from vlserve.commands.extract import extract
 from vlserve.commands.info import info
+from vlserve.commands.serve import serve
 from vlserve.commands.train import app as train_app
 
 app = typer.Typer(
@@ -21,15 +22,7 @@ app.command("extract")(extract)
 app.add_typer(train_app, name="train")
 
 
-@app.command("serve")
-def serve() -> None:
-    """Run the HTTP service (POST /vqa /refer /retrieve /nlvr2)."""
-    typer.echo(
-        "error: the HTTP service is not built yet: it needs the service package (issue 5: FastAPI endpoints, "
-        "feature store, batcher) and a demo model (issue 4: `make zoo`).",
-        err=True,
-    )
-    raise typer.Exit(2)
+app.command("serve")(serve)
 
 
 @app.command("version")

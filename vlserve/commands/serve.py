@@ -1,0 +1,103 @@
+"""`vlserve serve`: run the HTTP service with uvicorn; every option overrides one VLSERVE_* setting."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+_S = "Settings"  # help panel: every option is also an environment variable VLSERVE_<OPTION>
+
+
+def _opt(help_text: str, panel: str = _S, **kw: Any) -> Any:
+    return typer.Option(help=help_text, rich_help_panel=panel, show_default=False, **kw)
+
+
+def serve(
+    model_dir: Annotated[Path | None, _opt("encoder checkpoint directory (env VLSERVE_MODEL_DIR)", "Models")] = None,
+    detector_dir: Annotated[Path | None, _opt("detector directory (env VLSERVE_DETECTOR_DIR)", "Models")] = None,
+    runtime: Annotated[str | None, _opt("inference backend: torch, onnxruntime or tensorrt (default torch)", "Models")] = None,
+    device: Annotated[str | None, _opt("cpu, cuda or cuda:N (default cpu)", "Models")] = None,
+    threads: Annotated[int | None, _opt("intra-op threads of the runtime (default 2)", "Models")] = None,
+    redis_url: Annotated[str | None, _opt("feature store in Redis (redis://host:port/db); empty = in-process LRU", "Feature store")] = None,
+    redis_ttl_s: Annotated[int | None, _opt("lifetime of cached regions in Redis, seconds (default 604800)", "Feature store")] = None,
+    cache_max_bytes: Annotated[int | None, _opt("in-process feature store bound in bytes (default 256 MiB)", "Feature store")] = None,
+    max_batch_size: Annotated[int | None, _opt("requests per encoder batch; 1 turns batching off (default 32)", "Batching")] = None,
+    max_wait_ms: Annotated[float | None, _opt("how long an encoder batch waits to fill, ms (default 5)", "Batching")] = None,
+    max_queue: Annotated[int | None, _opt("queued requests per batcher before 429 (default 256)", "Batching")] = None,
+    detector_max_batch_size: Annotated[int | None, _opt("images per detector batch (default 8)", "Batching")] = None,
+    detector_max_wait_ms: Annotated[float | None, _opt("how long a detector batch waits to fill, ms (default 5)", "Batching")] = None,
+    max_body_bytes: Annotated[int | None, _opt("larger request bodies get 413 (default 10 MiB)", "Limits")] = None,
+    max_pixels: Annotated[int | None, _opt("larger images are refused before decoding (default 40000000)", "Limits")] = None,
+    max_text_chars: Annotated[int | None, _opt("longest question / expression / caption in characters (default 512)", "Limits")] = None,
+    max_text_tokens: Annotated[int | None, _opt("longest text row in word pieces (default 64)", "Limits")] = None,
+    max_top_k: Annotated[int | None, _opt("largest top_k a request may ask for (default 100)", "Limits")] = None,
+    max_candidates: Annotated[int | None, _opt("most image_ids / texts one /retrieve request may rank (default 100)", "Limits")] = None,
+    api_keys: Annotated[str | None, _opt("comma-separated API keys for X-API-Key; none = open (prefer the env variable: "
+                                         "command lines are visible to other users)", "Access")] = None,
+    host: Annotated[str | None, _opt("bind address (default 127.0.0.1)", "Server")] = None,
+    port: Annotated[int | None, _opt("bind port; 0 = any free port (default 8000)", "Server")] = None,
+    shutdown_timeout_s: Annotated[float | None, _opt("on SIGTERM, how long in-flight requests may finish, s (default 30)", "Server")] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level", rich_help_panel="Server")] = "info",
+) -> None:
+    """Run the HTTP service: POST /vqa /refer /retrieve /nlvr2 /images, GET /healthz /readyz /metrics, docs at /docs.
+
+    Every option overrides the environment variable VLSERVE_<OPTION> (--max-wait-ms is VLSERVE_MAX_WAIT_MS).
+
+    Exit code 2 when the settings or the models are not usable (one message says why).
+
+    SIGTERM or Ctrl-C: stop accepting connections, let in-flight requests finish (--shutdown-timeout-s),
+    drain the batchers, close Redis.
+    """
+    overrides = {name: value for name, value in locals().items() if value is not None and name != "log_level"}
+    from pydantic import ValidationError
+
+    from service.settings import load_settings, settings_error_message
+
+    try:
+        settings = load_settings(**overrides)
+    except ValidationError as exc:
+        typer.echo(f"error: {settings_error_message(exc)}", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(run_server(settings, log_level))
+
+
+def run_server(settings, log_level: str = "info") -> int:
+    """Serve until SIGTERM / Ctrl-C; 0 after a clean shutdown, 2 when start-up failed (message on stderr)."""
+    import uvicorn
+
+    from service.app import StartupError, create_app
+
+    try:
+        app = create_app(settings)
+    except StartupError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        return 2
+    server = uvicorn.Server(uvicorn.Config(
+        quiet_startup_failure(app), host=settings.host, port=settings.port, lifespan="on", log_level=log_level,
+        timeout_graceful_shutdown=settings.shutdown_timeout_s, proxy_headers=False, server_header=False))
+    try:
+        server.run()
+    except SystemExit:  # uvicorn exits 3 when start-up or binding the port fails
+        pass
+    if not server.started:
+        typer.echo(f"error: {app.state.startup_error or 'the service did not start (see the log above)'}", err=True)
+        return 2
+    return 0
+
+
+def quiet_startup_failure(app):
+    """The app, with a known start-up failure reported as its one-line message instead of a traceback."""
+
+    async def wrapped(scope, receive, send):
+        if scope["type"] != "lifespan":
+            return await app(scope, receive, send)
+
+        async def sending(message):
+            if message["type"] == "lifespan.startup.failed" and app.state.startup_error:
+                message = {**message, "message": ""}  # run_server prints the reason once, after uvicorn exits
+            await send(message)
+
+        await app(scope, receive, sending)
+
+    return wrapped
