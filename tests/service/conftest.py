@@ -144,3 +144,86 @@ def png_bytes(img: np.ndarray) -> bytes:
 def make_image_bytes() -> Callable[..., bytes]:
     """make_image_bytes(seed=0, h=96, w=128) -> PNG bytes of a distinct little shapes image per seed."""
     return lambda seed=0, h=96, w=128: png_bytes(shapes_image(h, w, seed))
+
+
+# ---- the app: a tiny encoder checkpoint with every served head, settings, problem+json checks ----------
+
+VQA_ANSWERS = ["red", "blue", "circle", "rectangle", "two"]
+SERVED_HEADS = {"vqa": {"kind": "vqa", "num_labels": len(VQA_ANSWERS)}, "refer": {"kind": "refer"},
+                "itm": {"kind": "itm"}, "nlvr2": {"kind": "nlvr2"}}
+
+
+def build_tiny_checkpoint(out_dir: Path, fingerprint: str, preset: str = "visualbert", heads: dict | None = None,
+                          seed: int = 0) -> Path:
+    """A tiny encoder (random weights, seeded) saved as a checkpoint that expects the detector `fingerprint`."""
+    from models import create_model
+    from models.checkpoint import save_checkpoint
+    from models.tokenizer import VLTokenizer
+
+    heads = SERVED_HEADS if heads is None else heads
+    torch.manual_seed(seed)
+    model = create_model(preset, "tiny", visual_feat_dim=TINY_DETECTOR["feature_dim"], heads=heads)
+    labels = {"heads": {"vqa": VQA_ANSWERS}} if "vqa" in heads else {}
+    return save_checkpoint(model, out_dir, tokenizer=VLTokenizer.pretrained_minilm(), labels=labels,
+                           detector={"fingerprint": fingerprint})
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, tiny_detector: TinyDetector) -> Path:
+    """visualbert tiny with vqa, refer, itm and nlvr2 heads, matched to `tiny_detector`."""
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("checkpoint"), tiny_detector.fingerprint)
+
+
+@pytest.fixture(scope="session")
+def make_settings(tiny_checkpoint: Path, tiny_detector: TinyDetector):
+    """Settings(**overrides) for the tiny model: one thread, short batching waits."""
+    from service.settings import load_settings
+
+    def make(**overrides):
+        base = dict(model_dir=tiny_checkpoint, detector_dir=tiny_detector.dir, threads=1, max_wait_ms=2.0,
+                    detector_max_wait_ms=2.0, redis_url=None)
+        return load_settings(**{**base, **overrides})
+
+    return make
+
+
+def assert_problem(response, status: int, kind: str | None = None) -> dict:
+    """An RFC 9457 problem+json answer with this status (and problem type), never a trace."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/problem+json"), response.headers
+    body = response.json()
+    assert {"type", "title", "status", "detail", "instance"} <= set(body), body
+    assert body["status"] == status and body["detail"] and "Traceback" not in response.text
+    if kind is not None:
+        assert body["type"] == f"/problems/{kind}", body
+    return body
+
+
+@pytest.fixture
+def problem():
+    """assert_problem(response, status, kind=None) -> the problem body."""
+    return assert_problem
+
+
+@pytest.fixture(scope="session")
+def image_png() -> bytes:
+    """A small PNG the tiny detector finds regions in."""
+    return png_bytes(shapes_image())
+
+
+@pytest.fixture(scope="session")
+def make_png():
+    """make_png(seed=0, h=96, w=128) -> PNG bytes of a shapes image."""
+    return lambda seed=0, h=96, w=128: png_bytes(shapes_image(h, w, seed))
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint():
+    """build_tiny_checkpoint(out_dir, fingerprint, preset=..., heads=...)."""
+    return build_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def make_detector():
+    """build_tiny_detector(out_dir, seed=...)."""
+    return build_tiny_detector

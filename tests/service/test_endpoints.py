@@ -1,0 +1,238 @@
+"""Every endpoint end to end through TestClient(create_app(settings)) with the tiny model, against a real
+redis-server and with the in-process store."""
+from __future__ import annotations
+
+import base64
+import hashlib
+import math
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service.app import DEMO_MISSING, StartupError, create_app
+
+VQA_ANSWERS = ["red", "blue", "circle", "rectangle", "two"]  # the tiny checkpoint's answer names (conftest)
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module", params=["memory", "redis"])
+def client(request, make_settings):
+    """A started app (lifespan run) per feature store; batches wait 20 ms so concurrent requests share them."""
+    redis_url = None
+    if request.param == "redis":
+        server = request.getfixturevalue("redis_server")
+        server.start()
+        with server.client() as c:
+            c.flushall()
+        redis_url = server.url
+    with TestClient(create_app(make_settings(redis_url=redis_url, max_wait_ms=20.0))) as c:
+        c.store = request.param
+        yield c
+
+
+def regions_of(client):
+    return client.app.state.services.pipeline.regions
+
+
+def metric(client, name: str, **labels) -> float:
+    """A sample's value from /metrics (0 when absent)."""
+    text = client.get("/metrics").text
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        m = re.match(rf"^{name}(?:\{{(.*)\}})? (\S+)$", line)
+        if m and ",".join(sorted((m.group(1) or "").split(","))) == (want or ""):
+            return float(m.group(2))
+    return 0.0
+
+
+def test_health_ready_and_model_info(client):
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz").json()
+    assert ready["status"] == "ready"
+    model = ready["model"]
+    assert model["preset"] == "visualbert" and model["size"] == "tiny" and model["runtime"] == "torch"
+    assert len(model["checkpoint"]) == 12 and model["detector"] == regions_of(client).fingerprint
+
+
+def test_vqa_inline_then_by_id_skips_the_detector(client, make_png):
+    data = make_png(11)
+    runs = regions_of(client).detector_runs
+    first = client.post("/vqa", params={"timings": "true"}, json={"image": b64(data), "question": "what color?", "top_k": 3})
+    assert first.status_code == 200, first.text
+    body = first.json()
+    assert body["image_id"] == hashlib.sha256(data).hexdigest()
+    answers = body["answers"]
+    assert len(answers) == 3 and {a["answer"] for a in answers} <= set(VQA_ANSWERS)
+    assert [a["score"] for a in answers] == sorted((a["score"] for a in answers), reverse=True)
+    assert all(0 < a["score"] < 1 for a in answers)
+    timings = body["timings"]
+    assert timings["cache_hit"] is False and timings["total"] >= timings["encoder"] > 0
+    assert {"decode", "regions", "tokenize", "queue", "encoder", "total"} <= set(timings)
+    assert regions_of(client).detector_runs == runs + 1
+
+    again = client.post("/vqa", json={"image": b64(data), "question": "what color?", "top_k": 3}).json()
+    by_id = client.post("/vqa", params={"timings": "1"}, json={"image_id": body["image_id"], "question": "what color?", "top_k": 3}).json()
+    assert regions_of(client).detector_runs == runs + 1  # both answered from the feature store
+    assert "timings" not in again and by_id["timings"]["cache_hit"] is True
+    for other in (again, by_id):
+        assert [a["answer"] for a in other["answers"]] == [a["answer"] for a in answers]
+        assert [a["score"] for a in other["answers"]] == pytest.approx([a["score"] for a in answers], abs=1e-5)
+    assert metric(client, "vlserve_feature_store_hits_total") >= 2
+    assert metric(client, "vlserve_detector_images_total") == regions_of(client).detector_runs
+
+
+def test_refer_returns_a_region_box_in_pixels(client, image_png):
+    r = client.post("/refer", json={"image": b64(image_png), "expression": "the red rectangle"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    h, w = body["image_size"]
+    assert (h, w) == (96, 128)
+    x1, y1, x2, y2 = body["box"]
+    assert 0 <= x1 <= x2 <= w and 0 <= y1 <= y2 <= h
+    assert body["region"]["box"] == body["box"] and body["region"]["score"] == body["score"]
+    scores = [body["score"]] + [reg["score"] for reg in body["runner_up"]]
+    assert scores == sorted(scores, reverse=True) and 0 < sum(scores) <= 1 + 1e-6
+    indices = [body["region"]["index"]] + [reg["index"] for reg in body["runner_up"]]
+    assert len(set(indices)) == len(indices)
+
+
+def test_retrieve_text_to_images_ranks_known_images(client, make_png):
+    ids = []
+    for seed in (21, 22, 23):
+        r = client.post("/images", json={"image": b64(make_png(seed))})
+        assert r.status_code == 200, r.text
+        ids.append(r.json()["image_id"])
+    r = client.post("/retrieve", json={"text": "a red rectangle", "image_ids": ids, "top_k": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["direction"] == "text_to_images" and len(body["results"]) == 2
+    hits = body["results"]
+    assert {h["image_id"] for h in hits} <= set(ids)
+    assert hits[0]["score"] >= hits[1]["score"]
+    for h in hits:  # probability = softmax over [no match, match] = sigmoid(score)
+        assert h["probability"] == pytest.approx(1 / (1 + math.exp(-h["score"])), rel=1e-6)
+    full = client.post("/retrieve", json={"text": "a red rectangle", "image_ids": ids, "top_k": 3}).json()["results"]
+    assert [h["image_id"] for h in full[:2]] == [h["image_id"] for h in hits]
+
+
+def test_retrieve_image_to_texts_ranks_captions(client, image_png):
+    texts = ["a red rectangle", "two blue circles", "a green triangle", "nothing at all"]
+    r = client.post("/retrieve", json={"image": b64(image_png), "texts": texts, "top_k": 4})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["direction"] == "image_to_texts" and body["image_id"] == hashlib.sha256(image_png).hexdigest()
+    hits = body["results"]
+    assert sorted(h["index"] for h in hits) == [0, 1, 2, 3]
+    assert all(texts[h["index"]] == h["text"] for h in hits)
+    assert [h["score"] for h in hits] == sorted((h["score"] for h in hits), reverse=True)
+
+
+def test_nlvr2_mixes_inline_and_registered_images(client, image_png, make_png):
+    left = client.post("/images", files={"file": ("left.png", image_png, "image/png")}).json()["image_id"]
+    right = make_png(31)
+    r = client.post("/nlvr2", json={"images": [{"image_id": left}, {"image": b64(right)}], "statement": "both images have a red rectangle"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["image_ids"] == [left, hashlib.sha256(right).hexdigest()]
+    assert 0 < body["probability"] < 1 and body["answer"] == (body["probability"] >= 0.5)
+
+
+def test_images_json_and_multipart_agree(client, make_png):
+    data = make_png(41)
+    first = client.post("/images", files={"file": ("x.png", data, "image/png")})
+    assert first.status_code == 200, first.text
+    second = client.post("/images", params={"timings": "true"}, json={"image": b64(data)}).json()
+    assert first.json()["image_id"] == second["image_id"] == hashlib.sha256(data).hexdigest()
+    assert first.json()["cached"] is False and second["cached"] is True and second["timings"]["cache_hit"] is True
+    assert second["num_boxes"] == first.json()["num_boxes"] > 0 and second["image_size"] == [96, 128]
+
+
+def test_concurrent_requests_share_batches_and_get_their_own_answers(client, image_png):
+    questions = [f"is there a {c} shape number {i}?" for i, c in enumerate(["red", "blue", "green", "big"] * 3)]
+    image_id = client.post("/images", json={"image": b64(image_png)}).json()["image_id"]
+    alone = [client.post("/vqa", json={"image_id": image_id, "question": q, "top_k": 5}).json()["answers"] for q in questions]
+    before = metric(client, "vlserve_batch_size_count", task="vqa"), metric(client, "vlserve_batch_size_sum", task="vqa")
+    with ThreadPoolExecutor(len(questions)) as pool:
+        together = list(pool.map(lambda q: client.post("/vqa", json={"image_id": image_id, "question": q, "top_k": 5}), questions))
+    batches = metric(client, "vlserve_batch_size_count", task="vqa") - before[0]
+    items = metric(client, "vlserve_batch_size_sum", task="vqa") - before[1]
+    assert items == len(questions) and batches < len(questions)  # some requests shared a batch
+    for single, response in zip(alone, together):
+        assert response.status_code == 200
+        got = response.json()["answers"]
+        assert [a["answer"] for a in got] == [a["answer"] for a in single]
+        assert [a["score"] for a in got] == pytest.approx([a["score"] for a in single], abs=1e-5)
+
+
+def test_metrics_cover_requests_queues_store_and_models(client):
+    client.post("/vqa", json={"image_id": "0" * 64, "question": "q"})
+    text = client.get("/metrics").text
+    for name in ("vlserve_requests_total", "vlserve_request_seconds_bucket", "vlserve_queue_depth",
+                 "vlserve_queue_wait_seconds_bucket", "vlserve_batch_size_bucket", "vlserve_encoder_seconds_bucket",
+                 "vlserve_feature_store_hits_total", "vlserve_feature_store_misses_total",
+                 "vlserve_feature_store_errors_total", "vlserve_detector_seconds_total", "vlserve_ready"):
+        assert name in text, name
+    assert metric(client, "vlserve_requests_total", endpoint="/vqa", method="POST", status="404") >= 1
+    assert metric(client, "vlserve_queue_depth", batcher="detector") == 0
+
+
+def test_redis_down_mid_test_still_serves_then_recovers(make_settings, restartable_redis, make_png):
+    with TestClient(create_app(make_settings(redis_url=restartable_redis.url))) as c:
+        registered = c.post("/images", json={"image": b64(make_png(51))}).json()["image_id"]
+        restartable_redis.stop()
+        data = make_png(52)
+        r = c.post("/vqa", json={"image": b64(data), "question": "what color?"})
+        assert r.status_code == 200, r.text  # computed and served without the cache
+        assert c.post("/vqa", json={"image_id": registered, "question": "q"}).status_code == 404  # its cache is away
+        assert metric(c, "vlserve_feature_store_errors_total") >= 1
+        restartable_redis.start()
+        time.sleep(c.app.state.services.pipeline.regions.store.backoff_s + 0.05)  # the store retries Redis after its back-off
+        again = c.post("/images", json={"image": b64(data)})
+        assert again.status_code == 200 and again.json()["cached"] is False
+        assert c.post("/images", json={"image": b64(data)}).json()["cached"] is True
+
+
+def test_endpoint_without_its_head_is_a_404_problem(tmp_path, tiny_detector, make_settings, problem, make_checkpoint):
+    vqa_only = make_checkpoint(tmp_path / "vqa", tiny_detector.fingerprint, heads={"vqa": {"kind": "vqa", "num_labels": 5}})
+    with TestClient(create_app(make_settings(model_dir=vqa_only))) as c:
+        body = problem(c.post("/refer", json={"image_id": "a" * 64, "expression": "the red one"}), 404, "no-head")
+        assert "no refer head" in body["detail"]
+        problem(c.post("/retrieve", json={"text": "x", "image_ids": ["a" * 64]}), 404, "no-head")
+        problem(c.post("/nlvr2", json={"images": [{"image_id": "a" * 64}] * 2, "statement": "x"}), 404, "no-head")
+
+
+def test_two_stream_preset_serves_too(tmp_path, tiny_detector, make_settings, image_png, make_checkpoint):
+    lxmert = make_checkpoint(tmp_path / "lxmert", tiny_detector.fingerprint, preset="lxmert")
+    with TestClient(create_app(make_settings(model_dir=lxmert))) as c:
+        assert c.get("/readyz").json()["model"]["preset"] == "lxmert"
+        assert c.post("/vqa", json={"image": b64(image_png), "question": "what?"}).status_code == 200
+        assert c.post("/nlvr2", json={"images": [{"image": b64(image_png)}] * 2, "statement": "same"}).status_code == 200
+
+
+def test_not_ready_until_the_lifespan_has_warmed_up(make_settings, problem):
+    app = create_app(make_settings())
+    c = TestClient(app)  # no `with`: the lifespan has not run
+    assert c.get("/healthz").status_code == 200
+    problem(c.get("/readyz"), 503, "not-ready")
+    problem(c.post("/vqa", json={"image_id": "a" * 64, "question": "q"}), 503, "not-ready")
+
+
+def test_start_up_refuses_a_checkpoint_for_another_detector(tmp_path, tiny_checkpoint, make_settings, make_detector):
+    other = make_detector(tmp_path / "other", seed=1)
+    app = create_app(make_settings(detector_dir=other.dir))
+    with pytest.raises(StartupError, match="detector"):
+        with TestClient(app):
+            pass
+    assert other.fingerprint in app.state.startup_error
+
+
+def test_no_model_means_the_demo_model_message(make_settings):
+    with pytest.raises(StartupError) as err:
+        create_app(make_settings(model_dir=None))
+    assert str(err.value) == DEMO_MISSING and "demo model" in DEMO_MISSING
