@@ -6,7 +6,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -138,12 +138,6 @@ def png_bytes(img: np.ndarray) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(img).save(buf, format="PNG")
     return buf.getvalue()
-
-
-@pytest.fixture
-def make_image_bytes() -> Callable[..., bytes]:
-    """make_image_bytes(seed=0, h=96, w=128) -> PNG bytes of a distinct little shapes image per seed."""
-    return lambda seed=0, h=96, w=128: png_bytes(shapes_image(h, w, seed))
 
 
 # ---- the app: a tiny encoder checkpoint with every served head, settings, problem+json checks ----------

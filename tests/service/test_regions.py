@@ -42,8 +42,8 @@ def same(a: RegionFeatures, b: RegionFeatures) -> bool:
     return a.num_boxes == b.num_boxes and all(np.array_equal(getattr(a, k), getattr(b, k)) for k in arrays)
 
 
-def test_second_request_skips_the_detector(tiny_detector, make_store, make_image_bytes):
-    data = make_image_bytes(seed=1)
+def test_second_request_skips_the_detector(tiny_detector, make_store, make_png):
+    data = make_png(seed=1)
 
     async def body(service):
         first = await service.from_bytes(data)
@@ -62,8 +62,8 @@ def test_second_request_skips_the_detector(tiny_detector, make_store, make_image
     assert service.store.hits >= 2
 
 
-def test_concurrent_requests_for_a_new_image_run_the_detector_once(tiny_detector, make_store, make_image_bytes):
-    data = make_image_bytes(seed=2)
+def test_concurrent_requests_for_a_new_image_run_the_detector_once(tiny_detector, make_store, make_png):
+    data = make_png(seed=2)
 
     async def body(service):
         results = await asyncio.gather(*(service.from_bytes(data) for _ in range(8)))
@@ -74,8 +74,8 @@ def test_concurrent_requests_for_a_new_image_run_the_detector_once(tiny_detector
     assert len({r[0] for r in results}) == 1 and all(same(r[1], results[0][1]) for r in results)
 
 
-def test_distinct_images_are_batched_and_match_single_extraction(tiny_detector, make_store, make_image_bytes):
-    images = [make_image_bytes(seed=s, h=64 + 8 * s, w=96) for s in range(6)]
+def test_distinct_images_are_batched_and_match_single_extraction(tiny_detector, make_store, make_png):
+    images = [make_png(seed=s, h=64 + 8 * s, w=96) for s in range(6)]
 
     async def body(service):
         results = await asyncio.gather(*(service.from_bytes(d) for d in images))
@@ -90,8 +90,8 @@ def test_distinct_images_are_batched_and_match_single_extraction(tiny_detector, 
         assert not hit and same(rf, alone)
 
 
-def test_a_cancelled_caller_does_not_cancel_the_shared_extraction(tiny_detector, make_image_bytes):
-    data = make_image_bytes(seed=3)
+def test_a_cancelled_caller_does_not_cancel_the_shared_extraction(tiny_detector, make_png):
+    data = make_png(seed=3)
 
     async def body(service):
         first = asyncio.ensure_future(service.from_bytes(data))
@@ -110,26 +110,26 @@ def test_a_cancelled_caller_does_not_cancel_the_shared_extraction(tiny_detector,
     (b"not an image at all", "not an image"),
     (None, "truncated"),  # a PNG cut in half
 ])
-def test_bad_bytes_raise_image_error_and_leave_no_state(tiny_detector, make_store, make_image_bytes, data, message):
+def test_bad_bytes_raise_image_error_and_leave_no_state(tiny_detector, make_store, make_png, data, message):
     if data is None:
-        whole = make_image_bytes(seed=4)
+        whole = make_png(seed=4)
         data = whole[: len(whole) // 2]
 
     async def body(service):
         for _ in range(2):  # the failure is not cached: a retry fails the same way
             with pytest.raises(ImageError, match=message):
                 await service.from_bytes(data)
-        good = await service.from_bytes(make_image_bytes(seed=5))
+        good = await service.from_bytes(make_png(seed=5))
         return good, service.detector_runs, service.stats()
 
     good, runs, stats = serve(tiny_detector, make_store, body)
     assert not good[2] and runs == 1 and stats["in_flight"] == 0
 
 
-def test_pixel_limit(tiny_detector, make_image_bytes):
+def test_pixel_limit(tiny_detector, make_png):
     async def body(service):
         with pytest.raises(ImageError, match="over the limit"):
-            await service.from_bytes(make_image_bytes(seed=6, h=100, w=100))
+            await service.from_bytes(make_png(seed=6, h=100, w=100))
         return service.detector_runs
 
     assert serve(tiny_detector, lambda fp: InProcessStore(1 << 24, fp), body, max_pixels=9999) == 0
@@ -148,8 +148,8 @@ def test_from_id_unknown(tiny_detector, make_store, image_id):
     assert "sha256" in str(err) or "POST /images" in str(err)
 
 
-def test_from_id_waits_for_an_image_being_registered(tiny_detector, make_image_bytes):
-    data = make_image_bytes(seed=7)
+def test_from_id_waits_for_an_image_being_registered(tiny_detector, make_png):
+    data = make_png(seed=7)
 
     async def body(service):
         registering = asyncio.ensure_future(service.from_bytes(data))
@@ -162,8 +162,8 @@ def test_from_id_waits_for_an_image_being_registered(tiny_detector, make_image_b
     assert same(rf, registered) and runs == 1
 
 
-def test_redis_down_still_serves_and_recovers(tiny_detector, restartable_redis, make_image_bytes):
-    data = make_image_bytes(seed=8)
+def test_redis_down_still_serves_and_recovers(tiny_detector, restartable_redis, make_png):
+    data = make_png(seed=8)
 
     async def body(service):
         await service.from_bytes(data)
@@ -183,8 +183,8 @@ def test_redis_down_still_serves_and_recovers(tiny_detector, restartable_redis, 
     assert runs == 4
 
 
-def test_a_new_detector_fingerprint_recomputes(tiny_detector, redis_url, make_image_bytes):
-    data = make_image_bytes(seed=9)
+def test_a_new_detector_fingerprint_recomputes(tiny_detector, redis_url, make_png):
+    data = make_png(seed=9)
 
     async def main():
         hits = []
