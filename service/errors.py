@@ -2,6 +2,7 @@
 
 | status | type                         | when                                                                  |
 |--------|------------------------------|-----------------------------------------------------------------------|
+| 400    | /problems/bad-request        | a multipart body or Content-Length that cannot be parsed              |
 | 401    | /problems/unauthorized       | API keys are configured and X-API-Key is missing or wrong             |
 | 404    | /problems/not-found          | no such route                                                         |
 | 404    | /problems/unknown-image      | an image_id the service has not seen (POST /images or send the image) |
@@ -34,7 +35,7 @@ from .regions import UnknownImageError
 
 log = logging.getLogger("vlserve.errors")
 PROBLEM_JSON = "application/problem+json"
-_TYPES = {401: "unauthorized", 404: "not-found", 405: "method-not-allowed", 413: "body-too-large",
+_TYPES = {400: "bad-request", 401: "unauthorized", 404: "not-found", 405: "method-not-allowed", 413: "body-too-large",
           422: "validation-error", 429: "queue-full", 503: "not-ready", 500: "internal-error"}
 
 

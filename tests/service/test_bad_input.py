@@ -1,0 +1,173 @@
+"""Bad input matrix: every kind of malformed or over-limit request gets its documented 4xx as problem+json, never a 500."""
+from __future__ import annotations
+
+import base64
+import io
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from service.app import create_app
+
+LIMITS = dict(max_body_bytes=64 * 1024, max_pixels=2_000_000, max_text_chars=80, max_text_tokens=16, max_top_k=5,
+              max_candidates=3)
+
+
+def encode(img: Image.Image, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+PNG = encode(Image.new("RGB", (64, 48), (200, 30, 30)))
+IMG = b64(PNG)
+BOMB = b64(encode(Image.new("1", (12000, 12000))))  # 144 Mpixels in ~17 KB
+TRUNCATED = b64(encode(Image.new("RGB", (64, 48), (20, 200, 30)), "JPEG")[:200])
+UNKNOWN = "ab" * 32
+TEXT = "what color is it?"
+
+# (test id, method, path, JSON body, status, problem type)
+CASES = [
+    ("vqa-missing-question", "post", "/vqa", {"image": IMG}, 422, "validation-error"),
+    ("vqa-missing-image", "post", "/vqa", {"question": TEXT}, 422, "validation-error"),
+    ("vqa-image-and-id", "post", "/vqa", {"image": IMG, "image_id": UNKNOWN, "question": TEXT}, 422, "validation-error"),
+    ("vqa-question-not-string", "post", "/vqa", {"image": IMG, "question": 42}, 422, "validation-error"),
+    ("vqa-top-k-not-int", "post", "/vqa", {"image": IMG, "question": TEXT, "top_k": "many"}, 422, "validation-error"),
+    ("vqa-image-not-string", "post", "/vqa", {"image": [1, 2], "question": TEXT}, 422, "validation-error"),
+    ("vqa-unknown-field", "post", "/vqa", {"image": IMG, "question": TEXT, "answer": "red"}, 422, "validation-error"),
+    ("vqa-body-not-object", "post", "/vqa", [1, 2, 3], 422, "validation-error"),
+    ("vqa-invalid-base64", "post", "/vqa", {"image": "not base64 at all!", "question": TEXT}, 422, "validation-error"),
+    ("vqa-empty-base64", "post", "/vqa", {"image": "", "question": TEXT}, 422, "validation-error"),
+    ("vqa-non-image-bytes", "post", "/vqa", {"image": b64(b"%PDF-1.4 not an image" * 10), "question": TEXT}, 422, "invalid-image"),
+    ("vqa-truncated-image", "post", "/vqa", {"image": TRUNCATED, "question": TEXT}, 422, "invalid-image"),
+    ("vqa-pixel-bomb", "post", "/vqa", {"image": BOMB, "question": TEXT}, 422, "invalid-image"),
+    ("vqa-empty-question", "post", "/vqa", {"image": IMG, "question": ""}, 422, "validation-error"),
+    ("vqa-blank-question", "post", "/vqa", {"image": IMG, "question": " \t\n "}, 422, "validation-error"),
+    ("vqa-question-too-long", "post", "/vqa", {"image": IMG, "question": "x" * 81}, 422, "validation-error"),
+    ("vqa-question-too-many-tokens", "post", "/vqa", {"image": IMG, "question": "a b c d e f g h i j k l m n o"}, 422, "validation-error"),
+    ("vqa-unknown-image-id", "post", "/vqa", {"image_id": UNKNOWN, "question": TEXT}, 404, "unknown-image"),
+    ("vqa-malformed-image-id", "post", "/vqa", {"image_id": "../../etc/passwd", "question": TEXT}, 422, "validation-error"),
+    ("vqa-top-k-zero", "post", "/vqa", {"image": IMG, "question": TEXT, "top_k": 0}, 422, "validation-error"),
+    ("vqa-top-k-over-limit", "post", "/vqa", {"image": IMG, "question": TEXT, "top_k": 6}, 422, "validation-error"),
+    ("refer-missing-expression", "post", "/refer", {"image": IMG}, 422, "validation-error"),
+    ("refer-unknown-image-id", "post", "/refer", {"image_id": UNKNOWN, "expression": "the red one"}, 404, "unknown-image"),
+    ("refer-expression-too-long", "post", "/refer", {"image": IMG, "expression": "y" * 200}, 422, "validation-error"),
+    ("retrieve-empty-body", "post", "/retrieve", {}, 422, "validation-error"),
+    ("retrieve-both-directions", "post", "/retrieve", {"text": "a", "image_ids": [UNKNOWN], "texts": ["b"], "image": IMG}, 422, "validation-error"),
+    ("retrieve-text-without-ids", "post", "/retrieve", {"text": "a red box"}, 422, "validation-error"),
+    ("retrieve-empty-image-ids", "post", "/retrieve", {"text": "a red box", "image_ids": []}, 422, "validation-error"),
+    ("retrieve-too-many-images", "post", "/retrieve", {"text": "a red box", "image_ids": [UNKNOWN] * 4}, 422, "validation-error"),
+    ("retrieve-too-many-texts", "post", "/retrieve", {"image": IMG, "texts": ["a", "b", "c", "d"]}, 422, "validation-error"),
+    ("retrieve-empty-caption", "post", "/retrieve", {"image": IMG, "texts": ["a red box", ""]}, 422, "validation-error"),
+    ("retrieve-unknown-image-id", "post", "/retrieve", {"text": "a red box", "image_ids": [UNKNOWN]}, 404, "unknown-image"),
+    ("retrieve-top-k-over-limit", "post", "/retrieve", {"image": IMG, "texts": ["a"], "top_k": 99}, 422, "validation-error"),
+    ("nlvr2-one-image", "post", "/nlvr2", {"images": [{"image": IMG}], "statement": "true"}, 422, "validation-error"),
+    ("nlvr2-three-images", "post", "/nlvr2", {"images": [{"image": IMG}] * 3, "statement": "true"}, 422, "validation-error"),
+    ("nlvr2-image-not-object", "post", "/nlvr2", {"images": [IMG, IMG], "statement": "true"}, 422, "validation-error"),
+    ("nlvr2-unknown-right-image", "post", "/nlvr2", {"images": [{"image": IMG}, {"image_id": UNKNOWN}], "statement": "x"}, 404, "unknown-image"),
+    ("nlvr2-blank-statement", "post", "/nlvr2", {"images": [{"image": IMG}] * 2, "statement": "   "}, 422, "validation-error"),
+    ("images-missing-image", "post", "/images", {}, 422, "validation-error"),
+    ("images-image-id-instead", "post", "/images", {"image_id": UNKNOWN}, 422, "validation-error"),
+    ("images-non-image", "post", "/images", {"image": b64(b"GIF89a-but-not-really")}, 422, "invalid-image"),
+    ("images-pixel-bomb", "post", "/images", {"image": BOMB}, 422, "invalid-image"),
+    ("get-on-post-route", "get", "/vqa", None, 405, "method-not-allowed"),
+    ("post-on-get-route", "post", "/healthz", {}, 405, "method-not-allowed"),
+    ("unknown-route", "get", "/answers", None, 404, "not-found"),
+]
+
+
+@pytest.fixture(scope="module")
+def client(make_settings):
+    with TestClient(create_app(make_settings(**LIMITS)), raise_server_exceptions=False) as c:
+        yield c
+
+
+@pytest.mark.parametrize("method,path,body,status,kind", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_a_problem(client, problem, method, path, body, status, kind):
+    response = client.request(method.upper(), path, json=body)
+    problem(response, status, kind)
+
+
+def test_validation_problem_lists_the_fields(client, problem):
+    body = problem(client.post("/vqa", json={"image": "%%%", "question": 7, "top_k": 0}), 422, "validation-error")
+    fields = {tuple(e["loc"]) for e in body["errors"]}
+    assert {("body", "image"), ("body", "question"), ("body", "top_k")} <= fields
+    assert "%%%" not in str(body["errors"])  # inputs are not echoed back
+    assert body["instance"] == "/vqa" and body["request_id"]
+
+
+def test_limit_problem_names_the_field_and_the_limit(client, problem):
+    body = problem(client.post("/vqa", json={"image": IMG, "question": "q", "top_k": 6}), 422)
+    assert body["errors"][0]["loc"] == ["body", "top_k"] and "5" in body["detail"]
+    body = problem(client.post("/retrieve", json={"image": IMG, "texts": ["a", "b", "c", "d"]}), 422)
+    assert body["errors"][0]["loc"] == ["body", "texts"] and "3" in body["detail"]
+
+
+@pytest.mark.parametrize("raw,content_type", [
+    (b"{not json", "application/json"),
+    (b'{"image": "' + IMG.encode() + b'", "question": "q"', "application/json"),  # cut short
+    (b"question=what", "application/x-www-form-urlencoded"),
+    (b"\xff\xfe\x00garbage", "application/json"),
+])
+def test_unparseable_bodies(client, problem, raw, content_type):
+    problem(client.post("/vqa", content=raw, headers={"content-type": content_type}), 422, "validation-error")
+
+
+def test_multipart_upload_problems(client, problem):
+    problem(client.post("/images", files={"other": ("a.png", PNG, "image/png")}), 422, "validation-error")
+    problem(client.post("/images", files={"file": ("a.txt", b"hello, not an image", "text/plain")}), 422, "invalid-image")
+    problem(client.post("/images", files={"file": ("a.png", b"", "image/png")}), 422, "invalid-image")
+    problem(client.post("/images", files={"file": ("bomb.png", base64.b64decode(BOMB), "image/png")}), 422, "invalid-image")
+    broken = client.post("/images", content=b"--x\r\nbroken", headers={"content-type": "multipart/form-data; boundary=x"})
+    problem(broken, broken.status_code)
+    assert broken.status_code in (400, 422)
+
+
+def test_oversized_bodies_are_413_before_they_are_read(client, problem):
+    big = {"image": "A" * (64 * 1024), "question": TEXT}
+    problem(client.post("/vqa", json=big), 413, "body-too-large")
+
+    def chunks():  # no Content-Length: the limit counts streamed bytes
+        for _ in range(100):
+            yield b"x" * 1024
+
+    problem(client.post("/vqa", content=chunks(), headers={"content-type": "application/json"}), 413, "body-too-large")
+    problem(client.post("/images", files={"file": ("big.png", b"\x89PNG" + b"\0" * 70_000, "image/png")}), 413)
+
+
+def test_queue_full_is_429_with_retry_after(make_settings, problem):
+    settings = make_settings(max_batch_size=1, max_queue=1, max_wait_ms=0.0)
+    with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+        image_id = c.post("/images", json={"image": IMG}).json()["image_id"]
+        batcher = c.app.state.services.pipeline.batchers["vqa"]
+        release = threading.Event()
+        run = batcher.fn
+
+        def slow(items):  # hold the encoder until the queue has filled up
+            release.wait(5)
+            return run(items)
+
+        batcher.fn = slow
+        responses = []
+        threads = [threading.Thread(target=lambda: responses.append(
+            c.post("/vqa", json={"image_id": image_id, "question": TEXT}))) for _ in range(4)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 5
+        while not any(r.status_code == 429 for r in responses) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        release.set()
+        for t in threads:
+            t.join(10)
+    statuses = sorted(r.status_code for r in responses)
+    assert 429 in statuses and 200 in statuses and set(statuses) <= {200, 429}, statuses
+    limited = next(r for r in responses if r.status_code == 429)
+    problem(limited, 429, "queue-full")
+    assert int(limited.headers["Retry-After"]) >= 1
