@@ -11,7 +11,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sized
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -64,8 +64,8 @@ def retry_after(queue_depth: int, max_batch_size: int, batch_seconds: float, max
 
 
 def check_results(results: object, n: int) -> list:
-    """The batch function's return value as a list of n results, or a clear RuntimeError."""
-    if isinstance(results, (str, bytes)) or not isinstance(results, Sequence):
+    """The batch function's return value (a list, tuple or array of rows) as a list of n results, or a clear RuntimeError."""
+    if isinstance(results, (str, bytes, Mapping)) or not isinstance(results, Sized) or not isinstance(results, Iterable):
         raise RuntimeError(f"batch function returned {type(results).__name__}, expected a list of {n} results")
     if len(results) != n:
         raise RuntimeError(f"batch function returned {len(results)} results for a batch of {n}")

@@ -17,6 +17,7 @@ from .batcher import Batcher, BatcherConfig
 from .feature_store import FeatureStore
 
 _IMAGE_ID = re.compile(r"^[0-9a-f]{64}$")
+_HASH_INLINE_BYTES = 1 << 20  # sha256 of 1 MiB takes ~1 ms; larger bodies are hashed in a thread
 
 
 class UnknownImageError(KeyError):
@@ -91,7 +92,8 @@ class RegionService:
 
     async def from_bytes(self, data: bytes) -> tuple[str, RegionFeatures, bool]:
         """(image_id, regions, cache_hit) for image bytes; ImageError if they are not an acceptable image."""
-        image_id = image_id_of(data)
+        # hashlib releases the GIL: a large body is hashed off the event loop
+        image_id = image_id_of(data) if len(data) < _HASH_INLINE_BYTES else await asyncio.to_thread(image_id_of, data)
         rf, hit = await self._single_flight(image_id, lambda: self._lookup_or_extract(image_id, data))
         return image_id, rf, hit
 

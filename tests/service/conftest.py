@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -67,6 +68,13 @@ class RedisServer:
         self.proc.wait(timeout=10)
         self.proc = None
 
+    def pause(self) -> None:
+        """Freeze the server (SIGSTOP): connections stay open but nothing answers, as with a hung Redis."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
     @property
     def running(self) -> bool:
         return self.proc is not None
@@ -94,8 +102,10 @@ def redis_url(redis_server: RedisServer) -> str:
 
 @pytest.fixture
 def restartable_redis(redis_server: RedisServer, redis_url: str) -> Iterator[RedisServer]:
-    """The server, for tests that stop it; it is running again afterwards whatever the test did."""
+    """The server, for tests that stop, restart, pause or resume it; it is running again afterwards whatever the test did."""
     yield redis_server
+    if redis_server.running:
+        redis_server.resume()  # harmless when it was not paused
     redis_server.start()
 
 

@@ -4,6 +4,7 @@ import random
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from service.batcher import Batcher, BatcherClosedError, BatcherConfig, QueueFullError, check_results, retry_after
@@ -228,6 +229,9 @@ def test_pure_helpers():
     assert retry_after(queue_depth=63, max_batch_size=32, batch_seconds=0.5, max_wait_s=0.005) == 1.0
     assert retry_after(0, 32, 0.0, 0.0) > 0
     assert check_results((1, 2), 2) == [1, 2]
+    assert [r.tolist() for r in check_results(np.eye(2), 2)] == [[1, 0], [0, 1]]
+    with pytest.raises(RuntimeError, match="returned dict"):
+        check_results({"a": 1}, 1)
     with pytest.raises(RuntimeError, match="returned int"):
         check_results(3, 1)
     with pytest.raises(RuntimeError, match="1 results for a batch of 2"):

@@ -186,6 +186,31 @@ def test_redis_down_is_a_fast_miss_and_the_store_recovers(restartable_redis):
     assert same(after, regions(2)), "the store recovered once Redis returned"
 
 
+def test_hung_redis_times_out_quickly_then_is_skipped(restartable_redis):
+    server = restartable_redis
+
+    async def main():
+        store = RedisStore(server.url, "fp", ttl_s=300, timeout_s=0.2, backoff_s=0.5)
+        await store.put("a", regions(0))
+        server.pause()
+        t0 = time.perf_counter()
+        first = await store.get("a")  # waits for the socket timeout once
+        t1 = time.perf_counter()
+        rest = [await store.get("a") for _ in range(10)]  # skipped during the back-off
+        await store.put("a", regions(1))
+        t2 = time.perf_counter()
+        server.resume()
+        await asyncio.sleep(0.55)
+        back = await store.get("a")
+        await store.close()
+        return store, first, rest, t1 - t0, t2 - t1, back
+
+    store, first, rest, timed_out, skipped, back = run(main())
+    assert first is None and rest == [None] * 10 and store.errors == 1
+    assert 0.15 < timed_out < 0.6 and skipped < 0.05
+    assert same(back, regions(0)), "the value written before the hang is read again"
+
+
 def test_redis_unreachable_from_the_start():
     with socket.socket() as s:  # a loopback port nobody listens on
         s.bind(("127.0.0.1", 0))
