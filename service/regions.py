@@ -10,7 +10,7 @@ from concurrent.futures import Executor
 import numpy as np
 
 from models.detector import RegionDetector
-from models.images import decode_image
+from models.images import ImageError, decode_image
 from models.region_features import RegionFeatures
 
 from .batcher import Batcher, BatcherConfig
@@ -103,7 +103,10 @@ class RegionService:
             raise UnknownImageError(image_id)
         task = self._inflight.get(image_id)  # being registered right now: wait for it
         if task is not None:
-            rf, _ = await asyncio.shield(task)
+            try:
+                rf, _ = await asyncio.shield(task)
+            except ImageError:  # the bytes being registered under this id were no image: it stays unknown
+                raise UnknownImageError(image_id) from None
             return rf
         rf = await self.store.get(image_id)
         if rf is None:

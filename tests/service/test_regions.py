@@ -162,6 +162,20 @@ def test_from_id_waits_for_an_image_being_registered(tiny_detector, make_png):
     assert same(rf, registered) and runs == 1
 
 
+def test_from_id_of_bytes_that_fail_to_register_is_unknown(tiny_detector):
+    data = b"GIF89a but not really"
+
+    async def body(service):
+        registering = asyncio.ensure_future(service.from_bytes(data))
+        await asyncio.sleep(0)
+        with pytest.raises(UnknownImageError):
+            await service.from_id(image_id_of(data))
+        with pytest.raises(ImageError):
+            await registering
+
+    serve(tiny_detector, lambda fp: InProcessStore(1 << 24, fp), body)
+
+
 def test_redis_down_still_serves_and_recovers(tiny_detector, restartable_redis, make_png):
     data = make_png(seed=8)
 
