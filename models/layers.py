@@ -1,15 +1,67 @@
 """Transformer building blocks shared by every preset (post-LayerNorm, as BERT and the seed papers)."""
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# CPU fp32 inference runs the encoder's linear layers through oneDNN on weights packed once (see Linear).
+# VLSERVE_PACK_CPU_WEIGHTS=0 turns it off (it keeps a second, packed copy of those weights in memory).
+PACK_CPU_WEIGHTS = os.environ.get("VLSERVE_PACK_CPU_WEIGHTS", "1") != "0"
+_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(B, S) 1 = keep / 0 = pad  ->  (B, 1, 1, S) additive mask for attention scores."""
     mask = mask[:, None, None, :].to(dtype)
     return (1.0 - mask) * torch.finfo(dtype).min
+
+
+def _weight_version(weight: torch.Tensor) -> int | None:
+    try:
+        return weight._version  # bumped by every in-place change (optimizer step, load_state_dict)
+    except RuntimeError:  # an inference tensor: it can only change inside inference mode, where nothing packs twice
+        return None
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and keys) whose CPU fp32 inference uses a oneDNN pre-packed weight.
+
+    Plain nn.Linear (MKL sgemm) packs the weight inside every call; with few rows (batch 1: 56 tokens) that
+    is a large share of the work, and the pre-packed oneDNN GEMM ran 1.2-1.4x faster here (docs/BENCHMARKS.md).
+    The packed copy is made on the first no-grad call and re-made whenever the weight changes. Autograd,
+    other devices and dtypes, tracing, compiling and ONNX export take the plain F.linear path.
+    `activation="gelu"` fuses exact GELU into the GEMM.
+    """
+
+    _packed: tuple[tuple, torch.Tensor] | None = None
+
+    def _fast_path(self, x: torch.Tensor) -> bool:
+        return (
+            PACK_CPU_WEIGHTS and _ONEDNN_LINEAR and not torch.is_grad_enabled()
+            and x.device.type == "cpu" and x.dtype == torch.float32 and x.layout == torch.strided and x.numel() > 0
+            and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32
+            and not (torch.jit.is_tracing() or torch.jit.is_scripting() or torch.compiler.is_compiling()
+                     or torch.onnx.is_in_onnx_export())
+        )
+
+    def packed_weight(self) -> torch.Tensor:
+        key = (self.weight.data_ptr(), _weight_version(self.weight))
+        if self._packed is None or self._packed[0] != key:
+            self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(self.weight.detach()))
+        return self._packed[1]
+
+    def forward(self, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
+        if self._fast_path(x):
+            algorithm = "none" if activation == "gelu" else ""  # "none": exact (erf) GELU, as F.gelu
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, activation, [], algorithm)
+        y = F.linear(x, self.weight, self.bias)
+        return F.gelu(y) if activation == "gelu" else y
+
+    def __getstate__(self):
+        return {**self.__dict__, "_packed": None}  # the packed copy is a cache: never pickled or deep-copied
 
 
 def attend(
@@ -42,8 +94,8 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.heads = heads
         self.attention_dropout = attention_dropout
-        self.qkv = nn.Linear(width, 3 * width)
-        self.dense = nn.Linear(width, width)
+        self.qkv = Linear(width, 3 * width)
+        self.dense = Linear(width, width)
         self.dropout = nn.Dropout(dropout)
         self.LayerNorm = nn.LayerNorm(width, eps=eps)
 
@@ -64,9 +116,9 @@ class CrossAttention(nn.Module):
         inner = inner or width  # attention width (ViLBERT's bi-attention differs from both streams)
         self.heads = heads
         self.attention_dropout = attention_dropout
-        self.query = nn.Linear(width, inner)
-        self.kv = nn.Linear(ctx_width, 2 * inner)
-        self.dense = nn.Linear(inner, width)
+        self.query = Linear(width, inner)
+        self.kv = Linear(ctx_width, 2 * inner)
+        self.dense = Linear(inner, width)
         self.dropout = nn.Dropout(dropout)
         self.LayerNorm = nn.LayerNorm(width, eps=eps)
 
@@ -83,13 +135,13 @@ class FeedForward(nn.Module):
 
     def __init__(self, width: int, inner: int, dropout: float, eps: float):
         super().__init__()
-        self.fc1 = nn.Linear(width, inner)
-        self.fc2 = nn.Linear(inner, width)
+        self.fc1 = Linear(width, inner)
+        self.fc2 = Linear(inner, width)
         self.dropout = nn.Dropout(dropout)
         self.LayerNorm = nn.LayerNorm(width, eps=eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(x + self.dropout(self.fc2(F.gelu(self.fc1(x)))))
+        return self.LayerNorm(x + self.dropout(self.fc2(self.fc1(x, activation="gelu"))))
 
 
 class TransformerLayer(nn.Module):
@@ -110,7 +162,7 @@ class Pooler(nn.Module):
 
     def __init__(self, width: int, out: int, activation: str = "tanh"):
         super().__init__()
-        self.dense = nn.Linear(width, out)
+        self.dense = Linear(width, out)
         self.activation = torch.tanh if activation == "tanh" else torch.relu
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,256 @@
+"""What the transformers importers share: reading a `save_pretrained` directory and writing our checkpoint.
+
+A source directory holds config.json and model.safetensors or pytorch_model.bin (or their sharded
+`*.index.json` form). Every source tensor is either mapped, checked as a tied copy, or listed under
+`import.ignored_keys` in the manifest: nothing is dropped silently.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from ..checkpoint import CheckpointError, load_state_strict, save_checkpoint
+from ..config import EncoderConfig, HeadConfig, ModelConfig
+from ..registry import encoder_config
+from ..tokenizer import VLTokenizer
+from ..vl_model import VLModel
+from .keymap import KeyMap, apply_keymap, linear
+
+CONFIG_FILE = "config.json"
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # preferred first
+SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_MISSING = object()
+
+
+class HFImportError(CheckpointError):
+    """A transformers checkpoint directory that cannot be imported; the message names the file or field."""
+
+
+@dataclass
+class HFSource:
+    """A transformers checkpoint directory, read: its config.json and every tensor of its weights."""
+
+    path: Path
+    config: dict[str, Any]
+    state: dict[str, torch.Tensor]
+    weights_file: str  # the file (or shard index) the tensors came from
+    used: set[str] = field(default_factory=set)  # source keys consumed so far
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / CONFIG_FILE
+
+    @property
+    def weights_path(self) -> Path:
+        return self.path / self.weights_file
+
+    def get(self, name: str, kind: type = int, default: Any = _MISSING) -> Any:
+        """A typed config.json field; a missing (without default) or ill-typed one fails naming it."""
+        value = self.config.get(name)
+        if value is None:
+            if default is _MISSING:
+                raise HFImportError(f"{self.config_path}: field {name!r} is missing")
+            return default
+        numeric = (int, float) if kind is float else kind  # JSON writes 0.0 as 0
+        if not isinstance(value, numeric) or (isinstance(value, bool) and kind is not bool):
+            raise HFImportError(f"{self.config_path}: field {name!r} is {value!r}, expected {kind.__name__}")
+        return float(value) if kind is float else value
+
+    def architecture(self, supported: tuple[str, ...], fmt: str) -> str | None:
+        """The first architecture config.json names (None when it names none); one we do not read fails."""
+        names = self.get("architectures", list, default=[])
+        if not names:
+            return None
+        if names[0] not in supported:
+            raise HFImportError(
+                f"{self.config_path}: unsupported architecture {names[0]!r}; {fmt} reads {', '.join(supported)}"
+            )
+        return names[0]
+
+    def prefix(self, base: str) -> str:
+        """'base.' when the tensors sit under the backbone's attribute (task models), '' for the bare backbone."""
+        return f"{base}." if any(k.startswith(f"{base}.") for k in self.state) else ""
+
+    def has(self, key: str) -> bool:
+        return key in self.state
+
+    def rows(self, key: str) -> int:
+        if key not in self.state:
+            raise HFImportError(f"{self.weights_path}: tensor {key} is missing")
+        return int(self.state[key].shape[0])
+
+    def take(self, keymap: KeyMap) -> dict[str, torch.Tensor]:
+        """Our tensors from the key map; a source tensor it needs and the file lacks fails naming both."""
+        try:
+            out = apply_keymap(keymap, self.state)
+        except KeyError as exc:
+            raise HFImportError(f"{self.weights_path}: {exc.args[0]}") from None
+        self.used.update(s for srcs in keymap.values() for s in srcs)
+        return out
+
+    def tied(self, key: str, to: str) -> None:
+        """A tensor transformers saves as a copy of another (a tied decoder): accept it only if it is one."""
+        if key not in self.state:
+            return
+        if to not in self.state or not torch.equal(self.state[key], self.state[to]):
+            raise HFImportError(
+                f"{self.weights_path}: {key} is not tied to {to}; vlserve's masked-LM decoder shares that tensor"
+            )
+        self.used.add(key)
+
+    def ignored(self) -> list[str]:
+        return sorted(set(self.state) - self.used)
+
+
+def _load_weight_file(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        if path.suffix == ".safetensors":
+            return load_file(str(path), device="cpu")
+        state = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # safetensors/IO errors, and the UnpicklingError of weights_only for non-tensors
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        raise HFImportError(f"{path}: unreadable weights ({type(exc).__name__}: {first_line})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise HFImportError(f"{path}: not a state dict of tensors")
+    return state
+
+
+def _load_weights(src: Path) -> tuple[dict[str, torch.Tensor], str]:
+    for name in WEIGHT_FILES:
+        if (src / name).is_file():
+            return _load_weight_file(src / name), name
+    for name in SHARD_INDEXES:
+        index = src / name
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+                raise HFImportError(f"{index}: not a valid shard index ({exc})") from None
+            state: dict[str, torch.Tensor] = {}
+            for shard in shards:
+                if not (src / shard).is_file():
+                    raise HFImportError(f"{index}: lists shard {shard}, which is missing")
+                state.update(_load_weight_file(src / shard))
+            return state, name
+    raise HFImportError(f"{src}: no weights file (looked for {', '.join(WEIGHT_FILES + SHARD_INDEXES)})")
+
+
+def read_source(src: str | Path, model_type: str) -> HFSource:
+    """Read a transformers checkpoint directory whose config.json has `model_type` (when it states one)."""
+    src = Path(src)
+    if not src.is_dir():
+        raise HFImportError(f"{src}: not a directory (expected a transformers save_pretrained directory)")
+    cfg_path = src / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise HFImportError(f"{src}: missing file {CONFIG_FILE}")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise HFImportError(f"{cfg_path}: invalid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise HFImportError(f"{cfg_path}: expected a JSON object")
+    found = config.get("model_type")
+    if found is not None and found != model_type:
+        raise HFImportError(f"{cfg_path}: model_type is {found!r}, this importer reads {model_type!r}")
+    state, weights_file = _load_weights(src)
+    return HFSource(path=src, config=config, state=state, weights_file=weights_file)
+
+
+def bert_fields(source: HFSource, layer_norm_eps: float | None = None) -> dict[str, Any]:
+    """EncoderConfig fields of a BERT-style transformers config (sizes, dropout, LayerNorm eps)."""
+    act = source.get("hidden_act", str, default="gelu")
+    if act != "gelu":
+        raise HFImportError(f"{source.config_path}: hidden_act {act!r} is not supported (vlserve layers use exact GELU)")
+    return dict(
+        vocab_size=source.get("vocab_size"),
+        hidden_size=source.get("hidden_size"),
+        num_heads=source.get("num_attention_heads"),
+        intermediate_size=source.get("intermediate_size"),
+        max_position_embeddings=source.get("max_position_embeddings", default=512),
+        type_vocab_size=source.get("type_vocab_size", default=2),
+        layer_norm_eps=layer_norm_eps if layer_norm_eps is not None else source.get("layer_norm_eps", float, default=1e-12),
+        dropout=source.get("hidden_dropout_prob", float, default=0.1),
+        attention_dropout=source.get("attention_probs_dropout_prob", float, default=0.1),
+    )
+
+
+def build_encoder_config(source: HFSource, preset: str, fields: dict[str, Any]) -> EncoderConfig:
+    """Size "base" when the transformer sizes equal our registered BERT-base preset, else "custom"."""
+    base = encoder_config(preset, "base")
+    sizes = ("hidden_size", "num_layers", "num_heads", "intermediate_size", "num_image_layers", "num_cross_layers")
+    size = "base" if all(fields.get(s, getattr(base, s)) == getattr(base, s) for s in sizes) else "custom"
+    try:
+        return EncoderConfig(preset=preset, size=size, **fields)
+    except ValueError as exc:
+        raise HFImportError(f"{source.config_path}: {exc}") from None
+
+
+def pretraining_heads(source: HFSource, word_embeddings: str) -> tuple[dict[str, HeadConfig], KeyMap]:
+    """BERT pretraining heads under `cls.`: masked LM (decoder tied to the word embeddings) and ITM."""
+    heads: dict[str, HeadConfig] = {}
+    keymap: KeyMap = {}
+    if source.has("cls.predictions.transform.dense.weight"):
+        heads["mlm"] = HeadConfig(kind="mlm")
+        keymap |= linear("heads.mlm.transform.dense", "cls.predictions.transform.dense")
+        keymap |= linear("heads.mlm.transform.LayerNorm", "cls.predictions.transform.LayerNorm")
+        keymap["heads.mlm.bias"] = ["cls.predictions.bias"]
+        source.tied("cls.predictions.decoder.weight", word_embeddings)
+        source.tied("cls.predictions.decoder.bias", "cls.predictions.bias")
+    if source.has("cls.seq_relationship.weight"):
+        heads["itm"] = HeadConfig(kind="itm")
+        keymap |= linear("heads.itm.seq_relationship", "cls.seq_relationship")
+    return heads, keymap
+
+
+def answer_labels(source: HFSource, count: int) -> list[str]:
+    """Answer names from config.json's id2label when it covers every answer, else "0", "1", ..."""
+    id2label = source.config.get("id2label")
+    if isinstance(id2label, dict) and len(id2label) == count:
+        try:
+            return [str(id2label[str(i)]) for i in range(count)]
+        except KeyError:
+            pass
+    return [str(i) for i in range(count)]
+
+
+def source_tokenizer(source: HFSource, vocab_size: int) -> VLTokenizer:
+    """The source's vocab.txt when it ships one, else our bert-base-uncased vocab (the public checkpoints' vocab)."""
+    try:
+        tok = VLTokenizer.from_dir(source.path) if (source.path / "vocab.txt").is_file() else VLTokenizer.pretrained_minilm()
+    except (ValueError, OSError, json.JSONDecodeError) as exc:
+        raise HFImportError(f"{source.path / 'vocab.txt'}: {exc}") from None
+    if len(tok.vocab) > vocab_size:
+        raise HFImportError(
+            f"{tok.vocab_file}: {len(tok.vocab)} tokens, more than the model's vocab_size {vocab_size} "
+            f"(put the checkpoint's own vocab.txt in {source.path})"
+        )
+    return tok
+
+
+def write_checkpoint(
+    source: HFSource,
+    out: str | Path,
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    labels: dict[str, Any],
+    fmt: str,
+    architecture: str | None,
+) -> Path:
+    """Build our model from the mapped tensors (strictly) and save it with an `import` record in the manifest."""
+    model = VLModel(config)
+    load_state_strict(model, weights, source.weights_path)
+    tokenizer = source_tokenizer(source, config.encoder.vocab_size)
+    record = {
+        "format": fmt,
+        "source": str(source.path.resolve()),
+        "architecture": architecture,
+        "weights_file": source.weights_file,
+        "ignored_keys": source.ignored(),
+    }
+    return save_checkpoint(model.eval(), out, tokenizer, labels=labels, extra={"import": record})

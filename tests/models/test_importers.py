@@ -1,0 +1,300 @@
+"""`vlserve import hf-visualbert|hf-lxmert`: parity with transformers' VisualBert*/Lxmert* classes, and clear errors.
+
+Each transformers model is tiny, has random weights everywhere (LayerNorm included), is saved with
+save_pretrained, imported through the CLI and loaded with load_checkpoint; its logits must equal ours within
+1e-5 (fp32, eval) on batches with padded text and padded regions.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+from models import VLInputs
+from models.checkpoint import load_checkpoint
+from vlserve.cli import app
+
+transformers = pytest.importorskip("transformers")
+
+ATOL = 1e-5
+SEEDS = (0, 1, 2)  # one padded batch per seed
+TINY_BERT = dict(vocab_size=30522, hidden_size=32, num_attention_heads=4, intermediate_size=64, max_position_embeddings=64)
+VISUAL_DIM = 16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and on a busy 2-core machine spinning threads cost seconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@torch.no_grad()
+def randomize(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Non-trivial random values in every parameter: LayerNorm weights around 1, everything else around 0."""
+    g = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            noise = 0.2 * torch.randn(p.shape, generator=g)
+            p.copy_(1 + noise if isinstance(module, nn.LayerNorm) and name == "weight" else noise)
+    return model.eval()
+
+
+def save_hf(model: nn.Module, path: Path, *, bin_extra: dict[str, torch.Tensor] | None = None) -> Path:
+    """save_pretrained (safetensors); with bin_extra, a pytorch_model.bin state dict (old format) instead."""
+    model.save_pretrained(path)
+    if bin_extra is not None:
+        (path / "model.safetensors").unlink()
+        torch.save({**model.state_dict(), **bin_extra}, path / "pytorch_model.bin")
+    return path
+
+
+def cli(*args: str | Path):
+    return CliRunner().invoke(app, ["import", *map(str, args)])
+
+
+def imported(fmt: str, src: Path, out: Path):
+    result = cli(fmt, src, out)
+    assert result.exit_code == 0, result.output
+    return load_checkpoint(out)
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item()
+
+
+def visualbert_kwargs(x: VLInputs) -> dict[str, torch.Tensor]:
+    return dict(input_ids=x.input_ids, attention_mask=x.attention_mask, token_type_ids=x.token_type_ids,
+                visual_embeds=x.region_features, visual_attention_mask=x.region_mask)
+
+
+def lxmert_kwargs(x: VLInputs) -> dict[str, torch.Tensor]:
+    return dict(input_ids=x.input_ids, attention_mask=x.attention_mask, token_type_ids=x.token_type_ids,
+                visual_feats=x.region_features, visual_pos=x.region_boxes, visual_attention_mask=x.region_mask)
+
+
+def visualbert(cls_name: str, **config):
+    cfg = transformers.VisualBertConfig(**TINY_BERT, num_hidden_layers=2, visual_embedding_dim=VISUAL_DIM, **config)
+    return randomize(getattr(transformers, cls_name)(cfg))
+
+
+def lxmert(cls_name: str, **config):
+    cfg = transformers.LxmertConfig(**TINY_BERT, l_layers=2, r_layers=1, x_layers=2, visual_feat_dim=VISUAL_DIM, **config)
+    return randomize(getattr(transformers, cls_name)(cfg))
+
+
+def manifest_import(path: Path) -> dict:
+    return json.loads((path / "manifest.json").read_text())["import"]
+
+
+# ---- parity -------------------------------------------------------------------------------------------------
+
+
+def test_visualbert_vqa_parity(tmp_path, make_batch):
+    hf = visualbert("VisualBertForQuestionAnswering", num_labels=7, id2label={i: f"ans{i}" for i in range(7)})
+    ckpt = imported("hf-visualbert", save_hf(hf, tmp_path / "hf"), tmp_path / "ours")
+    assert ckpt.model.config.heads["vqa"].pool == "answer_slot"
+    assert ckpt.labels["heads"]["vqa"] == [f"ans{i}" for i in range(7)]
+    assert manifest_import(tmp_path / "ours")["ignored_keys"] == []
+    with torch.no_grad():
+        for seed in SEEDS:
+            x = make_batch(ckpt.model.config.encoder, batch=3, seed=seed)
+            assert max_diff(ckpt.model(x, "vqa").logits, hf(**visualbert_kwargs(x)).logits) < ATOL
+
+
+def test_visualbert_nlvr2_parity(tmp_path, make_batch):
+    hf = visualbert("VisualBertForVisualReasoning", num_labels=2)
+    ckpt = imported("hf-visualbert", save_hf(hf, tmp_path / "hf"), tmp_path / "ours")
+    assert ckpt.model.config.heads["nlvr2"].nlvr2_mode == "joint"
+    with torch.no_grad():
+        for seed in SEEDS:
+            x = make_batch(ckpt.model.config.encoder, batch=3, pairs=True, seed=seed)  # regions (B, 2, N, D)
+            b, _, n, d = x.region_features.shape
+            joint = x.replace(region_features=x.region_features.reshape(b, 2 * n, d), region_mask=x.region_mask.reshape(b, 2 * n))
+            assert max_diff(ckpt.model(x, "nlvr2").logits, hf(**visualbert_kwargs(joint)).logits) < ATOL
+
+
+def test_visualbert_multiple_choice_parity(tmp_path, make_batch):
+    hf = visualbert("VisualBertForMultipleChoice")
+    ckpt = imported("hf-visualbert", save_hf(hf, tmp_path / "hf"), tmp_path / "ours")
+    with torch.no_grad():
+        for seed in SEEDS:
+            x = make_batch(ckpt.model.config.encoder, batch=2, choices=3, seed=seed)  # text (B, C, T)
+            per_choice = lambda t: t[:, None].expand(-1, 3, *t.shape[1:]).contiguous()  # noqa: E731
+            theirs = hf(**visualbert_kwargs(x.replace(region_features=per_choice(x.region_features),
+                                                      region_mask=per_choice(x.region_mask)))).logits
+            assert max_diff(ckpt.model(x, "multiple_choice").logits, theirs) < ATOL
+
+
+def test_visualbert_pretraining_bin_parity(tmp_path, make_batch):
+    """pytorch_model.bin (weights_only) with the tied decoder saved and an old position_ids buffer."""
+    hf = visualbert("VisualBertForPreTraining")
+    stray = {"visual_bert.embeddings.position_ids": torch.arange(64)[None]}
+    src = save_hf(hf, tmp_path / "hf", bin_extra=stray)
+    ckpt = imported("hf-visualbert", src, tmp_path / "ours")
+    record = manifest_import(tmp_path / "ours")
+    assert record["weights_file"] == "pytorch_model.bin"
+    assert record["ignored_keys"] == ["visual_bert.embeddings.position_ids"]
+    assert set(ckpt.model.config.heads) == {"mlm", "itm"}
+    with torch.no_grad():
+        for seed in SEEDS:
+            x = make_batch(ckpt.model.config.encoder, batch=3, seed=seed)
+            out = hf(**visualbert_kwargs(x))
+            t = x.input_ids.shape[1]
+            assert max_diff(ckpt.model(x, "mlm").logits, out.prediction_logits[:, :t]) < ATOL
+            assert max_diff(ckpt.model(x, "itm").logits, out.seq_relationship_logits) < ATOL
+
+
+def test_visualbert_region_to_phrase_parity(tmp_path, make_batch):
+    hf = visualbert("VisualBertForRegionToPhraseAlignment")
+    ckpt = imported("hf-visualbert", save_hf(hf, tmp_path / "hf"), tmp_path / "ours")
+    assert set(ckpt.model.config.heads) == {"mlm", "itm", "grounding"}
+    assert manifest_import(tmp_path / "ours")["ignored_keys"] == ["attention.value.bias", "attention.value.weight"]
+    with torch.no_grad():
+        for seed in SEEDS:
+            x = make_batch(ckpt.model.config.encoder, batch=3, seed=seed)
+            theirs = hf(**visualbert_kwargs(x), region_to_phrase_position=x.phrase_index).logits  # (B, P, N)
+            ours = ckpt.model(x, "grounding").logits
+            real = x.region_mask[:, None, :].expand_as(ours).bool()  # padded regions: both far below any real score
+            assert max_diff(ours[real], theirs[real]) < ATOL
+
+
+def test_lxmert_vqa_parity(tmp_path, make_batch):
+    hf = lxmert("LxmertForQuestionAnswering", num_qa_labels=6)
+    ckpt = imported("hf-lxmert", save_hf(hf, tmp_path / "hf"), tmp_path / "ours")
+    assert ckpt.labels["heads"]["vqa"] == [str(i) for i in range(6)]  # no id2label for the 6 answers: numbered
+    assert manifest_import(tmp_path / "ours")["ignored_keys"] == []
+    with torch.no_grad():
+        for seed in SEEDS:
+            x = make_batch(ckpt.model.config.encoder, batch=3, seed=seed)
+            assert max_diff(ckpt.model(x, "vqa").logits, hf(**lxmert_kwargs(x)).question_answering_score) < ATOL
+
+
+def test_lxmert_pretraining_parity(tmp_path, make_batch):
+    hf = lxmert("LxmertForPreTraining", num_qa_labels=5, num_object_labels=7, num_attr_labels=3)
+    ckpt = imported("hf-lxmert", save_hf(hf, tmp_path / "hf"), tmp_path / "ours")
+    assert set(ckpt.model.config.heads) == {"mlm", "itm", "image_qa", "mrc", "mrfr"}
+    ignored = manifest_import(tmp_path / "ours")["ignored_keys"]
+    assert ignored == ["obj_predict_head.decoder_dict.attr.bias", "obj_predict_head.decoder_dict.attr.weight"]
+    with torch.no_grad():
+        for seed in SEEDS:
+            x = make_batch(ckpt.model.config.encoder, batch=3, seed=seed)
+            out = hf(**lxmert_kwargs(x), output_hidden_states=True)
+            objects = hf.obj_predict_head(out.vision_hidden_states[-1])
+            assert max_diff(ckpt.model(x, "mlm").logits, out.prediction_logits) < ATOL
+            assert max_diff(ckpt.model(x, "itm").logits, out.cross_relationship_score) < ATOL
+            assert max_diff(ckpt.model(x, "image_qa").logits, out.question_answering_score) < ATOL
+            assert max_diff(ckpt.model(x, "mrc").logits, objects["obj"]) < ATOL
+            assert max_diff(ckpt.model(x, "mrfr").logits, objects["feat"]) < ATOL
+
+
+# ---- errors: exit code 2, one line naming the file, no traceback --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def good_src(tmp_path_factory) -> Path:
+    return save_hf(visualbert("VisualBertForQuestionAnswering", num_labels=3), tmp_path_factory.mktemp("good") / "hf")
+
+
+def copy_src(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def bad(src: Path, tmp_path: Path) -> Path:
+    return copy_src(src, tmp_path / "bad")
+
+
+def corrupt_config(edit):
+    def make(src, tmp_path):
+        path = bad(src, tmp_path)
+        cfg = json.loads((path / "config.json").read_text())
+        edit(cfg)
+        (path / "config.json").write_text(json.dumps(cfg))
+        return path
+    return make
+
+
+def drop_tensor(src, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = bad(src, tmp_path)
+    state = load_file(path / "model.safetensors")
+    del state["visual_bert.encoder.layer.1.attention.self.key.weight"]
+    save_file(state, path / "model.safetensors")
+    return path
+
+
+def pickled_object(src, tmp_path):
+    path = bad(src, tmp_path)
+    (path / "model.safetensors").unlink()
+    torch.save({"weights": Path("not a tensor")}, path / "pytorch_model.bin")  # weights_only refuses to unpickle it
+    return path
+
+
+def write_text(name: str, text: str):
+    def make(src, tmp_path):
+        path = bad(src, tmp_path)
+        (path / name).write_text(text)
+        return path
+    return make
+
+
+def remove(name: str):
+    def make(src, tmp_path):
+        path = bad(src, tmp_path)
+        (path / name).unlink()
+        return path
+    return make
+
+
+ERRORS = {
+    "not a directory": (lambda src, tmp: tmp / "nowhere", "not a directory"),
+    "no weights file": (remove("model.safetensors"), "no weights file"),
+    "no config": (remove("config.json"), "missing file config.json"),
+    "malformed config": (write_text("config.json", "{not json"), "config.json: invalid JSON"),
+    "config field type": (corrupt_config(lambda c: c.update(hidden_size="big")), "config.json: field 'hidden_size'"),
+    "unsupported architecture": (corrupt_config(lambda c: c.update(architectures=["VisualBertForSomething"])),
+                                 "config.json: unsupported architecture 'VisualBertForSomething'"),
+    "other model type": (corrupt_config(lambda c: c.update(model_type="bert")), "config.json: model_type is 'bert'"),
+    "ambiguous classifier": (corrupt_config(lambda c: c.pop("architectures")), "config.json: field 'architectures' is missing"),
+    "missing tensor": (drop_tensor, "model.safetensors: source checkpoint lacks visual_bert.encoder.layer.1.attention.self.key.weight"),
+    "corrupt weights": (write_text("model.safetensors", "garbage"), "model.safetensors: unreadable weights"),
+    "unsafe pickle": (pickled_object, "pytorch_model.bin: unreadable weights"),
+}
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_bad_source_exits_2_with_one_clear_message(case, good_src, tmp_path):
+    make, message = ERRORS[case]
+    result = cli("hf-visualbert", make(good_src, tmp_path), tmp_path / "out")
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)  # no traceback
+    assert message in result.stderr
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_lxmert_importer_rejects_a_visualbert_checkpoint(good_src, tmp_path):
+    result = cli("hf-lxmert", good_src, tmp_path / "out")
+    assert result.exit_code == 2
+    assert "config.json: model_type is 'visual_bert', this importer reads 'lxmert'" in result.stderr
+
+
+def test_existing_output_needs_force(good_src, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("user data")
+    result = cli("hf-visualbert", good_src, out)
+    assert result.exit_code == 2 and "--force" in result.stderr
+    assert cli("hf-visualbert", good_src, out, "--force").exit_code == 0
+    assert load_checkpoint(out).model.config.heads["vqa"].num_labels == 3

@@ -1,0 +1,1 @@
+"""Subcommands of the `vlserve` console script, one module each."""
