@@ -9,6 +9,7 @@ from vlserve.commands.extract import extract
 from vlserve.commands.info import info
 from vlserve.commands.serve import serve
 from vlserve.commands.train import app as train_app
+from vlserve.commands.zoo import app as zoo_app
 
 app = typer.Typer(
     help="vlserve: serve VisualBERT, VL-BERT, ViLBERT, LXMERT and U-VisualBERT models.",
@@ -20,8 +21,7 @@ app.add_typer(import_app, name="import", help="Convert public checkpoints (trans
 app.command("info")(info)
 app.command("extract")(extract)
 app.add_typer(train_app, name="train")
-
-
+app.add_typer(zoo_app, name="zoo")
 app.command("serve")(serve)
 
 

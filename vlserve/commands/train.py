@@ -23,14 +23,71 @@ def detector(
     feature_dim: Annotated[int, typer.Option(min=8, help="region feature dimension D")] = 512,
     num_boxes: Annotated[int, typer.Option(min=1, help="regions per image (fixed mode)")] = 36,
     seed: Annotated[int, typer.Option(help="seed of data order and initialisation")] = 0,
+    threads: Annotated[int, typer.Option(min=1, help="torch threads")] = 2,
 ) -> None:
     """Fine-tune the EfficientNet-Lite0 Faster R-CNN region detector on shapes-world scenes."""
     from training.data.shapes_cache import ShapesConfig
     from training.detector_train import DetectorTrainConfig, train_detector
 
     data = ShapesConfig(splits=(("train", train_scenes), ("val", val_scenes), ("test", test_scenes)))
-    cfg = DetectorTrainConfig(out=out, steps=steps, batch_size=batch_size, lr=lr, eval_every=eval_every, seed=seed,
+    cfg = DetectorTrainConfig(out=out, steps=steps, batch_size=batch_size, lr=lr, eval_every=eval_every, seed=seed, threads=threads,
                               data=data, detector={"feature_dim": feature_dim, "num_boxes": num_boxes})
     metrics = train_detector(cfg)
     typer.echo(json.dumps({"out": str(out), "val": metrics["val"], "train_seconds": metrics["train_seconds"],
                            "fingerprint": metrics["fingerprint"]}, indent=2))
+
+
+@app.command("finetune")
+def finetune(
+    out: Annotated[Path, typer.Option(help="encoder checkpoint directory to write (resumed if it holds train_state.pt)")],
+    detector: Annotated[Path, typer.Option(help="detector checkpoint directory (regions are extracted once and cached)")],
+    preset: Annotated[str, typer.Option(help="visualbert, vl-bert, vilbert, lxmert or u-visualbert")] = "visualbert",
+    size: Annotated[str, typer.Option(help="tiny, small or base")] = "small",
+    tasks: Annotated[str, typer.Option(help="comma-separated task:weight list, e.g. vqa:1,refer:1,itm:1,nlvr2:1")] = "vqa:1,refer:1,itm:1,nlvr2:1",
+    steps: Annotated[int, typer.Option(min=1)] = 2000,
+    batch_size: Annotated[int, typer.Option(min=1)] = 32,
+    lr: Annotated[float, typer.Option(min=0.0, help="encoder peak learning rate")] = 1e-4,
+    head_lr: Annotated[float, typer.Option(min=0.0, help="heads' peak learning rate")] = 1e-3,
+    train_scenes: Annotated[int, typer.Option(min=1)] = 20_000,
+    eval_scenes: Annotated[int, typer.Option(min=1)] = 1_000,
+    easy_vqa: Annotated[bool, typer.Option(help="add easy-VQA training questions to vqa")] = True,
+    init_text: Annotated[bool, typer.Option(help="start the text side from MiniLM (size small)")] = True,
+    eval_every: Annotated[int, typer.Option(min=1)] = 500,
+    seed: Annotated[int, typer.Option()] = 0,
+    threads: Annotated[int, typer.Option(min=1)] = 2,
+) -> None:
+    """Multi-task fine-tuning: one shared encoder with vqa, refer, itm and nlvr2 heads."""
+    from training.finetune import FinetuneConfig, train
+
+    try:
+        weights = {name: float(w) for name, w in (item.split(":") for item in tasks.split(","))}
+        cfg = FinetuneConfig(out=out, detector_dir=detector, preset=preset, size=size, tasks=weights, steps=steps,
+                             batch_size=batch_size, lr=lr, head_lr=head_lr, train_scenes=train_scenes,
+                             eval_scenes=eval_scenes, easy_vqa=easy_vqa, init_text=init_text, eval_every=eval_every,
+                             seed=seed, threads=threads)
+        validate_finetune(cfg)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    metrics = train(cfg)
+    typer.echo(json.dumps({"out": str(out), "final": metrics["final"], "train_seconds": metrics["train_seconds"]}, indent=2))
+
+
+def validate_finetune(cfg) -> None:
+    """Fail before any data is prepared: unknown preset/size/task, missing detector, feature-dim mismatch."""
+    from models.checkpoint import CheckpointError
+    from models.detector.io import load_detector
+    from models.registry import encoder_config
+
+    encoder_config(cfg.preset, cfg.size)  # raises for an unknown preset or size
+    unknown = set(cfg.tasks) - {"vqa", "refer", "itm", "nlvr2"}
+    if unknown:
+        raise ValueError(f"head not supported by fine-tuning: {', '.join(sorted(unknown))} (choose vqa, refer, itm, nlvr2)")
+    if any(w <= 0 for w in cfg.tasks.values()):
+        raise ValueError("task weights must be positive")
+    if cfg.init_text and cfg.size != "small":
+        raise ValueError("--init-text needs size small (MiniLM has hidden size 384)")
+    try:
+        load_detector(cfg.detector_dir)
+    except CheckpointError as exc:
+        raise ValueError(f"detector: {exc}") from None

@@ -1,0 +1,79 @@
+"""Region features of a whole image set, extracted once (resumable, cached by detector fingerprint), held in memory."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from models.detector import RegionDetector
+from models.feature_files import FeatureFile, FeatureFileWriter
+from models.region_features import RegionFeatures
+
+
+@dataclass
+class RegionTable:
+    """Padded region arrays of M images (row i = image i): what the training loops batch from."""
+
+    features: np.ndarray  # (M, N, D) float16
+    boxes: np.ndarray  # (M, N, 4) float32 normalized x1, y1, x2, y2
+    pixel_boxes: np.ndarray  # (M, N, 4) float32 pixels
+    mask: np.ndarray  # (M, N) int64, 1 = real region
+    obj_ids: np.ndarray  # (M, N) int64 detector classes, -1 = padding
+    image_feature: np.ndarray | None  # (M, D) float16
+
+    def __len__(self) -> int:
+        return self.features.shape[0]
+
+    @classmethod
+    def from_regions(cls, regions: list[RegionFeatures]) -> RegionTable:
+        n = max(r.max_boxes for r in regions)
+        regions = [r.pad_to(n) for r in regions]
+        whole = [r.image_feature for r in regions]
+        return cls(
+            features=np.stack([r.features.astype(np.float16) for r in regions]),
+            boxes=np.stack([r.normalized_boxes() for r in regions]).astype(np.float32),
+            pixel_boxes=np.stack([r.boxes for r in regions]).astype(np.float32),
+            mask=np.stack([r.region_mask() for r in regions]).astype(np.int64),
+            obj_ids=np.stack([r.obj_ids for r in regions]).astype(np.int64),
+            image_feature=None if any(w is None for w in whole) else np.stack(whole).astype(np.float16),
+        )
+
+    def tensors(self, rows) -> dict[str, torch.Tensor]:
+        """Region inputs (VLInputs field names) for the given image rows."""
+        rows = np.asarray(rows)
+        out = {
+            "region_features": torch.from_numpy(self.features[rows].astype(np.float32)),
+            "region_boxes": torch.from_numpy(self.boxes[rows]),
+            "region_mask": torch.from_numpy(self.mask[rows]),
+        }
+        if self.image_feature is not None:
+            out["image_feature"] = torch.from_numpy(self.image_feature[rows].astype(np.float32))
+        return out
+
+
+def extract_table(
+    detector: RegionDetector,
+    fingerprint: str,
+    load_image: Callable[[int], np.ndarray],
+    count: int,
+    cache_file: Path,
+    batch_size: int = 16,
+    progress: bool = True,
+) -> RegionTable:
+    """Regions of images 0..count-1, extracted once into cache_file (resumed if interrupted), then loaded."""
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    with FeatureFileWriter(cache_file, meta={"detector": fingerprint}) as writer:
+        todo = [i for i in range(count) if str(i) not in writer.written]
+        bar = tqdm(total=len(todo), desc=f"regions {cache_file.stem}", unit="img", disable=not progress or not todo)
+        for s in range(0, len(todo), batch_size):
+            chunk = todo[s : s + batch_size]
+            for i, rf in zip(chunk, detector.extract([load_image(i) for i in chunk], batch_size)):
+                writer.append(str(i), rf)
+            bar.update(len(chunk))
+        bar.close()
+    with FeatureFile(cache_file) as f:
+        return RegionTable.from_regions([f[str(i)] for i in range(count)])

@@ -1,0 +1,98 @@
+"""Task examples over a RegionTable (VQA, refer, image-text matching, NLVR2) and their collation into VLInputs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from models import HeadConfig, VLInputs
+from models.spatial import pairwise_iou
+from models.tokenizer import VLTokenizer
+
+from .easy_vqa import EasyVQASplit
+from .region_table import RegionTable
+from .shapes_cache import ShapesSplit
+
+
+@dataclass(frozen=True)
+class Example:
+    rows: tuple[int, ...]  # RegionTable row(s): one image, or (left, right) for NLVR2
+    text: str
+    label: object  # vqa: answer index; refer: gold pixel box; itm / nlvr2: 0 or 1
+
+
+def shapes_examples(split: ShapesSplit, answers: list[str], seed: int = 0, row_offset: int = 0) -> dict[str, list[Example]]:
+    """Every shapes-world annotation of a split as examples; ITM pairs captions with their image (1), with
+    their hard negatives (0), and with a random other image (0). Rows are scene index + row_offset."""
+    rng = np.random.default_rng(seed)
+    index = {a: i for i, a in enumerate(answers)}
+    row_of = {ann["id"]: i + row_offset for i, ann in enumerate(split.annotations)}
+    out: dict[str, list[Example]] = {"vqa": [], "refer": [], "itm": [], "nlvr2": []}
+    n = len(split.annotations)
+    for i, ann in enumerate(split.annotations):
+        row = i + row_offset
+        out["vqa"] += [Example((row,), q["question"], index[q["answer"]]) for q in ann["vqa"]]
+        out["refer"] += [Example((row,), r["expression"], tuple(r["box"])) for r in ann["refer"]]
+        for caption in ann["captions"]:
+            out["itm"].append(Example((row,), caption, 1))
+            other = int(rng.integers(0, n - 1)) if n > 1 else i
+            other += other >= i  # any image but this one
+            if n > 1:
+                out["itm"].append(Example((other + row_offset,), caption, 0))
+        out["itm"] += [Example((row,), neg["caption"], 0) for neg in ann["negatives"]]
+    out["nlvr2"] = [Example((row_of[p["left"]], row_of[p["right"]]), p["statement"], int(p["label"])) for p in split.nlvr2]
+    return out
+
+
+def easy_vqa_images(split: EasyVQASplit) -> list[int]:
+    """The split's image ids in RegionTable row order."""
+    return sorted(split.image_paths)
+
+
+def easy_vqa_examples(split: EasyVQASplit, answers: list[str], row_offset: int = 0) -> list[Example]:
+    """easy-VQA questions as VQA examples over our answer vocabulary (which contains all 13 of its answers)."""
+    index = {a: i for i, a in enumerate(answers)}
+    missing = sorted(set(split.answers) - set(index))
+    if missing:
+        raise ValueError(f"answer vocabulary lacks easy-VQA answers: {', '.join(missing)}")
+    row_of = {image_id: row + row_offset for row, image_id in enumerate(easy_vqa_images(split))}
+    return [Example((row_of[e.image_id],), e.question, index[e.answer]) for e in split.examples]
+
+
+def refer_targets(table: RegionTable, rows: np.ndarray, gold: np.ndarray, thresh: float = 0.5) -> torch.Tensor:
+    """(B, N) 1 where a real region overlaps the gold box with IoU >= thresh (the refer head's targets)."""
+    targets = torch.zeros(len(rows), table.mask.shape[1])
+    for b, (row, box) in enumerate(zip(rows, gold)):
+        iou = pairwise_iou(torch.from_numpy(table.pixel_boxes[row]), torch.tensor([box], dtype=torch.float32))[:, 0]
+        targets[b] = (iou >= thresh).float() * torch.from_numpy(table.mask[row]).float()
+    return targets
+
+
+def collate(
+    kind: str,
+    examples: list[Example],
+    table: RegionTable,
+    tokenizer: VLTokenizer,
+    head: HeadConfig,
+    max_length: int = 40,
+) -> tuple[VLInputs, torch.Tensor]:
+    """One padded batch of a task (head kind) and its labels in the head's format."""
+    text = tokenizer.encode([e.text for e in examples], answer_slot=head.pool == "answer_slot", max_length=max_length)
+    rows = np.array([e.rows if kind == "nlvr2" else e.rows[0] for e in examples])
+    inputs = VLInputs(
+        input_ids=torch.from_numpy(text["input_ids"]),
+        attention_mask=torch.from_numpy(text["attention_mask"]),
+        token_type_ids=torch.from_numpy(text["token_type_ids"]),
+        **table.tensors(rows),  # NLVR2 rows (B, 2) give (B, 2, N, ...) region tensors
+    )
+    if kind in ("vqa", "image_qa"):
+        labels = torch.zeros(len(examples), head.num_labels)
+        labels[torch.arange(len(examples)), torch.tensor([e.label for e in examples])] = 1.0
+    elif kind == "refer":
+        labels = refer_targets(table, rows, np.array([e.label for e in examples], dtype=np.float32))
+    elif kind in ("itm", "nlvr2"):
+        labels = torch.tensor([e.label for e in examples], dtype=torch.long)
+    else:
+        raise ValueError(f"collate does not know task kind {kind!r}")
+    return inputs, labels

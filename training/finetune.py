@@ -1,0 +1,169 @@
+"""`vlserve train finetune`: one shared encoder, several task heads (VQA, refer, ITM, NLVR2), trained together."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from models import HeadConfig, VLModel, create_model
+from models.checkpoint import save_checkpoint
+from models.text_init import init_text_from_minilm
+from models.tokenizer import VLTokenizer
+
+from .data.vl_tasks import collate
+from .evaluate import evaluate_tasks
+from .vl_data import TaskData, prepare_task_data
+
+log = logging.getLogger(__name__)
+STATE = "train_state.pt"  # resumable state, written beside the checkpoint files
+
+
+@dataclass
+class FinetuneConfig:
+    out: Path = Path("encoder")  # checkpoint directory
+    detector_dir: Path = Path("detector")  # region features come from this detector
+    preset: str = "visualbert"  # encoder preset
+    size: str = "small"  # encoder size (small: text side from MiniLM)
+    init_text: bool = True  # start the text side from the pretrained MiniLM-L6
+    tasks: dict[str, float] = field(default_factory=lambda: {"vqa": 1.0, "refer": 1.0, "itm": 1.0, "nlvr2": 1.0})  # task -> sampling weight
+    easy_vqa: bool = True  # add easy-VQA's training questions to the vqa task
+    train_scenes: int = 20_000  # shapes-world training scenes used
+    eval_scenes: int = 1_000  # shapes-world val scenes evaluated
+    steps: int = 2000  # optimizer steps (each on one task's batch)
+    batch_size: int = 32
+    lr: float = 1e-4  # encoder peak learning rate
+    head_lr: float = 1e-3  # task heads' peak learning rate
+    warmup: int = 100  # linear warm-up steps, then linear decay to 0
+    weight_decay: float = 0.01
+    clip: float = 1.0  # gradient norm clip
+    eval_every: int = 500
+    eval_examples: int = 500  # per task, periodic evaluation
+    checkpoint_every: int = 250  # steps between resumable-state saves
+    seed: int = 0
+    threads: int = 2
+    max_length: int = 40  # text tokens
+
+
+def build_model(cfg: FinetuneConfig, feature_dim: int, num_answers: int) -> VLModel:
+    heads = {
+        "vqa": HeadConfig(kind="vqa", num_labels=num_answers),
+        "refer": HeadConfig(kind="refer"),
+        "itm": HeadConfig(kind="itm"),
+        "nlvr2": HeadConfig(kind="nlvr2", nlvr2_mode="pair"),
+    }
+    model = create_model(cfg.preset, cfg.size, heads={t: heads[t] for t in cfg.tasks}, visual_feat_dim=feature_dim)
+    if cfg.init_text:
+        init_text_from_minilm(model)
+    return model
+
+
+def param_groups(model: VLModel, cfg: FinetuneConfig) -> list[dict]:
+    """Encoder and heads at their own learning rates; no weight decay on biases and LayerNorms."""
+    groups = {(h, d): [] for h in (False, True) for d in (False, True)}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups[(name.startswith("heads."), p.dim() > 1 and "LayerNorm" not in name)].append(p)
+    return [
+        {"params": ps, "peak_lr": cfg.head_lr if head else cfg.lr, "weight_decay": cfg.weight_decay if decay else 0.0}
+        for (head, decay), ps in groups.items() if ps
+    ]
+
+
+def lr_scale(step: int, cfg: FinetuneConfig) -> float:
+    if step < cfg.warmup:
+        return (step + 1) / cfg.warmup
+    return max(0.0, (cfg.steps - step) / max(1, cfg.steps - cfg.warmup))
+
+
+def save_state(path: Path, model, opt, step: int, rng: np.random.Generator, losses: list[float]) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                "numpy_rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(), "losses": losses}, tmp)
+    tmp.replace(path)  # never a half-written state file
+
+
+def load_state(path: Path, model, opt, rng: np.random.Generator) -> tuple[int, list[float]]:
+    state = torch.load(path, weights_only=True)  # our own file, still never unpickled beyond plain data
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    rng.bit_generator.state = state["numpy_rng"]
+    torch.set_rng_state(state["torch_rng"])
+    return int(state["step"]), list(state["losses"])
+
+
+def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = True, stop_after: int | None = None) -> dict:
+    """Multi-task fine-tuning; resumes from out/train_state.pt when present. Returns the metrics."""
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.threads)
+    rng = np.random.default_rng(cfg.seed)
+    data = data or prepare_task_data(cfg.detector_dir, cfg.train_scenes, cfg.eval_scenes, cfg.easy_vqa, progress)
+    unknown = set(cfg.tasks) - set(data.train)
+    if unknown:
+        raise ValueError(f"no training data for task(s) {', '.join(sorted(unknown))}")
+    tokenizer = VLTokenizer.pretrained_minilm(max_length=cfg.max_length)
+    model = build_model(cfg, data.feature_dim, len(data.answers))
+    opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    step, losses = (load_state(out / STATE, model, opt, rng) if (out / STATE).exists() else (0, []))
+    tasks, weights = list(cfg.tasks), np.array(list(cfg.tasks.values()), dtype=np.float64)
+    history: list[dict] = []
+    start = time.perf_counter()
+    bar = tqdm(total=cfg.steps, initial=step, desc="finetune", disable=not progress)
+    while step < cfg.steps:
+        # set lr
+        for group in opt.param_groups:
+            group["lr"] = group["peak_lr"] * lr_scale(step, cfg)
+        # eval / checkpoint
+        if step and step % cfg.eval_every == 0:
+            history.append({"step": step, **evaluate_tasks(model, data, tokenizer, cfg.eval_examples)})
+            log.info("step %d: %s", step, history[-1])
+        if step and step % cfg.checkpoint_every == 0:
+            save_state(out / STATE, model, opt, step, rng, losses)
+        # forward / backward
+        model.train()
+        task = tasks[int(rng.choice(len(tasks), p=weights / weights.sum()))]
+        pool = data.train[task]
+        batch = [pool[int(i)] for i in rng.integers(0, len(pool), cfg.batch_size)]
+        inputs, labels = collate(model.config.heads[task].kind, batch, data.train_table, tokenizer,
+                                 model.config.heads[task], cfg.max_length)
+        loss = model(inputs, task, labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+        opt.step()
+        losses.append(round(loss.item(), 6))
+        step += 1
+        bar.update(1)
+        bar.set_postfix(task=task, loss=f"{loss.item():.3f}")
+        if stop_after is not None and step >= stop_after:  # simulated interruption (tests)
+            save_state(out / STATE, model, opt, step, rng, losses)
+            return {"losses": losses, "interrupted_at": step}
+    bar.close()
+    train_seconds = time.perf_counter() - start
+    final = evaluate_tasks(model, data, tokenizer, None)
+    metrics = {"final": final, "history": history, "train_seconds": round(train_seconds, 1), "config": _jsonable(asdict(cfg))}
+    save_checkpoint(
+        model, out, tokenizer,
+        labels={"heads": {"vqa": data.answers} if "vqa" in cfg.tasks else {}, "objects": data.objects, "attributes": data.attributes},
+        detector={"fingerprint": data.fingerprint, "feature_dim": data.feature_dim},
+        extra={"training": metrics},
+    )
+    (out / STATE).unlink(missing_ok=True)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    return {**metrics, "losses": losses}
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value) if isinstance(value, Path) else value
+

@@ -1,0 +1,26 @@
+"""`vlserve zoo build`: build a model set (detector + multi-task encoder + model card) into the cache."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(help="Build the model sets the service runs on.", no_args_is_help=True)
+
+
+@app.command("build")
+def build(
+    profile: Annotated[str, typer.Option(help="demo (CPU, minutes) or full (up to an hour)")] = "demo",
+    root: Annotated[Path | None, typer.Option(help="cache root (default $VLSERVE_CACHE or ~/.cache/vlserve)")] = None,
+    force: Annotated[bool, typer.Option(help="rebuild even if it exists")] = False,
+    threads: Annotated[int, typer.Option(min=1)] = 2,
+) -> None:
+    """Train the detector, extract regions once, fine-tune the encoder and write MODEL_CARD.md."""
+    from training.zoo import PROFILES, build_zoo
+
+    if profile not in PROFILES:
+        typer.echo(f"error: unknown profile {profile!r}; choose one of {', '.join(PROFILES)}", err=True)
+        raise typer.Exit(2)
+    path = build_zoo(profile, root, force=force, threads=threads)
+    typer.echo(str(path))
