@@ -8,6 +8,7 @@ batchers drained -> detector drained -> feature store (Redis) closed -> runtime 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -147,6 +148,13 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.services = None
 
 
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("vlserve")
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree that was never installed
+        return "0+unknown"
+
+
 def custom_openapi(app: FastAPI, api_keys: bool):
     """The generated schema, with error answers as application/problem+json and the API-key scheme."""
 
@@ -175,9 +183,7 @@ def create_app(settings: Settings) -> FastAPI:
     """The service for `settings`; nothing loads until the lifespan starts (uvicorn, or `with TestClient(app)`)."""
     if settings.model_dir is None or settings.detector_dir is None:
         raise StartupError(DEMO_MISSING)
-    from vlserve import __version__
-
-    app = FastAPI(title="vlserve", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app = FastAPI(title="vlserve", version=package_version(), description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = metrics = Metrics()
     app.state.services = None

@@ -1,0 +1,88 @@
+"""`vlserve serve`: start-up problems exit 2 with one message; SIGTERM lets an in-flight request finish."""
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from service.app import DEMO_MISSING
+from vlserve.cli import app as cli
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("VLSERVE_"):
+            monkeypatch.delenv(name)
+
+
+def serve(*args: str):
+    return CliRunner().invoke(cli, ["serve", *map(str, args)])
+
+
+def test_no_model_exits_2_with_the_demo_message(clean_env):
+    result = serve()
+    assert result.exit_code == 2 and DEMO_MISSING in result.output
+
+
+def test_invalid_settings_exit_2_naming_each_field(clean_env, tmp_path):
+    result = serve("--threads", "0", "--redis-url", "http://nope", "--model-dir", tmp_path / "missing")
+    assert result.exit_code == 2
+    for name in ("VLSERVE_THREADS", "VLSERVE_REDIS_URL", "VLSERVE_MODEL_DIR"):
+        assert name in result.output
+    assert "Traceback" not in result.output
+
+
+def test_checkpoint_for_another_detector_exits_2(clean_env, tmp_path, tiny_checkpoint, make_detector):
+    other = make_detector(tmp_path / "other", seed=3)
+    result = serve("--model-dir", tiny_checkpoint, "--detector-dir", other.dir, "--port", "0", "--log-level", "critical")
+    assert result.exit_code == 2 and other.fingerprint in result.output and "Traceback" not in result.output
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_finishes_the_request_in_flight(clean_env, tiny_checkpoint, tiny_detector, image_png):
+    port = free_port()
+    cmd = [sys.executable, "-m", "vlserve.cli", "serve", "--model-dir", str(tiny_checkpoint), "--detector-dir",
+           str(tiny_detector.dir), "--port", str(port), "--threads", "1", "--max-wait-ms", "1500", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the service did not become ready"
+            time.sleep(0.2)
+        answer = {}
+        body = {"image": base64.b64encode(image_png).decode(), "question": "what color?"}
+        request = threading.Thread(target=lambda: answer.update(r=httpx.post(f"{base}/vqa", json=body, timeout=30)))
+        request.start()
+        time.sleep(0.7)  # the request now waits in the encoder batcher (max wait 1.5 s)
+        proc.send_signal(signal.SIGTERM)
+        request.join(30)
+        assert answer["r"].status_code == 200, answer["r"].text
+        assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down cleanly
+        with pytest.raises(httpx.TransportError):  # no longer accepting
+            httpx.get(f"{base}/healthz", timeout=1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
