@@ -221,7 +221,12 @@ class Pipeline:
     async def run(self, spec: TaskSpec, items: list[Item], timer: Timer) -> list[np.ndarray]:
         """Logits of each item from the task's batcher (items of one request may share a batch)."""
         submitted = time.perf_counter()
-        results: list[Scored] = await asyncio.gather(*(self.batchers[spec.task].submit(item) for item in items))
+        batcher = self.batchers[spec.task]
+        outcomes = await asyncio.gather(*(batcher.submit(item) for item in items), return_exceptions=True)
+        failed = [o for o in outcomes if isinstance(o, BaseException)]
+        if failed:  # e.g. the queue filled up part-way through a retrieval request's candidates
+            raise failed[0]
+        results: list[Scored] = outcomes
         timer.add("queue", min(r.started for r in results) - submitted)
         batches = {(r.started, r.ended) for r in results}
         timer.add("encoder", sum(end - start for start, end in batches))
@@ -299,6 +304,7 @@ class Pipeline:
     def warm_up(self, runtime: Runtime, rf: RegionFeatures) -> None:
         """One tiny example per served task straight through the runtime (first-call allocations, lazy init)."""
         for spec in self.specs.values():
-            text = self.text("warm up", ("warm_up",), spec.answer_slot)
+            encoded = self.tokenizer.encode(["warm up"], answer_slot=spec.answer_slot, max_length=8)  # no request limits
+            text = {name: value[0] for name, value in encoded.items()}
             regions = region_arrays([rf, rf] if spec.kind == "nlvr2" else [rf])
             batch_fn(runtime, spec.task)([{**text, **regions}])

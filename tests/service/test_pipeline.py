@@ -1,0 +1,63 @@
+"""The pipeline's pure pieces: post-processing math, strict base64, task selection by head kind."""
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+
+from service.pipeline import match_scores, rank, ranked_regions, task_specs, top_answers, true_probability
+from service.schemas import decode_base64
+
+
+def test_top_answers_are_sigmoid_scores_best_first():
+    logits = np.array([0.0, 2.0, -1.0, 2.0], np.float32)
+    got = top_answers(logits, ["a", "b", "c", "d"], 3)
+    assert [a for a, _ in got] == ["b", "d", "a"]  # ties keep the vocabulary order
+    assert got[0][1] == pytest.approx(1 / (1 + np.exp(-2.0))) and got[2][1] == pytest.approx(0.5)
+
+
+def test_ranked_regions_ignore_padding():
+    logits = np.array([1.0, 3.0, 2.0, -1e4, -1e4], np.float32)  # two padded regions
+    got = ranked_regions(logits, num_boxes=3, k=5)
+    assert [i for i, _ in got] == [1, 2, 0]
+    probs = np.exp([1.0, 3.0, 2.0]) / np.exp([1.0, 3.0, 2.0]).sum()
+    assert [p for _, p in got] == pytest.approx([probs[1], probs[2], probs[0]])
+
+
+def test_match_scores_are_logit_differences_and_softmax_probabilities():
+    logits = np.array([[0.0, 1.0], [2.0, -2.0], [0.5, 0.5]], np.float32)
+    score, prob = match_scores(logits)
+    assert score == pytest.approx([1.0, -4.0, 0.0])
+    softmax = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    assert prob == pytest.approx(softmax[:, 1])
+    assert rank(score, 2) == [0, 2]
+
+
+def test_true_probability_is_softmax_of_the_true_logit():
+    assert true_probability(np.array([0.0, 0.0])) == pytest.approx(0.5)
+    assert true_probability(np.array([-3.0, 1.0])) == pytest.approx(1 / (1 + np.exp(-4.0)))
+
+
+def test_task_specs_pick_the_first_head_of_each_served_kind():
+    tasks = {"mlm": "mlm", "gqa": "vqa", "vqa": "vqa", "itm": "itm", "match": "itm"}
+    specs = task_specs(tasks, {"gqa": {"pool": "answer_slot"}}, {"heads": {"gqa": ["yes", "no"]}})
+    assert set(specs) == {"vqa", "itm"}
+    assert specs["vqa"].task == "gqa" and specs["vqa"].answer_slot and specs["vqa"].labels == ("yes", "no")
+    assert specs["itm"].task == "itm" and not specs["itm"].answer_slot
+
+
+@pytest.mark.parametrize("text", [
+    base64.b64encode(b"\x89PNG\r\n\x1a\n-bytes").decode(),
+    "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n-bytes").decode(),
+    base64.urlsafe_b64encode(b"\x89PNG\r\n\x1a\n-bytes").decode().rstrip("="),
+    "\n".join(base64.encodebytes(b"\x89PNG\r\n\x1a\n-bytes").decode().split("\n")),
+])
+def test_base64_forms_accepted(text):
+    assert decode_base64(text) == b"\x89PNG\r\n\x1a\n-bytes"
+
+
+@pytest.mark.parametrize("value", ["", "   ", "abc$", "a", "====", 12, None, b"aGk="])
+def test_base64_refused(value):
+    with pytest.raises(ValueError):
+        decode_base64(value)
