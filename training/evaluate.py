@@ -5,10 +5,10 @@ import numpy as np
 import torch
 
 from models import VLModel
-from models.spatial import pairwise_iou
 from models.tokenizer import VLTokenizer
 
 from .data.vl_tasks import Example, collate
+from .metrics import accuracy, refer_accuracy
 
 HEAD_OF = {"vqa": "vqa", "easy_vqa": "vqa", "refer": "refer", "itm": "itm", "nlvr2": "nlvr2"}  # eval set -> head
 
@@ -25,14 +25,10 @@ def predictions(model: VLModel, task: str, examples: list[Example], table, token
     return torch.cat(out)
 
 
-def refer_hits(logits: torch.Tensor, examples: list[Example], table, thresh: float = 0.5) -> np.ndarray:
-    """1 where the top-scored region's box overlaps the gold box with IoU >= thresh."""
-    best = logits.argmax(-1).numpy()
-    hits = []
-    for e, region in zip(examples, best):
-        box = torch.from_numpy(table.pixel_boxes[e.rows[0], region][None])
-        hits.append(float(pairwise_iou(box, torch.tensor([e.label], dtype=torch.float32))[0, 0] >= thresh))
-    return np.array(hits)
+def predicted_boxes(logits: torch.Tensor, examples: list[Example], table) -> torch.Tensor:
+    """Pixel box of each example's top-scored region (B, 4)."""
+    rows = np.array([e.rows[0] for e in examples])
+    return torch.from_numpy(table.pixel_boxes[rows, logits.argmax(-1).numpy()])
 
 
 def evaluate_tasks(model: VLModel, data, tokenizer: VLTokenizer, limit: int | None = None) -> dict[str, float]:
@@ -45,8 +41,9 @@ def evaluate_tasks(model: VLModel, data, tokenizer: VLTokenizer, limit: int | No
         examples = examples[:limit] if limit else examples
         logits = predictions(model, task, examples, data.eval_table, tokenizer)
         if task == "refer":
-            correct = refer_hits(logits, examples, data.eval_table)
-        else:
-            correct = (logits.argmax(-1).numpy() == np.array([e.label for e in examples])).astype(float)
-        results[f"{name}_acc"] = round(float(correct.mean()), 4)
+            gold = torch.tensor(np.array([e.label for e in examples], dtype=np.float32))
+            value = refer_accuracy(predicted_boxes(logits, examples, data.eval_table), gold)
+        else:  # one gold answer per question here, so soft-score VQA accuracy is plain accuracy
+            value = accuracy(logits, torch.tensor([e.label for e in examples]))
+        results[f"{name}_acc"] = round(value, 4)
     return results

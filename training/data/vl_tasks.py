@@ -64,7 +64,7 @@ def refer_targets(table: RegionTable, rows: np.ndarray, gold: np.ndarray, thresh
     """(B, N) 1 where a real region overlaps the gold box with IoU >= thresh (the refer head's targets)."""
     targets = torch.zeros(len(rows), table.mask.shape[1])
     for b, (row, box) in enumerate(zip(rows, gold)):
-        iou = pairwise_iou(torch.from_numpy(table.pixel_boxes[row]), torch.tensor([box], dtype=torch.float32))[:, 0]
+        iou = pairwise_iou(torch.from_numpy(table.pixel_boxes[row]), torch.from_numpy(np.asarray(box, dtype=np.float32)[None]))[:, 0]
         targets[b] = (iou >= thresh).float() * torch.from_numpy(table.mask[row]).float()
     return targets
 
