@@ -1,10 +1,13 @@
 """The `vlserve` console script: one entry point, one module per subcommand under vlserve/commands/."""
 from __future__ import annotations
 
+import logging
+
 import typer
 
 from vlserve import __version__
 from vlserve.commands.import_cmd import app as import_app
+from vlserve.commands.eval import app as eval_app
 from vlserve.commands.extract import extract
 from vlserve.commands.info import info
 from vlserve.commands.serve import serve
@@ -17,11 +20,20 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+@app.callback()
+def main(quiet: bool = typer.Option(False, "--quiet", "-q", help="only warnings and errors in the log")) -> None:
+    """Log progress (evaluations, checkpoints) to stderr."""
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+
 app.add_typer(import_app, name="import", help="Convert public checkpoints (transformers' VisualBERT, LXMERT) into vlserve checkpoint directories.")
 app.command("info")(info)
 app.command("extract")(extract)
 app.add_typer(train_app, name="train")
 app.add_typer(zoo_app, name="zoo")
+app.add_typer(eval_app, name="eval")
 app.command("serve")(serve)
 
 
