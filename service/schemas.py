@@ -47,11 +47,13 @@ Text = Annotated[str, Field(min_length=1)]
 TopK = Annotated[int, Field(ge=1, description="how many results to return (1..max_top_k)")]
 
 
-class Request(BaseModel):
+class RequestBody(BaseModel):
+    """Every request body: unknown fields are refused."""
+
     model_config = ConfigDict(extra="forbid")
 
 
-class ImageRef(Request):
+class ImageRef(RequestBody):
     """An image given inline (`image`, base64) or by the `image_id` the service returned for it earlier."""
 
     image: Base64Image | None = None
@@ -87,7 +89,7 @@ class ReferRequest(ImageRef):
     ]})
 
 
-class RetrieveRequest(Request):
+class RetrieveRequest(RequestBody):
     """Text -> images: `text` + `image_ids`. Image -> texts: `image` or `image_id` + `texts`."""
 
     text: Text | None = None
@@ -123,7 +125,7 @@ class PairImage(ImageRef):
     """One image of an NLVR2 pair."""
 
 
-class NLVR2Request(Request):
+class NLVR2Request(RequestBody):
     images: list[PairImage] = Field(min_length=2, max_length=2, description="[left, right]")
     statement: Text
 
@@ -156,7 +158,9 @@ class Timings(BaseModel):
     total: float = 0.0
 
 
-class Response(BaseModel):
+class TaskResponse(BaseModel):
+    """Every task answer: which model answered, and timings when asked for."""
+
     model: ModelInfo
     timings: Timings | None = None
 
@@ -166,7 +170,7 @@ class Answer(BaseModel):
     score: float = Field(description="sigmoid of the answer logit (soft-score VQA head)")
 
 
-class VQAResponse(Response):
+class VQAResponse(TaskResponse):
     image_id: str
     answers: list[Answer] = Field(description="best first")
 
@@ -177,7 +181,7 @@ class Region(BaseModel):
     score: float = Field(description="softmax over the image's real regions")
 
 
-class ReferResponse(Response):
+class ReferResponse(TaskResponse):
     image_id: str
     box: list[float] = Field(min_length=4, max_length=4, description="best region: x1, y1, x2, y2 in image pixels")
     score: float
@@ -199,19 +203,19 @@ class TextHit(BaseModel):
     probability: float = Field(description="softmax probability of match")
 
 
-class RetrieveResponse(Response):
+class RetrieveResponse(TaskResponse):
     direction: Literal["text_to_images", "image_to_texts"]
     image_id: str | None = Field(None, description="the query image (image -> texts)")
     results: list[ImageHit] | list[TextHit] = Field(description="best first, at most top_k")
 
 
-class NLVR2Response(Response):
+class NLVR2Response(TaskResponse):
     image_ids: list[str] = Field(min_length=2, max_length=2)
     answer: bool
     probability: float = Field(description="P(statement is true)")
 
 
-class ImageResponse(Response):
+class ImageResponse(TaskResponse):
     image_id: str
     num_boxes: int
     image_size: list[int] = Field(description="height, width in pixels")

@@ -9,9 +9,9 @@ from fastapi import Depends, Query, Request
 
 from ..errors import ProblemError
 from ..pipeline import Pipeline, Timer
-from ..schemas import ModelInfo, Problem, Response, Timings
+from ..schemas import ModelInfo, Problem, TaskResponse, Timings
 
-R = TypeVar("R", bound=Response)
+R = TypeVar("R", bound=TaskResponse)
 
 # Error answers every task route may give (documented in OpenAPI as application/problem+json).
 PROBLEMS: dict[int | str, dict[str, Any]] = {
