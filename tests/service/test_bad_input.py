@@ -171,3 +171,20 @@ def test_queue_full_is_429_with_retry_after(make_settings, problem):
     limited = next(r for r in responses if r.status_code == 429)
     problem(limited, 429, "queue-full")
     assert int(limited.headers["Retry-After"]) >= 1
+
+
+def test_a_bug_is_a_500_problem_without_a_trace(client, problem, monkeypatch):
+    async def broken(*args, **kwargs):
+        raise RuntimeError("secret internal state /etc/vlserve")
+
+    monkeypatch.setattr(client.app.state.services.pipeline, "vqa", broken)
+    body = problem(client.post("/vqa", json={"image": IMG, "question": TEXT}, headers={"X-Request-ID": "bug-1"}), 500, "internal-error")
+    assert "secret" not in body["detail"] and "bug-1" in body["detail"]
+
+
+def test_docs_and_schema_are_served(client):
+    assert "swagger" in client.get("/docs").text.lower()
+    schema = client.get("/openapi.json").json()
+    assert {"/vqa", "/refer", "/retrieve", "/nlvr2", "/images", "/healthz", "/readyz", "/metrics"} <= set(schema["paths"])
+    upload = schema["paths"]["/images"]["post"]["requestBody"]["content"]
+    assert {"application/json", "multipart/form-data"} <= set(upload)
