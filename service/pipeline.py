@@ -197,7 +197,10 @@ class Pipeline:
             raise InvalidInput(loc, "must not be empty or only whitespace")
         if len(text) > self.limits.max_text_chars:
             raise InvalidInput(loc, f"is {len(text)} characters long; the limit is {self.limits.max_text_chars}")
-        length = len(self.tokenizer.token_ids(text)) + 2 + int(answer_slot)  # [CLS] text ([MASK]) [SEP]
+        pieces = len(self.tokenizer.token_ids(text))
+        if pieces == 0:  # e.g. only control characters, which the normalizer drops
+            raise InvalidInput(loc, "has no words the tokenizer can read")
+        length = pieces + 2 + int(answer_slot)  # [CLS] text ([MASK]) [SEP]
         if length > self.limits.max_text_tokens:
             raise InvalidInput(loc, f"is {length} word pieces long; the limit is {self.limits.max_text_tokens}")
         encoded = self.tokenizer.encode([text], answer_slot=answer_slot, max_length=length)

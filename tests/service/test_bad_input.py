@@ -50,6 +50,8 @@ CASES = [
     ("vqa-pixel-bomb", "post", "/vqa", {"image": BOMB, "question": TEXT}, 422, "invalid-image"),
     ("vqa-empty-question", "post", "/vqa", {"image": IMG, "question": ""}, 422, "validation-error"),
     ("vqa-blank-question", "post", "/vqa", {"image": IMG, "question": " \t\n "}, 422, "validation-error"),
+    ("vqa-control-characters-only", "post", "/vqa", {"image": IMG, "question": "\u001b\u0000\u200b"}, 422, "validation-error"),
+    ("refer-control-characters-only", "post", "/refer", {"image": IMG, "expression": "\u001b"}, 422, "validation-error"),
     ("vqa-question-too-long", "post", "/vqa", {"image": IMG, "question": "x" * 81}, 422, "validation-error"),
     ("vqa-question-too-many-tokens", "post", "/vqa", {"image": IMG, "question": "a b c d e f g h i j k l m n o"}, 422, "validation-error"),
     ("vqa-unknown-image-id", "post", "/vqa", {"image_id": UNKNOWN, "question": TEXT}, 404, "unknown-image"),
