@@ -1,0 +1,240 @@
+"""The fused transformer with one task head as an ONNX graph: dynamic batch, text length and region count.
+
+One graph per task. Inputs are the VLInputs fields the preset and head read (names = runtime batch keys):
+input_ids / attention_mask / token_type_ids (B, T) ((B, C, T) multiple choice), region_features (B, N, D),
+region_boxes (B, N, 4), region_mask (B, N) (NLVR2: (B, 2, N, ...)), image_feature (B, D) for the presets that
+read a whole-image feature (VL-BERT, ViLBERT), tag_ids (B, N) for U-VisualBERT, phrase_index (B, P) for
+grounding. Output: logits, as VLModel(inputs, task).logits.
+
+Exporter: the TorchScript exporter (`dynamo=False`, dynamic_axes). torch 2.14's default dynamo exporter
+was tried first: it is 10-30x slower (ViLBERT-tiny 12 s a graph) and its multiple-choice graphs fail at
+run time for any batch > 1 (repeat_interleave by the symbolic choice count becomes a wrong Expand), while
+the TorchScript graphs match torch to ~1e-7 at every size tried. `exporter="dynamo"` keeps the other path
+(same inputs, dynamic_shapes); every graph, however exported, must pass the parity check (export/parity.py).
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from models import ModelConfig, VLInputs, VLModel
+
+EXPORTED_KINDS = ("vqa", "image_qa", "nlvr2", "refer", "itm", "multiple_choice", "grounding")  # task heads
+IMAGE_FEATURE_PRESETS = ("vl-bert", "vilbert")  # presets whose encoder reads image_feature
+DEFAULT_OPSET = 17  # LayerNormalization is an operator from 17 on (the optimizer's fusions look for it)
+EXPORTERS = ("torchscript", "dynamo")
+INT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "region_mask", "tag_ids", "phrase_index")
+MAX_TEXT = 512  # upper bound of the symbolic text length given to the dynamo exporter
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    name: str
+    dtype: str  # "int64" or "float32"
+    shape: tuple[str | int, ...]  # symbolic names for dynamic axes
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """What one exported graph takes and gives; stored in the repository manifest."""
+
+    task: str
+    kind: str
+    inputs: tuple[InputSpec, ...]
+    outputs: tuple[InputSpec, ...]
+
+    @property
+    def input_names(self) -> list[str]:
+        return [i.name for i in self.inputs]
+
+    def to_dict(self) -> dict:
+        return {"task": self.task, "kind": self.kind, "inputs": [asdict(i) for i in self.inputs],
+                "outputs": [asdict(o) for o in self.outputs]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> GraphSpec:
+        def specs(rows):
+            return tuple(InputSpec(r["name"], r["dtype"], tuple(r["shape"])) for r in rows)
+        return cls(data["task"], data["kind"], specs(data["inputs"]), specs(data["outputs"]))
+
+
+def exportable_tasks(config: ModelConfig) -> dict[str, str]:
+    """task -> head kind of the heads that get a graph (pretraining heads do not)."""
+    return {task: h.kind for task, h in config.heads.items() if h.kind in EXPORTED_KINDS}
+
+
+def graph_spec(config: ModelConfig, task: str) -> GraphSpec:
+    """Input and output names, dtypes and symbolic shapes of `task`'s graph."""
+    head = config.heads[task]
+    enc = config.encoder
+    kind = head.kind
+    if kind not in EXPORTED_KINDS:
+        raise ValueError(f"head {task!r} ({kind}) is not exported; exported kinds: {', '.join(EXPORTED_KINDS)}")
+    text = ("batch", "choices", "text") if kind == "multiple_choice" else ("batch", "text")
+    lead = ("batch", 2) if kind == "nlvr2" else ("batch",)  # NLVR2: one region set per image of the pair
+    regions = (*lead, "regions")
+    inputs = [
+        InputSpec("input_ids", "int64", text), InputSpec("attention_mask", "int64", text),
+        InputSpec("token_type_ids", "int64", text),
+        InputSpec("region_features", "float32", (*regions, enc.visual_feat_dim)),
+        InputSpec("region_boxes", "float32", (*regions, 4)), InputSpec("region_mask", "int64", regions),
+    ]
+    joint = kind == "nlvr2" and head.nlvr2_mode == "joint"  # joint NLVR2 drops the whole-image feature
+    if enc.preset in IMAGE_FEATURE_PRESETS and not joint:
+        inputs.append(InputSpec("image_feature", "float32", (*lead, enc.visual_feat_dim)))
+    if enc.preset == "u-visualbert":
+        inputs.append(InputSpec("tag_ids", "int64", regions))
+    if kind == "grounding":
+        inputs.append(InputSpec("phrase_index", "int64", ("batch", "phrases")))
+    out = {
+        "vqa": ("batch", head.num_labels), "image_qa": ("batch", head.num_labels), "nlvr2": ("batch", 2),
+        "itm": ("batch", 2), "refer": ("batch", "regions"), "multiple_choice": ("batch", "choices"),
+        "grounding": ("batch", "phrases", "regions"),
+    }[kind]
+    if joint:
+        out = ("batch", 2)
+    return GraphSpec(task, kind, tuple(inputs), (InputSpec("logits", "float32", out),))
+
+
+class TaskGraph(nn.Module):
+    """VLModel(inputs, task).logits with the inputs as positional tensors, in GraphSpec order."""
+
+    def __init__(self, model: VLModel, spec: GraphSpec):
+        super().__init__()
+        self.model = model
+        self.spec = spec
+
+    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
+        inputs = VLInputs(**dict(zip(self.spec.input_names, tensors)))
+        return self.model(inputs, self.spec.task).logits
+
+
+def masked_mean(region_features: np.ndarray, region_mask: np.ndarray) -> np.ndarray:
+    """Mean of the real regions' features: the whole-image feature the encoder uses when none is given."""
+    m = region_mask.astype(np.float32)[..., None]
+    return (region_features * m).sum(-2) / np.maximum(m.sum(-2), 1.0)
+
+
+def graph_feed(spec: GraphSpec, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The arrays `spec`'s graph takes, from a runtime batch (keys it does not read are dropped).
+
+    Optional inputs the batch lacks get what the torch model does without them: image_feature = mean of the
+    real regions, tag_ids = -1 (no tag), phrase_index = -1.
+    """
+    feed = {}
+    for inp in spec.inputs:
+        value = batch.get(inp.name)
+        if value is None:
+            if inp.name == "image_feature":
+                value = masked_mean(np.asarray(batch["region_features"], np.float32), np.asarray(batch["region_mask"]))
+            elif inp.name in ("tag_ids", "phrase_index"):
+                value = np.full(np.shape(batch["region_mask"]), -1, np.int64)
+            else:
+                raise ValueError(f"graph {spec.task!r} needs input {inp.name!r}")
+        feed[inp.name] = np.ascontiguousarray(value, dtype=np.int64 if inp.dtype == "int64" else np.float32)
+    return feed
+
+
+def to_torch(feed: dict[str, np.ndarray]) -> VLInputs:
+    return VLInputs(**{k: torch.from_numpy(v) for k, v in feed.items()})
+
+
+def synthetic_batch(
+    config: ModelConfig, task: str, batch: int, text_len: int, regions: int, seed: int = 0, choices: int = 3,
+    phrases: int = 2,
+) -> dict[str, np.ndarray]:
+    """A right-padded batch shaped like the service's: [CLS] words ([MASK]) [SEP] + pad, detector-like regions.
+
+    Row lengths vary (some rows padded), features are non-negative (post-ReLU, as the detector's box head),
+    boxes are valid normalized x1 < x2, y1 < y2; padding is zeros, as the service's collate pads.
+    """
+    spec = graph_spec(config, task)
+    head, enc = config.heads[task], config.encoder
+    rng = np.random.default_rng(seed)
+    text_shape = (batch, choices) if spec.kind == "multiple_choice" else (batch,)
+    region_shape = (batch, 2) if spec.kind == "nlvr2" else (batch,)
+
+    lengths = rng.integers(min(4, text_len), text_len + 1, size=text_shape)
+    lengths.reshape(-1)[0] = text_len  # the longest row sets the width, as when the service pads
+    mask = (np.arange(text_len) < lengths[..., None]).astype(np.int64)
+    ids = rng.integers(1000, min(enc.vocab_size, 30000), size=(*text_shape, text_len))
+    ids[..., 0] = enc.cls_token_id
+    np.put_along_axis(ids, lengths[..., None] - 1, enc.sep_token_id, -1)
+    if head.pool == "answer_slot":
+        np.put_along_axis(ids, lengths[..., None] - 2, enc.mask_token_id, -1)
+    ids = np.where(mask == 1, ids, enc.pad_token_id)
+    types = np.zeros_like(ids)
+    if spec.kind == "multiple_choice":  # [CLS] question [SEP] answer [SEP]: the second half is segment B
+        types = ((np.arange(text_len) >= lengths[..., None] // 2) & (mask == 1)).astype(np.int64)
+
+    counts = rng.integers(1, regions + 1, size=region_shape)
+    counts.reshape(-1)[0] = regions
+    rmask = (np.arange(regions) < counts[..., None]).astype(np.int64)
+    feats = np.abs(rng.standard_normal((*region_shape, regions, enc.visual_feat_dim))).astype(np.float32)
+    lo = rng.uniform(0.0, 0.6, (*region_shape, regions, 2))
+    size = rng.uniform(0.05, 0.4, (*region_shape, regions, 2))
+    boxes = np.concatenate([lo, np.minimum(lo + size, 1.0)], -1).astype(np.float32)
+    out = {
+        "input_ids": ids, "attention_mask": mask, "token_type_ids": types,
+        "region_features": feats * rmask[..., None], "region_boxes": boxes * rmask[..., None], "region_mask": rmask,
+    }
+    names = set(spec.input_names)
+    if "image_feature" in names:
+        out["image_feature"] = np.abs(rng.standard_normal((*region_shape, enc.visual_feat_dim))).astype(np.float32)
+    if "tag_ids" in names:
+        tags = rng.integers(1000, min(enc.vocab_size, 30000), size=(*region_shape, regions))
+        tags[rng.random(tags.shape) < 0.3] = -1  # regions without a detector tag
+        out["tag_ids"] = np.where(rmask == 1, tags, -1)
+    if "phrase_index" in names:
+        idx = 1 + (rng.random((batch, phrases)) * (lengths[:, None] - 2)).astype(np.int64)
+        idx[rng.random(idx.shape) < 0.2] = -1
+        out["phrase_index"] = idx
+    return graph_feed(spec, out)
+
+
+def _dynamic_axes(spec: GraphSpec) -> dict[str, dict[int, str]]:
+    return {t.name: {i: d for i, d in enumerate(t.shape) if isinstance(d, str)} for t in (*spec.inputs, *spec.outputs)}
+
+
+def _dynamic_shapes(spec: GraphSpec) -> tuple[dict[int, object], ...]:
+    dims: dict[str, object] = {}
+    for name in {d for t in spec.inputs for d in t.shape if isinstance(d, str)}:
+        dims[name] = torch.export.Dim(name, min=1, max=MAX_TEXT if name == "text" else 4096)
+    return tuple({i: dims[d] for i, d in enumerate(t.shape) if isinstance(d, str)} for t in spec.inputs)
+
+
+def export_task(
+    model: VLModel, task: str, path: str | Path, opset: int = DEFAULT_OPSET, exporter: str = "torchscript",
+) -> GraphSpec:
+    """Write `task`'s graph (fp32) to `path`; returns its GraphSpec. The model must be in eval mode."""
+    if exporter not in EXPORTERS:
+        raise ValueError(f"unknown exporter {exporter!r}; choose one of {', '.join(EXPORTERS)}")
+    spec = graph_spec(model.config, task)
+    model = model.float().eval()
+    # export sizes: batch 2, 8 tokens, 6 regions, 3 choices -- none of them 1, so no axis is specialised
+    example = synthetic_batch(model.config, task, batch=2, text_len=8, regions=6, seed=12345)
+    args = tuple(torch.from_numpy(example[n]) for n in spec.input_names)
+    graph = TaskGraph(model, spec).eval()
+    names = dict(input_names=spec.input_names, output_names=[o.name for o in spec.outputs])
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # tracer and deprecation warnings: parity is what tells a good graph
+        if exporter == "torchscript":
+            torch.onnx.export(graph, args, str(path), dynamo=False, opset_version=opset,
+                              dynamic_axes=_dynamic_axes(spec), do_constant_folding=True, **names)
+        else:
+            torch.onnx.export(graph, args, str(path), dynamo=True, opset_version=opset,
+                              dynamic_shapes=_dynamic_shapes(spec), external_data=False, **names)
+    return used_inputs(spec, path)
+
+
+def used_inputs(spec: GraphSpec, path: str | Path) -> GraphSpec:
+    """`spec` less the inputs the exporter dropped because the graph never reads them (VisualBERT's boxes)."""
+    import onnx
+
+    kept = {i.name for i in onnx.load(str(path), load_external_data=False).graph.input}
+    return replace(spec, inputs=tuple(i for i in spec.inputs if i.name in kept))

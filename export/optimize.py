@@ -1,0 +1,33 @@
+"""Graph rewrites after export: onnxruntime's transformer optimizer (fusions) and int8 dynamic quantization."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from models import EncoderConfig
+
+
+def optimize_graph(src: Path, dst: Path, enc: EncoderConfig) -> dict[str, int]:
+    """Fuse attention, skip-LayerNorm, GELU and bias adds (model_type "bert"); returns the fused-op counts.
+
+    Two-stream presets mix widths and head counts (ViLBERT's image stream, its bi-attention): the attention
+    fusion is told the text stream's and fuses what matches it; the other fusions do not depend on them.
+    """
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    logging.getLogger("onnxruntime.transformers").setLevel(logging.ERROR)  # it logs every fusion pass
+    model = optimize_model(str(src), model_type="bert", num_heads=enc.num_heads, hidden_size=enc.hidden_size,
+                           opt_level=1, use_gpu=False)  # level 1: graph-level fusions, CPU kernels only
+    model.save_model_to_file(str(dst))
+    return {op: n for op, n in (model.get_fused_operator_statistics() or {}).items() if n}
+
+
+def quantize_graph(src: Path, dst: Path) -> None:
+    """int8 dynamic quantization: QInt8 weights of MatMul and Gemm, activations quantized at run time."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    logging.getLogger().setLevel(max(logging.getLogger().level, logging.ERROR))  # "consider pre-processing" notes
+    # fused contrib ops (after --optimize) have no shape-inference types: their outputs are float32
+    quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"],
+                     extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})

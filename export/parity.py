@@ -1,0 +1,73 @@
+"""Parity of an exported graph with the torch model: max abs logit difference and top-1 agreement.
+
+Batches are synthetic but shaped like the service's (export/encoder.py synthetic_batch) at sizes other than
+the export sizes (batch 2, 8 tokens, 6 regions): batch 1 and odd batches, short and long texts, few and many
+regions, every batch right-padded.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from models import VLModel
+
+from .encoder import GraphSpec, graph_feed, synthetic_batch, to_torch
+
+MAX_ABS_DIFF = 1e-4  # fp32 logits: an exported graph further from torch than this fails the export
+MIN_AGREEMENT = 0.995  # share of examples whose top-1 (answer, box, match, choice) equals torch's
+# (batch, text length, regions) of the shape-checking batches; none equals the export sizes
+SHAPES = ((1, 5, 3), (3, 13, 10), (5, 21, 4), (7, 9, 17))
+
+
+@dataclass
+class Parity:
+    max_abs_diff: float  # over every logit of every batch
+    agreement: float  # top-1 agreement with torch over `examples`
+    examples: int
+    shapes: list[list[int]]  # (batch, text, regions) of the batches measured
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def top1(logits: np.ndarray) -> np.ndarray:
+    """Top-1 index per example along the last axis (refer: region, vqa: answer, itm/nlvr2: class)."""
+    return logits.reshape(-1, logits.shape[-1]).argmax(-1)
+
+
+def torch_logits(model: VLModel, task: str, feed: dict[str, np.ndarray]) -> np.ndarray:
+    with torch.inference_mode():
+        return model(to_torch(feed), task).logits.float().numpy()
+
+
+def parity_batches(model: VLModel, task: str, examples: int, seed: int = 0):
+    """(feed, torch logits) batches: the SHAPES, then batches of 32 up to `examples` examples in all."""
+    shapes = list(SHAPES)
+    total = sum(s[0] for s in shapes)
+    while total < examples:
+        b = min(32, examples - total)
+        shapes.append((b, 8 + (len(shapes) * 5) % 24, 4 + (len(shapes) * 7) % 33))
+        total += b
+    for i, (b, t, n) in enumerate(shapes):
+        feed = synthetic_batch(model.config, task, batch=b, text_len=t, regions=n, seed=seed + i)
+        yield (b, t, n), feed, torch_logits(model, task, feed)
+
+
+def measure(model: VLModel, spec: GraphSpec, run, examples: int = 1000, seed: int = 0, reference=None) -> Parity:
+    """Parity of `run(feed) -> logits` with the torch model (or with `reference(feed)` when given)."""
+    worst, agree, count, shapes = 0.0, 0, 0, []
+    for shape, feed, expected in parity_batches(model, spec.task, examples, seed):
+        if reference is not None:
+            expected = reference(feed)
+        got = run(graph_feed(spec, feed))  # the inputs the graph kept
+        if got.shape != expected.shape:
+            raise ValueError(f"graph {spec.task!r}: logits of shape {got.shape}, torch gives {expected.shape} "
+                             f"(batch, text, regions = {shape})")
+        worst = max(worst, float(np.abs(got.astype(np.float64) - expected).max()))
+        a, e = top1(got), top1(expected)
+        agree += int((a == e).sum())
+        count += a.size
+        shapes.append(list(shape))
+    return Parity(max_abs_diff=worst, agreement=agree / max(count, 1), examples=count, shapes=shapes)
