@@ -236,3 +236,13 @@ def test_no_model_means_the_demo_model_message(make_settings):
     with pytest.raises(StartupError) as err:
         create_app(make_settings(model_dir=None))
     assert str(err.value) == DEMO_MISSING and "demo model" in DEMO_MISSING
+
+
+def test_concurrent_requests_for_one_new_image_run_the_detector_once(client, make_png):
+    data = b64(make_png(61))
+    runs = regions_of(client).detector_runs
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda q: client.post("/vqa", json={"image": data, "question": q}), ["a", "b", "c", "d", "e", "f"]))
+    assert all(r.status_code == 200 for r in answers)
+    assert len({r.json()["image_id"] for r in answers}) == 1
+    assert regions_of(client).detector_runs == runs + 1
