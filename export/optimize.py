@@ -2,9 +2,21 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from models import EncoderConfig
+
+
+@contextmanager
+def quiet() -> Iterator[None]:
+    """Silence onnxruntime's optimizer and quantizer, which log every pass at INFO/WARNING on their own loggers."""
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 def optimize_graph(src: Path, dst: Path, enc: EncoderConfig) -> dict[str, int]:
@@ -15,11 +27,11 @@ def optimize_graph(src: Path, dst: Path, enc: EncoderConfig) -> dict[str, int]:
     """
     from onnxruntime.transformers.optimizer import optimize_model
 
-    logging.getLogger("onnxruntime.transformers").setLevel(logging.ERROR)  # it logs every fusion pass
-    model = optimize_model(str(src), model_type="bert", num_heads=enc.num_heads, hidden_size=enc.hidden_size,
-                           opt_level=1, use_gpu=False)  # level 1: graph-level fusions, CPU kernels only
-    model.save_model_to_file(str(dst))
-    return {op: n for op, n in (model.get_fused_operator_statistics() or {}).items() if n}
+    with quiet():
+        model = optimize_model(str(src), model_type="bert", num_heads=enc.num_heads, hidden_size=enc.hidden_size,
+                               opt_level=1, use_gpu=False)  # level 1: graph-level fusions, CPU kernels only
+        model.save_model_to_file(str(dst))
+        return {op: n for op, n in (model.get_fused_operator_statistics() or {}).items() if n}
 
 
 def quantize_graph(src: Path, dst: Path) -> None:
@@ -27,7 +39,7 @@ def quantize_graph(src: Path, dst: Path) -> None:
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    logging.getLogger().setLevel(max(logging.getLogger().level, logging.ERROR))  # "consider pre-processing" notes
     # fused contrib ops (after --optimize) have no shape-inference types: their outputs are float32
-    quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"],
-                     extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+    with quiet():
+        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"],
+                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})

@@ -8,6 +8,7 @@ import typer
 from vlserve import __version__
 from vlserve.commands.import_cmd import app as import_app
 from vlserve.commands.eval import app as eval_app
+from vlserve.commands.export import export
 from vlserve.commands.extract import extract
 from vlserve.commands.info import info
 from vlserve.commands.serve import serve
@@ -31,6 +32,7 @@ def main(quiet: bool = typer.Option(False, "--quiet", "-q", help="only warnings 
 app.add_typer(import_app, name="import", help="Convert public checkpoints (transformers' VisualBERT, LXMERT) into vlserve checkpoint directories.")
 app.command("info")(info)
 app.command("extract")(extract)
+app.command("export")(export)
 app.add_typer(train_app, name="train")
 app.add_typer(zoo_app, name="zoo")
 app.add_typer(eval_app, name="eval")

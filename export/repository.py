@@ -1,0 +1,287 @@
+"""Model repository: a checkpoint directory exported to ONNX, verified by its manifest.
+
+Layout: graphs/<task>.onnx (one graph per task head, the variant to serve), config.json, labels.json and the
+tokenizer files copied from the checkpoint, parity.json (measured against torch), manifest.json (kind
+"onnx-repository"; sha256 of every file, opset, versions, each graph's inputs and outputs, the source
+checkpoint and the detector it expects). An export whose graphs miss the parity bounds writes nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from models import ModelConfig
+from models.checkpoint import (CONFIG, LABELS, MANIFEST, WEIGHTS, CheckpointError, load_checkpoint, verify_manifest,
+                               write_manifest)
+from models.tokenizer import TOKENIZER_FILES, VLTokenizer
+
+from .encoder import DEFAULT_OPSET, GraphSpec, export_task, exportable_tasks, graph_feed
+from .optimize import optimize_graph, quantize_graph
+from .parity import MAX_ABS_DIFF, MIN_AGREEMENT, measure
+
+KIND = "onnx-repository"
+PARITY = "parity.json"
+GRAPHS = "graphs"
+FORMATS = ("onnx", "tensorrt")
+
+
+class RepositoryError(CheckpointError):
+    """A model repository that cannot be loaded; the message names the file or field at fault."""
+
+
+class ExportError(RuntimeError):
+    """The export cannot run with these options or this checkpoint; nothing was written."""
+
+
+class ParityError(ExportError):
+    """An exported graph misses the parity bounds against torch; nothing was written."""
+
+
+@dataclass
+class Repository:
+    path: Path
+    manifest: dict[str, Any]
+    config: ModelConfig
+    tokenizer: VLTokenizer
+    labels: dict[str, Any]
+    graphs: dict[str, GraphSpec]  # task -> inputs / outputs of its graph
+    parity: dict[str, Any] = field(default_factory=dict)
+
+    def graph_path(self, task: str) -> Path:
+        return self.path / self.manifest["graphs"][task]["file"]
+
+    @property
+    def tasks(self) -> dict[str, str]:
+        return {task: spec.kind for task, spec in self.graphs.items()}
+
+
+def versions() -> dict[str, str]:
+    import onnx
+    import onnxruntime
+    import onnxscript
+
+    return {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__, "onnxscript": onnxscript.__version__,
+            "torch": torch.__version__.split("+")[0]}
+
+
+@cache
+def supported_opset() -> int:
+    """Newest ai.onnx opset this onnxruntime loads (probed with a one-node graph; ORT has no API for it)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    best = 0
+    for opset in range(DEFAULT_OPSET, 64):
+        value = helper.make_tensor_value_info
+        graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe",
+                                  [value("x", TensorProto.FLOAT, [1])], [value("y", TensorProto.FLOAT, [1])])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        model.ir_version = 10  # an IR version every onnxruntime of these opsets reads: only the opset is probed
+        try:
+            ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        except Exception:  # noqa: BLE001 - any refusal means this opset is past what it supports
+            break
+        best = opset
+    return best
+
+
+def session(path: Path, threads: int = 1, providers: list | None = None):
+    """An onnxruntime InferenceSession with all graph optimizations and `threads` intra-op threads."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3  # errors only
+    return ort.InferenceSession(str(path), options, providers=providers or ["CPUExecutionProvider"])
+
+
+def runner(sess) -> Callable[[dict[str, np.ndarray]], np.ndarray]:
+    return lambda feed: sess.run(None, feed)[0]
+
+
+# ---- export -------------------------------------------------------------------------------------------
+
+def _check(task: str, variant: str, parity, max_diff: float | None, min_agreement: float) -> str | None:
+    """The parity failure of one graph variant, or None."""
+    if max_diff is not None and parity.max_abs_diff > max_diff:
+        return (f"graph {task!r} ({variant}): max abs logit difference to torch {parity.max_abs_diff:.3g} "
+                f"exceeds {max_diff:g}")
+    if parity.agreement < min_agreement:
+        return (f"graph {task!r} ({variant}): top-1 agreement with torch {parity.agreement:.2%} on "
+                f"{parity.examples} examples is below {min_agreement:.2%}")
+    return None
+
+
+def export_repository(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    fmt: str = "onnx",
+    optimize: bool = False,
+    quantize: str | None = None,
+    opset: int = DEFAULT_OPSET,
+    exporter: str = "torchscript",
+    examples: int = 1000,
+    threads: int = 1,
+    max_abs_diff: float = MAX_ABS_DIFF,
+    min_agreement: float = MIN_AGREEMENT,
+    int8_min_agreement: float = MIN_AGREEMENT,
+    log: Callable[[str], None] = lambda message: None,
+) -> Repository:
+    """Export every task head of the checkpoint at `model_dir` into a repository at `out_dir`.
+
+    fp32 graphs (and optimized ones) must stay within `max_abs_diff` of torch and agree on the top-1 of at
+    least `min_agreement` of `examples` examples; int8 graphs must agree on `int8_min_agreement` (the bound
+    on the accuracy they may lose). Raises ExportError, leaving `out_dir` untouched, when any graph misses.
+    """
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if fmt == "tensorrt":
+        raise ExportError("--format tensorrt builds engines with the tensorrt package on a CUDA GPU; "
+                          + ("torch sees no CUDA device here" if not torch.cuda.is_available() else
+                             "engine building is not implemented yet: export --format onnx and serve with "
+                             "VLSERVE_RUNTIME=onnxruntime, which builds TensorRT engines through its TensorRT "
+                             "execution provider"))
+    if quantize not in (None, "int8"):
+        raise ExportError(f"unknown quantization {quantize!r}; the only one is int8")
+    if opset > supported_opset():
+        raise ExportError(f"opset {opset} is newer than onnxruntime {versions()['onnxruntime']} supports "
+                          f"(up to {supported_opset()})")
+    model_dir, out = Path(model_dir), Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"{out} exists and is not an empty directory; choose a new --out")
+    checkpoint = load_checkpoint(model_dir)
+    model, config = checkpoint.model.float().eval(), checkpoint.model.config
+    tasks = exportable_tasks(config)
+    if not tasks:
+        raise ExportError(f"{model_dir} has no task head to export (heads: {', '.join(config.heads) or 'none'})")
+    torch.set_num_threads(threads)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        (tmp / GRAPHS).mkdir()
+        graphs, parity, failures = {}, {}, []
+        for task, kind in tasks.items():
+            log(f"exporting {task} ({kind})")
+            fp32 = tmp / GRAPHS / f"{task}.fp32.onnx"
+            spec = export_task(model, task, fp32, opset=opset, exporter=exporter)
+            report = {"fp32": measure(model, spec, runner(session(fp32, threads)), examples)}
+            failures.append(_check(task, "fp32", report["fp32"], max_abs_diff, min_agreement))
+            served = fp32
+            if optimize:
+                optimized = tmp / GRAPHS / f"{task}.opt.onnx"
+                fused = optimize_graph(served, optimized, config.encoder)
+                report["optimized"] = measure(model, spec, runner(session(optimized, threads)), examples)
+                failures.append(_check(task, "optimized", report["optimized"], max_abs_diff, min_agreement))
+                served = optimized
+            if quantize == "int8":
+                int8 = tmp / GRAPHS / f"{task}.int8.onnx"
+                quantize_graph(served, int8)
+                report["int8"] = measure(model, spec, runner(session(int8, threads)), examples)
+                failures.append(_check(task, "int8", report["int8"], None, int8_min_agreement))
+                served = int8
+            final = tmp / GRAPHS / f"{task}.onnx"
+            served.replace(final)
+            for stale in (tmp / GRAPHS).glob(f"{task}.*.onnx"):
+                stale.unlink()
+            variant = "int8" if quantize else ("optimized" if optimize else "fp32")
+            parity[task] = {"served": variant, **{k: v.to_dict() for k, v in report.items()},
+                            **({"fused_operators": fused} if optimize else {})}
+            if quantize:
+                parity[task]["int8_agreement_change_points"] = round(
+                    100 * (report["int8"].agreement - report["fp32"].agreement), 3)
+            graphs[task] = {"file": f"{GRAPHS}/{task}.onnx", "variant": variant, **spec.to_dict()}
+            log(f"  {task}: " + ", ".join(f"{k} max|diff| {v.max_abs_diff:.2e} top-1 {v.agreement:.2%}"
+                                          for k, v in report.items()))
+        failures = [f for f in failures if f]
+        if failures:
+            raise ParityError("parity check failed: " + "; ".join(failures))
+
+        for name in (CONFIG, LABELS, *TOKENIZER_FILES):
+            shutil.copyfile(model_dir / name, tmp / name)
+        bounds = {"max_abs_diff": max_abs_diff, "min_agreement": min_agreement,
+                  "int8_min_agreement": int8_min_agreement if quantize else None}
+        (tmp / PARITY).write_text(json.dumps({"bounds": bounds, "graphs": parity}, indent=2))
+        source = checkpoint.manifest
+        write_manifest(tmp, [CONFIG, LABELS, *TOKENIZER_FILES, PARITY, *(g["file"] for g in graphs.values())], {
+            "kind": KIND,
+            "preset": config.encoder.preset,
+            "size": config.encoder.size,
+            "visual_feat_dim": config.encoder.visual_feat_dim,
+            "opset": opset,
+            "exporter": exporter,
+            "precision": "int8" if quantize else "fp32",
+            "optimized": optimize,
+            "versions": versions(),
+            "detector": source.get("detector") or {},
+            "source": {
+                "path": str(model_dir.resolve()),
+                "manifest_sha256": hashlib.sha256((model_dir / MANIFEST).read_bytes()).hexdigest(),
+                "weights_sha256": (source.get("files") or {}).get(WEIGHTS, ""),
+            },
+            "graphs": graphs,
+        })
+        if out.exists():
+            out.rmdir()
+        tmp.replace(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return load_repository(out)
+
+
+# ---- loading -------------------------------------------------------------------------------------------
+
+def is_repository(path: str | Path) -> bool:
+    """Whether `path` holds a model repository (manifest kind "onnx-repository"), without verifying it."""
+    try:
+        return json.loads((Path(path) / MANIFEST).read_text()).get("kind") == KIND
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def load_repository(path: str | Path) -> Repository:
+    """Verify a repository's manifest (every file present with its sha256, an opset onnxruntime runs) and
+    read its config, tokenizer, labels and graph specs. RepositoryError names the file or field at fault."""
+    path = Path(path)
+    try:
+        manifest = verify_manifest(path)
+    except CheckpointError as exc:
+        raise RepositoryError(str(exc)) from None
+    if manifest.get("kind") != KIND:
+        raise RepositoryError(f"{path}: not a model repository (manifest kind {manifest.get('kind')!r}); "
+                              f"`vlserve export` makes one from a checkpoint directory")
+    opset, limit = manifest.get("opset"), supported_opset()
+    if not isinstance(opset, int) or opset > limit:
+        raise RepositoryError(f"{path / MANIFEST}: the graphs use ONNX opset {opset!r} but onnxruntime "
+                              f"{versions()['onnxruntime']} supports opsets up to {limit}; upgrade onnxruntime "
+                              f"or export again with --opset {limit}")
+    try:
+        config = ModelConfig.from_dict(json.loads((path / CONFIG).read_text()))
+        labels = json.loads((path / LABELS).read_text())
+        graphs = {task: GraphSpec.from_dict(g) for task, g in manifest["graphs"].items()}
+        parity = json.loads((path / PARITY).read_text())
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RepositoryError(f"{path}: invalid repository metadata ({exc})") from None
+    for task, spec in graphs.items():
+        if task not in config.heads:
+            raise RepositoryError(f"{path / MANIFEST}: graph {task!r} has no head in {CONFIG}")
+    return Repository(path=path, manifest=manifest, config=config, tokenizer=VLTokenizer.from_dir(path),
+                      labels=labels, graphs=graphs, parity=parity)
+
+
+def run_graph(repository: Repository, sess, task: str, batch: dict[str, np.ndarray]) -> np.ndarray:
+    """Logits of `task` on a runtime batch through its session (inputs the graph does not read are dropped)."""
+    return sess.run(None, graph_feed(repository.graphs[task], batch))[0]

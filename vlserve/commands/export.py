@@ -1,0 +1,49 @@
+"""`vlserve export MODEL_DIR --out REPO_DIR`: a checkpoint directory -> an ONNX model repository, parity-checked."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def export(
+    model_dir: Annotated[Path, typer.Argument(help="checkpoint directory (config.json, model.safetensors, manifest.json)")],
+    out: Annotated[Path, typer.Option(help="repository directory to create (must not exist or be empty)")],
+    fmt: Annotated[str, typer.Option("--format", help="onnx, or tensorrt (engines; needs a CUDA GPU)")] = "onnx",
+    optimize: Annotated[bool, typer.Option("--optimize", help="onnxruntime transformer fusions (attention, skip-LayerNorm, GELU)")] = False,
+    quantize: Annotated[str | None, typer.Option(help="int8: dynamic quantization of MatMul/Gemm weights")] = None,
+    opset: Annotated[int, typer.Option(help="ONNX opset of the graphs")] = 17,
+    exporter: Annotated[str, typer.Option(help="torchscript (default) or dynamo")] = "torchscript",
+    examples: Annotated[int, typer.Option(min=1, help="examples in the top-1 agreement check")] = 1000,
+    max_abs_diff: Annotated[float, typer.Option(help="fail past this max abs fp32 logit difference to torch")] = 1e-4,
+    min_agreement: Annotated[float, typer.Option(help="fail below this top-1 agreement with torch (fp32)")] = 0.995,
+    int8_min_agreement: Annotated[float, typer.Option(help="fail below this top-1 agreement with torch (int8)")] = 0.995,
+    threads: Annotated[int, typer.Option(min=1, help="torch and onnxruntime threads")] = 2,
+) -> None:
+    """Export every task head of a checkpoint to ONNX (one graph per task) with a manifest and a parity report.
+
+    Exit code 0 with the repository written; 1 when a graph misses the parity bounds (nothing is written);
+    2 when the checkpoint or the options are not usable.
+    """
+    from models.checkpoint import CheckpointError
+    from export.repository import ExportError, ParityError, export_repository
+
+    try:
+        repo = export_repository(model_dir, out, fmt=fmt, optimize=optimize, quantize=quantize, opset=opset,
+                                 exporter=exporter, examples=examples, threads=threads, max_abs_diff=max_abs_diff,
+                                 min_agreement=min_agreement, int8_min_agreement=int8_min_agreement,
+                                 log=lambda m: typer.echo(m, err=True))
+    except ExportError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1 if isinstance(exc, ParityError) else 2) from None
+    except (CheckpointError, FileNotFoundError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    summary = {task: {k: v for k, v in p.items() if isinstance(v, dict) and "max_abs_diff" in v}
+               for task, p in repo.parity["graphs"].items()}
+    typer.echo(json.dumps({"out": str(out), "graphs": list(repo.graphs), "precision": repo.manifest["precision"],
+                           "optimized": repo.manifest["optimized"],
+                           "parity": {t: {k: {"max_abs_diff": v["max_abs_diff"], "agreement": v["agreement"]}
+                                          for k, v in s.items()} for t, s in summary.items()}}))
