@@ -20,6 +20,8 @@ import numpy as np
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from export.repository import Repository, is_repository, load_repository
+from models import ModelConfig
 from models.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from models.detector import RegionDetector
 from models.detector.io import load_detector
@@ -60,14 +62,30 @@ class StartupError(RuntimeError):
 class Loaded:
     detector: RegionDetector
     fingerprint: str
-    checkpoint: Checkpoint
+    checkpoint: Checkpoint | Repository  # a checkpoint directory (torch) or an exported model repository
+
+
+def load_encoder(settings: Settings) -> Checkpoint | Repository:
+    """The torch runtime serves a checkpoint directory, the others a model repository made by `vlserve export`."""
+    exported = is_repository(settings.model_dir)
+    if settings.runtime == "torch" and exported:
+        raise StartupError(f"{settings.model_dir} is an exported model repository: serve it with "
+                           f"VLSERVE_RUNTIME=onnxruntime, or serve its checkpoint directory with the torch runtime")
+    if settings.runtime != "torch" and not exported:
+        raise StartupError(f"runtime {settings.runtime!r} serves a model repository but {settings.model_dir} is not one; "
+                           f"make it with `vlserve export {settings.model_dir} --out REPO_DIR` and serve REPO_DIR")
+    return load_repository(settings.model_dir) if exported else load_checkpoint(settings.model_dir)
+
+
+def model_config(model: Checkpoint | Repository) -> ModelConfig:
+    return model.config if isinstance(model, Repository) else model.model.config
 
 
 def load_models(settings: Settings) -> Loaded:
     """Detector and encoder checkpoint, checked against each other."""
     try:
         detector, fingerprint = load_detector(settings.detector_dir, device=settings.device)
-        checkpoint = load_checkpoint(settings.model_dir)
+        checkpoint = load_encoder(settings)
     except (CheckpointError, FileNotFoundError) as exc:
         raise StartupError(str(exc)) from None
     expected = (checkpoint.manifest.get("detector") or {}).get("fingerprint")
@@ -75,15 +93,16 @@ def load_models(settings: Settings) -> Loaded:
         raise StartupError(
             f"{settings.model_dir} was trained on region features of detector {expected}, but {settings.detector_dir} "
             f"is detector {fingerprint}; serve the checkpoint with the detector it expects")
-    want, have = checkpoint.model.config.encoder.visual_feat_dim, detector.config.feature_dim
+    want, have = model_config(checkpoint).encoder.visual_feat_dim, detector.config.feature_dim
     if want != have:
         raise StartupError(f"{settings.model_dir} reads {want}-d region features but the detector gives {have}-d")
     return Loaded(detector, fingerprint, checkpoint)
 
 
 def model_info(loaded: Loaded, runtime_name: str) -> ModelInfo:
-    enc = loaded.checkpoint.model.config.encoder
-    weights = (loaded.checkpoint.manifest.get("files") or {}).get("model.safetensors", "")
+    enc = model_config(loaded.checkpoint).encoder
+    manifest = loaded.checkpoint.manifest
+    weights = (manifest.get("files") or {}).get("model.safetensors") or (manifest.get("source") or {}).get("weights_sha256", "")
     return ModelInfo(preset=enc.preset, size=enc.size, checkpoint=weights[:12], detector=loaded.fingerprint,
                      runtime=runtime_name)
 
@@ -120,7 +139,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             loaded.detector, loaded.fingerprint, store,
             BatcherConfig(settings.detector_max_batch_size, settings.detector_max_wait_ms, settings.max_queue),
             settings.max_pixels, detector_pool, on_batch=metrics.on_batch("detector"))
-        config = loaded.checkpoint.model.config
+        config = model_config(loaded.checkpoint)
         specs = task_specs(runtime.tasks, {t: {"pool": h.pool} for t, h in config.heads.items()}, loaded.checkpoint.labels)
         encoder_batching = BatcherConfig(settings.max_batch_size, settings.max_wait_ms, settings.max_queue)
         batchers = {spec.task: Batcher(spec.task, batch_fn(runtime, spec.task), encoder_batching, encoder_pool,

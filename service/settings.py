@@ -24,6 +24,7 @@ class Settings(BaseSettings):
     runtime: Literal["torch", "onnxruntime", "tensorrt"] = "torch"  # inference backend
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
     threads: int = Field(2, ge=1)  # intra-op threads of the inference runtime
+    engine_cache_dir: Path | None = None  # onnxruntime's TensorRT engine cache; None = ~/.cache/vlserve/tensorrt
     # feature store
     redis_url: str | None = None  # redis://host:port/db; None or "" = in-process LRU
     redis_ttl_s: int = Field(604800, gt=0)  # lifetime of a cached image's regions in Redis (a week)

@@ -1,0 +1,80 @@
+"""onnxruntime over an exported model repository: one InferenceSession per task graph.
+
+Execution providers: CPU for device "cpu"; for "cuda[:N]" TensorRT (engines cached in a directory) then CUDA,
+whichever of them this onnxruntime build has (onnxruntime.get_available_providers()), CPU last for the
+operators they do not take.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from export.encoder import graph_feed
+from export.repository import Repository, session
+
+from .base import Runtime
+
+if TYPE_CHECKING:
+    from ..settings import Settings
+
+__all__ = ["OnnxRuntime", "choose_providers", "create"]
+
+TENSORRT, CUDA, CPU = "TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"
+
+
+def default_engine_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vlserve" / "tensorrt"
+
+
+def choose_providers(device: str, available: list[str], engine_cache_dir: Path | None = None) -> list[Any]:
+    """onnxruntime providers (with options) for `device`, from the ones this build has."""
+    if device == "cpu":
+        return [CPU]
+    device_id = int(device.partition(":")[2] or 0)
+    chosen: list[Any] = []
+    if TENSORRT in available:
+        cache = Path(engine_cache_dir or default_engine_cache())
+        cache.mkdir(parents=True, exist_ok=True)
+        chosen.append((TENSORRT, {"device_id": device_id, "trt_engine_cache_enable": True,
+                                  "trt_engine_cache_path": str(cache), "trt_timing_cache_enable": True,
+                                  "trt_timing_cache_path": str(cache)}))
+    if CUDA in available:
+        chosen.append((CUDA, {"device_id": device_id}))
+    if not chosen:
+        raise ValueError(f"device {device!r} needs onnxruntime's TensorRT or CUDA execution provider, but this "
+                         f"onnxruntime has only {', '.join(available)} (install onnxruntime-gpu)")
+    return [*chosen, CPU]
+
+
+class OnnxRuntime(Runtime):
+    name = "onnxruntime"
+
+    def __init__(self, repository: Repository, device: str = "cpu", threads: int = 2,
+                 engine_cache_dir: Path | None = None) -> None:
+        import onnxruntime
+
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.repository = repository
+        self.providers = choose_providers(device, onnxruntime.get_available_providers(), engine_cache_dir)
+        self.tasks = repository.tasks
+        self.sessions = {task: session(repository.graph_path(task), threads, self.providers) for task in self.tasks}
+
+    def run(self, task: str, batch: dict[str, np.ndarray]) -> np.ndarray:
+        self.check_batch(task, batch)
+        (logits,) = self.sessions[task].run(None, graph_feed(self.repository.graphs[task], batch))
+        return logits
+
+    def close(self) -> None:
+        self.sessions.clear()
+
+
+def create(settings: Settings, checkpoint: Repository) -> OnnxRuntime:
+    if not isinstance(checkpoint, Repository):
+        raise ValueError("runtime 'onnxruntime' serves a model repository (`vlserve export MODEL_DIR --out REPO_DIR`), "
+                         "not a checkpoint directory")
+    return OnnxRuntime(checkpoint, device=settings.device, threads=settings.threads,
+                       engine_cache_dir=settings.engine_cache_dir)

@@ -1,0 +1,173 @@
+"""The service on VLSERVE_RUNTIME=onnxruntime: the tiny checkpoint exported to a model repository answers every
+endpoint as the torch runtime does; the endpoint tests of test_endpoints.py run again on it; GPU providers are
+chosen when the build has them."""
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from export.repository import export_repository
+from service.app import StartupError, create_app
+from service.runtime.onnx_runtime import CPU, CUDA, TENSORRT, OnnxRuntime, choose_providers, create
+
+# The endpoint tests, re-run on this module's `client` (onnxruntime, in-process store); they are runtime-agnostic.
+from tests.service.test_endpoints import (  # noqa: F401
+    test_concurrent_requests_share_batches_and_get_their_own_answers,
+    test_images_json_and_multipart_agree,
+    test_nlvr2_mixes_inline_and_registered_images,
+    test_refer_returns_a_region_box_in_pixels,
+    test_retrieve_image_to_texts_ranks_captions,
+    test_retrieve_text_to_images_ranks_known_images,
+    test_vqa_inline_then_by_id_skips_the_detector,
+)
+
+PRESETS = ("visualbert", "vl-bert")  # vl-bert reads the detector's whole-image feature: one more graph input
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module")
+def repositories(tmp_path_factory, tiny_checkpoint, tiny_detector, make_checkpoint):
+    """preset -> (checkpoint dir, exported repository dir), both matched to the tiny detector."""
+    out = {}
+    for preset in PRESETS:
+        ckpt = tiny_checkpoint if preset == "visualbert" else make_checkpoint(
+            tmp_path_factory.mktemp(f"ckpt-{preset}"), tiny_detector.fingerprint, preset=preset)
+        repo = tmp_path_factory.mktemp(f"repo-{preset}") / "repo"
+        export_repository(ckpt, repo, examples=48)
+        out[preset] = (ckpt, repo)
+    return out
+
+
+@pytest.fixture(scope="module")
+def client(repositories, make_settings):
+    """The onnxruntime app on the visualbert repository (the fixture test_endpoints' tests take)."""
+    with TestClient(create_app(make_settings(model_dir=repositories["visualbert"][1], runtime="onnxruntime",
+                                             max_wait_ms=20.0))) as c:
+        c.store = "memory"
+        yield c
+
+
+def answers(c: TestClient, image_png: bytes, make_png) -> dict[str, dict]:
+    """One answer per endpoint (both retrieval directions) for fixed inputs."""
+    ids = [c.post("/images", json={"image": b64(make_png(seed))}).json()["image_id"] for seed in (51, 52, 53)]
+    requests = {
+        "vqa": ("/vqa", {"image": b64(image_png), "question": "what color is the rectangle?", "top_k": 5}),
+        "refer": ("/refer", {"image": b64(image_png), "expression": "the blue rectangle on the left"}),
+        "text_to_images": ("/retrieve", {"text": "a red rectangle", "image_ids": ids, "top_k": 3}),
+        "image_to_texts": ("/retrieve", {"image": b64(image_png), "texts": ["a red box", "two blue circles", "sky"],
+                                         "top_k": 3}),
+        "nlvr2": ("/nlvr2", {"images": [{"image_id": ids[0]}, {"image": b64(image_png)}],
+                             "statement": "the left image has more shapes"}),
+    }
+    out = {}
+    for name, (path, body) in requests.items():
+        r = c.post(path, json=body)
+        assert r.status_code == 200, (name, r.text)
+        out[name] = r.json()
+    return out
+
+
+def assert_same_answers(onnx: dict, ref: dict) -> None:
+    """Same answers, boxes and rankings; scores equal to float32 rounding."""
+    assert [a["answer"] for a in onnx["vqa"]["answers"]] == [a["answer"] for a in ref["vqa"]["answers"]]
+    assert [a["score"] for a in onnx["vqa"]["answers"]] == pytest.approx([a["score"] for a in ref["vqa"]["answers"]], abs=1e-5)
+    assert onnx["refer"]["box"] == ref["refer"]["box"] and onnx["refer"]["region"]["index"] == ref["refer"]["region"]["index"]
+    assert [r["index"] for r in onnx["refer"]["runner_up"]] == [r["index"] for r in ref["refer"]["runner_up"]]
+    assert onnx["refer"]["score"] == pytest.approx(ref["refer"]["score"], abs=1e-5)
+    for direction, key in (("text_to_images", "image_id"), ("image_to_texts", "index")):
+        assert [h[key] for h in onnx[direction]["results"]] == [h[key] for h in ref[direction]["results"]]
+        assert [h["score"] for h in onnx[direction]["results"]] == pytest.approx(
+            [h["score"] for h in ref[direction]["results"]], abs=1e-5)
+    assert onnx["nlvr2"]["answer"] == ref["nlvr2"]["answer"]
+    assert onnx["nlvr2"]["probability"] == pytest.approx(ref["nlvr2"]["probability"], abs=1e-5)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_endpoint_answers_as_the_torch_runtime(preset, repositories, make_settings, image_png, make_png):
+    ckpt, repo = repositories[preset]
+    with TestClient(create_app(make_settings(model_dir=ckpt))) as c:
+        ref = answers(c, image_png, make_png)
+    with TestClient(create_app(make_settings(model_dir=repo, runtime="onnxruntime"))) as c:
+        model = c.get("/readyz").json()["model"]
+        assert model["runtime"] == "onnxruntime" and model["preset"] == preset
+        assert len(model["checkpoint"]) == 12  # the source checkpoint's weights, as with torch
+        onnx = answers(c, image_png, make_png)
+    assert_same_answers(onnx, ref)
+
+
+def test_runtime_batches_equal_torch_logits(repositories, tiny_detector, image_png):
+    """Straight through the runtime: padded batches of several rows, with and without image_feature."""
+    from export.repository import load_repository
+    from models.checkpoint import load_checkpoint
+    from service.runtime.torch_runtime import TorchRuntime
+
+    ckpt, repo = repositories["vl-bert"]
+    onnx_rt, torch_rt = OnnxRuntime(load_repository(repo), threads=1), TorchRuntime(load_checkpoint(ckpt), threads=1)
+    rng = np.random.default_rng(0)
+    b, t, n, d = 3, 9, 8, 16
+    mask = (np.arange(t) < np.array([[9], [6], [4]])).astype(np.int64)
+    rmask = (np.arange(n) < np.array([[8], [5], [2]])).astype(np.int64)
+    batch = {"input_ids": rng.integers(1000, 2000, (b, t)) * mask, "attention_mask": mask,
+             "token_type_ids": np.zeros((b, t), np.int64), "region_features": rng.random((b, n, d), np.float32),
+             "region_boxes": np.tile(np.array([0.1, 0.1, 0.5, 0.6], np.float32), (b, n, 1)), "region_mask": rmask,
+             "image_feature": rng.random((b, d), np.float32)}
+    for task in ("vqa", "refer", "itm"):
+        for keys in (batch, {k: v for k, v in batch.items() if k != "image_feature"}):
+            np.testing.assert_allclose(onnx_rt.run(task, keys), torch_rt.run(task, keys), atol=1e-5)
+    pair = {k: np.stack([v, v[::-1]], 1) if k.startswith(("region", "image")) else v for k, v in batch.items()}
+    np.testing.assert_allclose(onnx_rt.run("nlvr2", pair), torch_rt.run("nlvr2", pair), atol=1e-5)
+    with pytest.raises(KeyError, match="no task 'grounding'"):
+        onnx_rt.run("grounding", batch)
+
+
+def test_start_up_names_the_wrong_kind_of_model_directory(repositories, make_settings):
+    ckpt, repo = repositories["visualbert"]
+    with pytest.raises(StartupError, match="serves a model repository.*vlserve export"):
+        with TestClient(create_app(make_settings(model_dir=ckpt, runtime="onnxruntime"))):
+            pass
+    with pytest.raises(StartupError, match="exported model repository: serve it with VLSERVE_RUNTIME=onnxruntime"):
+        with TestClient(create_app(make_settings(model_dir=repo))):
+            pass
+
+
+def test_start_up_refuses_a_repository_for_another_detector(tmp_path, repositories, make_settings, make_detector):
+    other = make_detector(tmp_path / "other-detector", seed=7)
+    with pytest.raises(StartupError, match="region features of detector"):
+        with TestClient(create_app(make_settings(model_dir=repositories["visualbert"][1], runtime="onnxruntime",
+                                                 detector_dir=other.dir))):
+            pass
+
+
+def test_create_refuses_a_checkpoint(repositories, make_settings):
+    from models.checkpoint import load_checkpoint
+
+    with pytest.raises(ValueError, match="serves a model repository"):
+        create(make_settings(runtime="onnxruntime"), load_checkpoint(repositories["visualbert"][0]))
+
+
+def test_providers_follow_the_device_and_the_build(tmp_path):
+    assert choose_providers("cpu", [TENSORRT, CUDA, CPU]) == [CPU]
+    chosen = choose_providers("cuda:1", [TENSORRT, CUDA, CPU], engine_cache_dir=tmp_path / "engines")
+    assert [p[0] if isinstance(p, tuple) else p for p in chosen] == [TENSORRT, CUDA, CPU]
+    assert chosen[0][1]["trt_engine_cache_path"] == str(tmp_path / "engines") and chosen[0][1]["device_id"] == 1
+    assert (tmp_path / "engines").is_dir()
+    assert [p[0] if isinstance(p, tuple) else p for p in choose_providers("cuda", [CUDA, CPU])] == [CUDA, CPU]
+    with pytest.raises(ValueError, match="TensorRT or CUDA execution provider.*onnxruntime-gpu"):
+        choose_providers("cuda", [CPU])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: TensorRT/CUDA execution providers")
+def test_gpu_providers_answer_as_the_torch_runtime(repositories, make_settings, image_png, make_png, tmp_path):
+    ckpt, repo = repositories["visualbert"]
+    with TestClient(create_app(make_settings(model_dir=ckpt))) as c:
+        ref = answers(c, image_png, make_png)
+    with TestClient(create_app(make_settings(model_dir=repo, runtime="onnxruntime", device="cuda",
+                                             engine_cache_dir=tmp_path / "trt"))) as c:
+        assert_same_answers(answers(c, image_png, make_png), ref)
