@@ -201,11 +201,12 @@ def _dynamic_axes(spec: GraphSpec) -> dict[str, dict[int, str]]:
     return {t.name: {i: d for i, d in enumerate(t.shape) if isinstance(d, str)} for t in (*spec.inputs, *spec.outputs)}
 
 
-def _dynamic_shapes(spec: GraphSpec) -> tuple[dict[int, object], ...]:
+def _dynamic_shapes(spec: GraphSpec) -> tuple[tuple[dict[int, object], ...]]:
+    """One Dim per axis name, shared by every input that has it; nested once for TaskGraph's *tensors."""
     dims: dict[str, object] = {}
     for name in {d for t in spec.inputs for d in t.shape if isinstance(d, str)}:
         dims[name] = torch.export.Dim(name, min=1, max=MAX_TEXT if name == "text" else 4096)
-    return tuple({i: dims[d] for i, d in enumerate(t.shape) if isinstance(d, str)} for t in spec.inputs)
+    return (tuple({i: dims[d] for i, d in enumerate(t.shape) if isinstance(d, str)} for t in spec.inputs),)
 
 
 def export_task(
