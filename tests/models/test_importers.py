@@ -75,6 +75,12 @@ def visualbert_kwargs(x: VLInputs) -> dict[str, torch.Tensor]:
                 visual_embeds=x.region_features, visual_attention_mask=x.region_mask)
 
 
+def joint_regions(x: VLInputs) -> VLInputs:
+    """NLVR2 image pairs (B, 2, N, ...) as transformers' VisualBERT takes them: one sequence of 2N regions."""
+    b, _, n, d = x.region_features.shape
+    return x.replace(region_features=x.region_features.reshape(b, 2 * n, d), region_mask=x.region_mask.reshape(b, 2 * n))
+
+
 def lxmert_kwargs(x: VLInputs) -> dict[str, torch.Tensor]:
     return dict(input_ids=x.input_ids, attention_mask=x.attention_mask, token_type_ids=x.token_type_ids,
                 visual_feats=x.region_features, visual_pos=x.region_boxes, visual_attention_mask=x.region_mask)
@@ -116,9 +122,7 @@ def test_visualbert_nlvr2_parity(tmp_path, make_batch):
     with torch.no_grad():
         for seed in SEEDS:
             x = make_batch(ckpt.model.config.encoder, batch=3, pairs=True, seed=seed)  # regions (B, 2, N, D)
-            b, _, n, d = x.region_features.shape
-            joint = x.replace(region_features=x.region_features.reshape(b, 2 * n, d), region_mask=x.region_mask.reshape(b, 2 * n))
-            assert max_diff(ckpt.model(x, "nlvr2").logits, hf(**visualbert_kwargs(joint)).logits) < ATOL
+            assert max_diff(ckpt.model(x, "nlvr2").logits, hf(**visualbert_kwargs(joint_regions(x))).logits) < ATOL
 
 
 def test_visualbert_multiple_choice_parity(tmp_path, make_batch):
@@ -150,6 +154,17 @@ def test_visualbert_pretraining_bin_parity(tmp_path, make_batch):
             t = x.input_ids.shape[1]
             assert max_diff(ckpt.model(x, "mlm").logits, out.prediction_logits[:, :t]) < ATOL
             assert max_diff(ckpt.model(x, "itm").logits, out.seq_relationship_logits) < ATOL
+
+
+def test_sharded_checkpoint_imports_like_a_single_file(tmp_path, make_batch):
+    hf = visualbert("VisualBertForVisualReasoning", num_labels=2)
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="1MB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    ckpt = imported("hf-visualbert", tmp_path / "hf", tmp_path / "ours")
+    assert manifest_import(tmp_path / "ours")["weights_file"] == "model.safetensors.index.json"
+    x = make_batch(ckpt.model.config.encoder, batch=2, pairs=True)
+    with torch.no_grad():
+        assert max_diff(ckpt.model(x, "nlvr2").logits, hf(**visualbert_kwargs(joint_regions(x))).logits) < ATOL
 
 
 def test_visualbert_region_to_phrase_parity(tmp_path, make_batch):
