@@ -1,0 +1,167 @@
+"""`vlserve export` and load_repository: the repository's files, manifest and parity report; a failed parity
+writes nothing; a tampered or missing file, or an opset onnxruntime cannot run, is one clear error."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import onnx
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from export.repository import (ExportError, ParityError, RepositoryError, export_repository, load_repository,
+                               supported_opset)
+from models import create_model
+from models.checkpoint import MANIFEST, save_checkpoint, sha256_file
+from models.tokenizer import VLTokenizer
+from vlserve.cli import app
+
+ANSWERS = ["red", "blue", "two"]
+
+
+def build_checkpoint(out):
+    """A tiny LXMERT checkpoint with the four served heads and a pretraining head (which gets no graph)."""
+    torch.manual_seed(0)
+    heads = {"vqa": {"kind": "vqa", "num_labels": len(ANSWERS)}, "refer": {"kind": "refer"}, "itm": {"kind": "itm"},
+             "nlvr2": {"kind": "nlvr2"}, "mlm": {"kind": "mlm"}}
+    model = create_model("lxmert", "tiny", heads=heads)
+    return save_checkpoint(model, out, VLTokenizer.pretrained_minilm(), labels={"heads": {"vqa": ANSWERS}},
+                           detector={"fingerprint": "0123456789abcdef"})
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "lxmert")
+
+
+@pytest.fixture(scope="module")
+def repository(checkpoint, tmp_path_factory):
+    return export_repository(checkpoint, tmp_path_factory.mktemp("repo") / "repo", examples=40)
+
+
+@pytest.fixture
+def copy(repository, tmp_path):
+    """A copy of the repository that a test may break."""
+    return shutil.copytree(repository.path, tmp_path / "repo")
+
+
+def test_repository_has_every_graph_its_files_and_a_full_manifest(repository, checkpoint):
+    repo = repository.path
+    manifest = json.loads((repo / MANIFEST).read_text())
+    assert manifest["kind"] == "onnx-repository" and manifest["opset"] == 17 and manifest["precision"] == "fp32"
+    assert set(manifest["graphs"]) == {"vqa", "refer", "itm", "nlvr2"}  # mlm is a pretraining head
+    assert set(manifest["versions"]) == {"onnx", "onnxruntime", "onnxscript", "torch"}
+    assert manifest["detector"] == {"fingerprint": "0123456789abcdef"}
+    assert manifest["source"]["manifest_sha256"] and manifest["source"]["weights_sha256"] == json.loads(
+        (checkpoint / MANIFEST).read_text())["files"]["model.safetensors"]
+    for name in ("config.json", "labels.json", "vocab.txt", "tokenizer_config.json", "parity.json", "graphs/vqa.onnx"):
+        assert manifest["files"][name] == sha256_file(repo / name)
+    vqa = manifest["graphs"]["vqa"]
+    assert [i["name"] for i in vqa["inputs"]][:3] == ["input_ids", "attention_mask", "token_type_ids"]
+    assert vqa["outputs"] == [{"name": "logits", "dtype": "float32", "shape": ["batch", len(ANSWERS)]}]
+    assert manifest["graphs"]["nlvr2"]["inputs"][3]["shape"] == ["batch", 2, "regions", 16]
+    assert not list(repo.glob("graphs/*.fp32.onnx")) and not list(repo.parent.glob(".repo.*"))  # no leftovers
+
+
+def test_parity_report_measures_each_graph_at_several_sizes(repository):
+    parity = json.loads((repository.path / "parity.json").read_text())
+    assert parity["bounds"]["max_abs_diff"] == 1e-4
+    for task, report in parity["graphs"].items():
+        fp32 = report["fp32"]
+        assert fp32["max_abs_diff"] <= 1e-4 and fp32["agreement"] == 1.0 and fp32["examples"] >= 40, task
+        assert len({tuple(s) for s in fp32["shapes"]}) >= 4 and [1, 5, 3] in fp32["shapes"]
+
+
+def test_load_repository_reads_config_tokenizer_labels_and_specs(repository):
+    repo = load_repository(repository.path)
+    assert repo.tasks == {"vqa": "vqa", "refer": "refer", "itm": "itm", "nlvr2": "nlvr2"}
+    assert repo.labels["heads"]["vqa"] == ANSWERS and repo.config.encoder.preset == "lxmert"
+    assert repo.tokenizer.encode(["a red box"])["input_ids"].shape == (1, 5)
+    assert repo.graph_path("vqa").is_file()
+
+
+def test_a_tampered_graph_is_one_error_naming_it(copy):
+    with open(copy / "graphs/refer.onnx", "r+b") as f:
+        f.seek(200)
+        byte = f.read(1)
+        f.seek(200)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(RepositoryError, match=r"file graphs/refer\.onnx does not match its sha256"):
+        load_repository(copy)
+
+
+def test_a_missing_file_is_one_error_naming_it(copy):
+    (copy / "vocab.txt").unlink()
+    with pytest.raises(RepositoryError, match="missing file vocab.txt"):
+        load_repository(copy)
+    shutil.rmtree(copy / "graphs")
+    with pytest.raises(RepositoryError, match="missing file"):
+        load_repository(copy)
+
+
+def test_an_opset_onnxruntime_cannot_run_is_one_error(copy, checkpoint, tmp_path):
+    newest = supported_opset()
+    assert newest >= 17
+    manifest = json.loads((copy / MANIFEST).read_text())
+    manifest["opset"] = newest + 1
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(RepositoryError, match=f"opset {newest + 1} but onnxruntime .* supports opsets up to {newest}"):
+        load_repository(copy)
+    with pytest.raises(ExportError, match=f"opset {newest + 1} is newer than onnxruntime"):
+        export_repository(checkpoint, tmp_path / "new", opset=newest + 1)
+
+
+def test_a_checkpoint_directory_is_not_a_repository(checkpoint):
+    with pytest.raises(RepositoryError, match="not a model repository"):
+        load_repository(checkpoint)
+
+
+def test_parity_past_the_bound_fails_loudly_and_writes_nothing(checkpoint, tmp_path):
+    out = tmp_path / "repo"
+    with pytest.raises(ParityError, match=r"graph 'vqa' \(fp32\): max abs logit difference .* exceeds 1e-12"):
+        export_repository(checkpoint, out, examples=16, max_abs_diff=1e-12)
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_cli_exports_and_fails_with_exit_codes(checkpoint, tmp_path):
+    runner = CliRunner()
+    ok = runner.invoke(app, ["export", str(checkpoint), "--out", str(tmp_path / "repo"), "--examples", "16",
+                             "--threads", "1"])
+    assert ok.exit_code == 0, ok.output
+    summary = json.loads(ok.stdout.strip().splitlines()[-1])
+    assert summary["graphs"] == ["vqa", "refer", "itm", "nlvr2"] and summary["parity"]["vqa"]["fp32"]["agreement"] == 1.0
+    again = runner.invoke(app, ["export", str(checkpoint), "--out", str(tmp_path / "repo")])
+    assert again.exit_code == 2 and "not an empty directory" in again.output
+    strict = runner.invoke(app, ["export", str(checkpoint), "--out", str(tmp_path / "strict"), "--examples", "16",
+                                 "--max-abs-diff", "1e-12"])
+    assert strict.exit_code == 1 and "error: parity check failed" in strict.output
+    bad = runner.invoke(app, ["export", str(checkpoint), "--out", str(tmp_path / "x"), "--quantize", "int4"])
+    assert bad.exit_code == 2 and "int8" in bad.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given on machines without a CUDA GPU")
+def test_tensorrt_format_says_what_it_needs(checkpoint, tmp_path):
+    with pytest.raises(ExportError, match="CUDA"):
+        export_repository(checkpoint, tmp_path / "trt", fmt="tensorrt")
+
+
+def test_optimized_and_int8_graphs_record_their_parity(checkpoint, tmp_path):
+    # Random tiny weights give near-tied logits (NLVR2 / ITM class differences ~1e-3) that int8 rounding flips,
+    # so the int8 bound here is loose; the default bound (99.5% top-1 agreement) is for trained models.
+    repo = export_repository(checkpoint, tmp_path / "repo", optimize=True, quantize="int8", examples=64,
+                             int8_min_agreement=0.5)
+    assert repo.manifest["precision"] == "int8" and repo.manifest["optimized"] is True
+    for task, report in repo.parity["graphs"].items():
+        assert report["served"] == "int8"
+        assert report["optimized"]["max_abs_diff"] <= 1e-4 and report["optimized"]["agreement"] == 1.0
+        assert report["fused_operators"].get("SkipLayerNormalization", 0) > 0
+        assert 0.5 <= report["int8"]["agreement"] <= 1 and "int8_agreement_change_points" in report, task
+    ops = {n.op_type for n in onnx.load(str(repo.graph_path("vqa"))).graph.node}
+    assert {"DynamicQuantizeLinear", "MatMulInteger"} & ops
+
+
+def test_int8_past_its_agreement_bound_fails_loudly(checkpoint, tmp_path):
+    with pytest.raises(ParityError, match=r"graph 'nlvr2' \(int8\): top-1 agreement with torch .* is below 99.90%"):
+        export_repository(checkpoint, tmp_path / "repo", quantize="int8", examples=64, int8_min_agreement=0.999)
+    assert not (tmp_path / "repo").exists()
