@@ -20,10 +20,10 @@ def quiet() -> Iterator[None]:
 
 
 def optimize_graph(src: Path, dst: Path, enc: EncoderConfig) -> dict[str, int]:
-    """Fuse attention, skip-LayerNorm, GELU and bias adds (model_type "bert"); returns the fused-op counts.
+    """Fuse skip-LayerNorm, GELU and bias adds (model_type "bert"); returns the graph's fused-op counts.
 
-    Two-stream presets mix widths and head counts (ViLBERT's image stream, its bi-attention): the attention
-    fusion is told the text stream's and fuses what matches it; the other fusions do not depend on them.
+    Attention comes already fused from the export (export/fused.py): the optimizer's attention pass only
+    knows transformers' BERT layout. Its other passes do not depend on widths or head counts.
     """
     from onnxruntime.transformers.optimizer import optimize_model
 

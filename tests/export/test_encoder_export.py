@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from export.encoder import EXPORTED_KINDS, export_task, graph_feed, graph_spec, synthetic_batch, to_torch
+from export.fused import fused_attention
 from export.parity import MAX_ABS_DIFF, SHAPES, measure, torch_logits
 from export.repository import runner, session
 from models import PRESETS, HeadConfig, ModelConfig, VLModel
+from models.layers import CrossAttention, SelfAttention
 
 KINDS = ("vqa", "refer", "itm", "nlvr2", "multiple_choice", "grounding")
 # head options the presets use: VL-BERT answers VQA from the [MASK] slot, VisualBERT reads NLVR2 pairs jointly
@@ -96,3 +98,20 @@ def test_synthetic_batches_are_padded_like_the_service(make_model):
     boxes = batch["region_boxes"][batch["region_mask"] == 1]
     assert (boxes[:, 2] > boxes[:, 0]).all() and (boxes[:, 3] > boxes[:, 1]).all() and boxes.max() <= 1
     assert torch_logits(model.eval(), "vqa", batch).shape == (4, 7)
+
+
+@pytest.mark.parametrize("preset", ["visualbert", "vilbert"])
+def test_fused_attention_computes_what_the_modules_do_and_exports_as_one_node(preset, make_model, tmp_path):
+    model = make_model(preset, "vqa", "refer").eval()
+    batch = synthetic_batch(model.config, "refer", batch=3, text_len=7, regions=5, seed=4)
+    plain = torch_logits(model, "refer", batch)
+    with fused_attention(model) as count:
+        assert count == sum(isinstance(m, (SelfAttention, CrossAttention)) for m in model.modules())
+        np.testing.assert_allclose(torch_logits(model, "refer", batch), plain, atol=1e-6)
+        spec = export_task(model, "refer", tmp_path / "refer.onnx")
+    np.testing.assert_array_equal(torch_logits(model, "refer", batch), plain)  # unpatched afterwards
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "refer.onnx")).graph.node]
+    assert "Softmax" not in ops and ops.count("Attention") == model.config.encoder.num_layers + (
+        model.config.encoder.num_image_layers if preset == "vilbert" else 0)
+    parity = measure(model, spec, runner(session(tmp_path / "refer.onnx")), examples=16)
+    assert parity.max_abs_diff <= MAX_ABS_DIFF and parity.agreement == 1.0
