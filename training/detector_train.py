@@ -32,6 +32,7 @@ class DetectorTrainConfig:
     warmup: int = 100  # linear warm-up steps, then cosine decay to 0
     weight_decay: float = 1e-4
     zoom_prob: float = 0.5  # chance a training image is replaced by a random_zoom crop
+    stretch_prob: float = 0.3  # chance a training image is stretched along one axis (random_stretch)
     eval_every: int = 400  # steps between mAP evaluations on the val split
     eval_images: int = 200  # val images per periodic evaluation
     seed: int = 0
@@ -74,6 +75,19 @@ def random_zoom(image: np.ndarray, target: dict[str, torch.Tensor], rng: np.rand
     return image, target
 
 
+def random_stretch(image: np.ndarray, target: dict[str, torch.Tensor], rng: np.random.Generator, max_factor: float = 2.5):
+    """Stretch along x or y by up to max_factor: easy-VQA's rectangles reach 3:1, shapes world's stay near 1.5:1."""
+    from PIL import Image
+
+    h, w = image.shape[:2]
+    factor = float(rng.uniform(1.0, max_factor))
+    sx, sy = (factor, 1.0) if rng.random() < 0.5 else (1.0, factor)
+    size = (max(1, round(w * sx)), max(1, round(h * sy)))
+    stretched = np.asarray(Image.fromarray(image).resize(size, Image.BILINEAR))
+    scale = torch.tensor([size[0] / w, size[1] / h, size[0] / w, size[1] / h], dtype=torch.float32)
+    return stretched, {**target, "boxes": target["boxes"] * scale}
+
+
 def split_images(split: ShapesSplit, indices) -> list[np.ndarray]:
     return [np.asarray(split.image(int(i)), dtype=np.uint8) for i in indices]
 
@@ -112,6 +126,7 @@ def train_detector(cfg: DetectorTrainConfig, progress: bool = True) -> dict:
         idx = rng.integers(0, len(train), cfg.batch_size)
         batch = [(img, scene_target(train.annotations[int(i)])) for img, i in zip(split_images(train, idx), idx)]
         batch = [random_zoom(img, t, rng) if rng.random() < cfg.zoom_prob else (img, t) for img, t in batch]
+        batch = [random_stretch(img, t, rng) if rng.random() < cfg.stretch_prob else (img, t) for img, t in batch]
         losses = detector.losses([img for img, _ in batch], [t for _, t in batch])
         loss = sum(losses.values())
         opt.zero_grad(set_to_none=True)
