@@ -124,18 +124,24 @@ def run_side_by_side(ours: VLModel, theirs: torch.nn.Module, x: VLInputs, runs: 
     kwargs = dict(input_ids=x.input_ids, attention_mask=x.attention_mask, token_type_ids=x.token_type_ids,
                   visual_embeds=x.region_features, visual_attention_mask=x.region_mask)
     fns = dict(zip(CONTENDERS, (lambda: theirs(**kwargs).last_hidden_state, ours_fn(ours, x, True), ours_fn(ours, x, False))))
-    times: dict[str, list[float]] = {name: [] for name in fns}
     with torch.inference_mode():
         reference = fns["transformers"]()
         diff = max((fns[name]() - reference).abs().max().item() for name in CONTENDERS[1:])
-        for _ in range(warmup):
-            for fn in fns.values():
-                fn()
-        for _ in range(runs):
-            for name, fn in fns.items():
-                times[name].append(timed(fn))
+        medians = take_turns(fns, runs, warmup)
     layers.PACK_CPU_WEIGHTS = True
-    return {"diff": diff, **{name: statistics.median(t) for name, t in times.items()}}
+    return {"diff": diff, **medians}
+
+
+def take_turns(fns: dict[str, Callable[[], object]], runs: int, warmup: int = 2) -> dict[str, float]:
+    """Median seconds of each function over `runs` rounds in which every function runs once, after warm-up."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    for _ in range(runs):
+        for name, fn in fns.items():
+            times[name].append(timed(fn))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def markdown_table(rows: list[dict], peak: float, ort_peak: float | None) -> list[str]:
@@ -204,11 +210,11 @@ def section(rows: list[dict], peak: float, ort_peak: float | None, threads: int)
     ])
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace (or append) our section of docs/BENCHMARKS.md, leaving every other section as it is."""
+def write_section(path: Path, text: str, heading: str = HEADING) -> None:
+    """Replace (or append) the section under `heading` of docs/BENCHMARKS.md, leaving every other section as it is."""
     old = path.read_text() if path.is_file() else "# Benchmarks\n"
     lines = old.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.strip() == HEADING), None)
+    start = next((i for i, line in enumerate(lines) if line.strip() == heading), None)
     if start is None:
         new = old.rstrip("\n") + "\n\n" + text + "\n"
     else:
@@ -219,14 +225,20 @@ def write_section(path: Path, text: str) -> None:
     path.write_text(new)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=7, help="timed runs per contender at batch > 1 (3x at batch 1)")
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+def parse_args(description: str, runs: int, threads_help: str) -> argparse.Namespace:
+    """The options every benchmark script takes; sets torch's threads."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--runs", type=int, default=runs, help="timed runs per contender at batch > 1 (3x at batch 1)")
+    parser.add_argument("--threads", type=int, default=2, help=threads_help)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    return args
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], runs=7, threads_help="torch intra-op threads")
 
     ours, theirs = build_models()
     peak = gemm_peak_torch()
