@@ -21,10 +21,10 @@ def evaluate_map(detector: RegionDetector, split: ShapesSplit, indices, batch_si
     for s in range(0, len(indices), batch_size):
         chunk = indices[s : s + batch_size]
         images = [np.asarray(split.image(i), dtype=np.uint8) for i in chunk]
-        preds = detector.detect(images, batch_size)
-        regions = detector.extract(images, batch_size)
+        outputs = detector.analyze(images, batch_size)
+        preds = [d for _, d in outputs]
         gold = []
-        for i, rf in zip(chunk, regions):
+        for i, (rf, _) in zip(chunk, outputs):
             objects = split.annotations[i]["objects"]
             boxes = torch.tensor([o["box"] for o in objects], dtype=torch.float32).reshape(-1, 4)
             gold.append({"boxes": boxes, "labels": torch.tensor([SHAPES.index(o["shape"]) for o in objects])})

@@ -33,6 +33,7 @@ class FinetuneConfig:
     init_text: bool = True  # start the text side from the pretrained MiniLM-L6
     tasks: dict[str, float] = field(default_factory=lambda: {"vqa": 1.0, "refer": 1.0, "itm": 1.0, "nlvr2": 1.0})  # task -> sampling weight
     easy_vqa: bool = True  # add easy-VQA's training questions to the vqa task
+    easy_vqa_images: int | None = None  # use only the first N easy-VQA training images (None = all 4,000)
     train_scenes: int = 20_000  # shapes-world training scenes used
     eval_scenes: int = 1_000  # shapes-world val scenes evaluated
     steps: int = 2000  # optimizer steps (each on one task's batch)
@@ -102,7 +103,8 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     rng = np.random.default_rng(cfg.seed)
-    data = data or prepare_task_data(cfg.detector_dir, cfg.train_scenes, cfg.eval_scenes, cfg.easy_vqa, progress)
+    data = data or prepare_task_data(cfg.detector_dir, cfg.train_scenes, cfg.eval_scenes, cfg.easy_vqa, progress,
+                                     easy_vqa_images=cfg.easy_vqa_images)
     unknown = set(cfg.tasks) - set(data.train)
     if unknown:
         raise ValueError(f"no training data for task(s) {', '.join(sorted(unknown))}")

@@ -12,7 +12,8 @@ from .data.easy_vqa import load_easy_vqa, load_image as load_easy_vqa_image
 from .data.region_table import RegionTable, extract_table
 from .data.shapes_cache import ShapesConfig, cache_root, config_hash, load_split
 from .data.shapes_tasks import ANSWERS
-from .data.vl_tasks import Example, easy_vqa_examples, easy_vqa_images, shapes_examples
+from .data.vl_tasks import Example, easy_vqa_examples, shapes_examples
+from .data.vl_tasks import easy_vqa_images as easy_vqa_image_ids
 
 
 @dataclass
@@ -41,7 +42,7 @@ def concat_tables(tables: list[RegionTable]) -> RegionTable:
 
 
 def prepare_task_data(detector_dir: Path, train_scenes: int, eval_scenes: int, easy_vqa: bool = True,
-                      progress: bool = True, data: ShapesConfig = ShapesConfig()) -> TaskData:
+                      progress: bool = True, data: ShapesConfig = ShapesConfig(), easy_vqa_images: int | None = None) -> TaskData:
     """Extract (or load cached) regions for the data a run uses and build its task examples."""
     detector, fingerprint = load_detector(detector_dir)
     features_dir = cache_root() / "features" / fingerprint
@@ -63,7 +64,11 @@ def prepare_task_data(detector_dir: Path, train_scenes: int, eval_scenes: int, e
     if easy_vqa:
         for split_name, tables, target, key in (("train", tables_train, train, "vqa"), ("test", tables_eval, evals, "easy_vqa")):
             split = load_easy_vqa(split_name)
-            ids = easy_vqa_images(split)
+            if split_name == "train" and easy_vqa_images is not None:  # a subset of the training images
+                keep_ids = set(easy_vqa_image_ids(split)[:easy_vqa_images])
+                split.image_paths = {i: p for i, p in split.image_paths.items() if i in keep_ids}
+                split.examples = [e for e in split.examples if e.image_id in keep_ids]
+            ids = easy_vqa_image_ids(split)
             offset = sum(len(t) for t in tables)
             tables.append(table(f"easy-vqa-{split_name}", lambda i, ids=ids, split=split: load_easy_vqa_image(split.image_paths[ids[i]]), len(ids)))
             target[key] = target.get(key, []) + easy_vqa_examples(split, ANSWERS, row_offset=offset)

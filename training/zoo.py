@@ -18,13 +18,17 @@ class Profile:
     eval_scenes: int  # shapes-world val scenes evaluated
     finetune_steps: int  # multi-task encoder steps
     batch_size: int  # encoder batch
+    easy_vqa_images: int | None = None  # easy-VQA training images used (None = all 4,000)
+    num_boxes: int = 36  # regions per image (shapes scenes hold at most 6 objects)
+    proposals: int = 150  # RPN proposals per image at inference
     preset: str = "visualbert"
     size: str = "small"
 
 
 PROFILES = {
-    "demo": Profile(detector_steps=300, train_scenes=4_000, eval_scenes=500, finetune_steps=900, batch_size=32),
-    "full": Profile(detector_steps=1_200, train_scenes=20_000, eval_scenes=2_000, finetune_steps=6_000, batch_size=48),
+    "demo": Profile(detector_steps=200, train_scenes=3_000, eval_scenes=500, finetune_steps=800, batch_size=32,
+                    easy_vqa_images=2_000, num_boxes=16, proposals=100),
+    "full": Profile(detector_steps=800, train_scenes=20_000, eval_scenes=2_000, finetune_steps=6_000, batch_size=48),
 }
 
 
@@ -49,10 +53,13 @@ def build_zoo(profile: str = "demo", root: Path | None = None, force: bool = Fal
     det_dir, enc_dir = out / "detector", out / "encoder"
     if force or not (det_dir / "manifest.json").exists():
         train_detector(DetectorTrainConfig(out=det_dir, steps=p.detector_steps, eval_every=max(1, p.detector_steps // 2),
-                                           eval_images=100, threads=threads, data=ShapesConfig()), progress=progress)
+                                           eval_images=100, threads=threads, data=ShapesConfig(),
+                                           detector={"num_boxes": p.num_boxes, "rpn_post_nms_top_n": p.proposals}),
+                       progress=progress)
     det_seconds = time.perf_counter() - started
     cfg = FinetuneConfig(out=enc_dir, detector_dir=det_dir, preset=p.preset, size=p.size, train_scenes=p.train_scenes,
                          eval_scenes=p.eval_scenes, steps=p.finetune_steps, batch_size=p.batch_size,
+                         easy_vqa_images=p.easy_vqa_images,
                          eval_every=max(1, p.finetune_steps // 3), threads=threads)
     metrics = train(cfg, progress=progress)
     card = model_card(profile, p, det_dir, metrics, det_seconds, time.perf_counter() - started)

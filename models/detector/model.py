@@ -102,44 +102,47 @@ class RegionDetector(nn.Module):
                     yield i, prepared[i], head
 
     # ---- inference ---------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def extract(self, images: list[np.ndarray], batch_size: int = 8) -> list[RegionFeatures]:
-        """Region features per image (padded to config.max_regions); batched output equals per-image output."""
+    def _regions(self, prep: Prepared, head: HeadOutputs, boxes: torch.Tensor, scores: torch.Tensor) -> RegionFeatures:
+        """Bottom-up-attention selection: the most confident regions after per-class NMS, in original pixels."""
         c = self.config
-        results: list[RegionFeatures | None] = [None] * len(images)
-        for i, prep, head in self._run(images, batch_size):
-            boxes, scores = self._decode(head, prep.resized_hw)
-            conf, cls = region_confidence(boxes, scores, c.region_nms_thresh)
-            keep = choose_regions(conf, c.num_boxes, c.adaptive, c.min_boxes, c.max_boxes, c.conf_thresh)
-            obj_scores, obj_ids = conf[keep], cls[keep]  # most confident first
-            chosen = boxes[keep, obj_ids] / prep.scale  # (k, 4) in original pixels
-            h, w = prep.original_hw
-            chosen = clip_boxes_to_image(chosen, (h, w))
-            attr = torch.sigmoid(head.attr_logits[keep])
-            attr_scores, attr_ids = attr.max(-1)
-            results[i] = RegionFeatures(
-                boxes=chosen.float().cpu().numpy(),
-                features=head.features[keep].float().cpu().numpy(),
-                obj_ids=obj_ids.cpu().numpy().astype(np.int64),
-                obj_scores=obj_scores.float().cpu().numpy(),
-                attr_ids=attr_ids.cpu().numpy().astype(np.int64),
-                attr_scores=attr_scores.float().cpu().numpy(),
-                image_hw=(h, w),
-                num_boxes=int(keep.shape[0]),
-                image_feature=None if head.image_feature is None else head.image_feature.float().cpu().numpy(),
-            ).pad_to(c.max_regions)
-        return results  # type: ignore[return-value]
+        conf, cls = region_confidence(boxes, scores, c.region_nms_thresh)
+        keep = choose_regions(conf, c.num_boxes, c.adaptive, c.min_boxes, c.max_boxes, c.conf_thresh)
+        obj_scores, obj_ids = conf[keep], cls[keep]  # most confident first
+        chosen = clip_boxes_to_image(boxes[keep, obj_ids] / prep.scale, prep.original_hw)  # (k, 4)
+        attr_scores, attr_ids = torch.sigmoid(head.attr_logits[keep]).max(-1)
+        return RegionFeatures(
+            boxes=chosen.float().cpu().numpy(),
+            features=head.features[keep].float().cpu().numpy(),
+            obj_ids=obj_ids.cpu().numpy().astype(np.int64),
+            obj_scores=obj_scores.float().cpu().numpy(),
+            attr_ids=attr_ids.cpu().numpy().astype(np.int64),
+            attr_scores=attr_scores.float().cpu().numpy(),
+            image_hw=prep.original_hw,
+            num_boxes=int(keep.shape[0]),
+            image_feature=None if head.image_feature is None else head.image_feature.float().cpu().numpy(),
+        ).pad_to(c.max_regions)
+
+    def _detections(self, prep: Prepared, boxes: torch.Tensor, scores: torch.Tensor) -> dict[str, torch.Tensor]:
+        b, s, lab = detections(boxes, scores, self.config.det_score_thresh, self.config.det_nms_thresh)
+        return {"boxes": clip_boxes_to_image(b / prep.scale, prep.original_hw), "scores": s, "labels": lab}
 
     @torch.inference_mode()
-    def detect(self, images: list[np.ndarray], batch_size: int = 8) -> list[dict[str, torch.Tensor]]:
-        """Standard detections (boxes in original pixels, scores, 0-based labels) for mAP evaluation."""
-        c = self.config
-        results: list[dict | None] = [None] * len(images)
+    def analyze(self, images: list[np.ndarray], batch_size: int = 8, regions: bool = True, dets: bool = True):
+        """One detector pass per image -> list of (RegionFeatures or None, detections dict or None)."""
+        results: list = [None] * len(images)
         for i, prep, head in self._run(images, batch_size):
             boxes, scores = self._decode(head, prep.resized_hw)
-            b, s, lab = detections(boxes, scores, c.det_score_thresh, c.det_nms_thresh)
-            results[i] = {"boxes": clip_boxes_to_image(b / prep.scale, prep.original_hw), "scores": s, "labels": lab}
-        return results  # type: ignore[return-value]
+            results[i] = (self._regions(prep, head, boxes, scores) if regions else None,
+                          self._detections(prep, boxes, scores) if dets else None)
+        return results
+
+    def extract(self, images: list[np.ndarray], batch_size: int = 8) -> list[RegionFeatures]:
+        """Region features per image (padded to config.max_regions); batched output equals per-image output."""
+        return [r for r, _ in self.analyze(images, batch_size, dets=False)]
+
+    def detect(self, images: list[np.ndarray], batch_size: int = 8) -> list[dict[str, torch.Tensor]]:
+        """Standard detections (boxes in original pixels, scores, 0-based labels) for mAP evaluation."""
+        return [d for _, d in self.analyze(images, batch_size, regions=False)]
 
     # ---- training ----------------------------------------------------------------------------------
     def losses(self, images: list[np.ndarray], targets: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
