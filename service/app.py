@@ -43,7 +43,7 @@ log = logging.getLogger("vlserve.app")
 
 DEMO_MISSING = (
     "no model to serve: set VLSERVE_MODEL_DIR and VLSERVE_DETECTOR_DIR (or --model-dir / --detector-dir). "
-    "The built-in demo model does not exist yet (a later issue builds it with `make zoo`)."
+    "`vlserve serve` without them serves the demo model set (built by `make zoo` on first use)."
 )
 DESCRIPTION = """Vision-and-language inference: VQA, referring expressions, image-text retrieval and NLVR2.
 

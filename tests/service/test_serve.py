@@ -29,9 +29,22 @@ def serve(*args: str):
     return CliRunner().invoke(cli, ["serve", *map(str, args)])
 
 
-def test_no_model_exits_2_with_the_demo_message(clean_env):
-    result = serve()
+def test_half_a_model_set_exits_2_with_the_demo_message(clean_env, tiny_checkpoint):
+    result = serve("--model-dir", tiny_checkpoint)  # an encoder without its detector
     assert result.exit_code == 2 and DEMO_MISSING in result.output
+
+
+def test_no_model_given_uses_the_cached_demo_set(clean_env, monkeypatch, tmp_path, tiny_checkpoint, tiny_detector):
+    """With neither directory set, serve resolves the demo model set in the cache (built there on first use)."""
+    import shutil
+
+    from vlserve.commands.serve import demo_model_dirs
+
+    monkeypatch.setenv("VLSERVE_CACHE", str(tmp_path))
+    demo = tmp_path / "zoo" / "demo"
+    shutil.copytree(tiny_checkpoint, demo / "encoder")
+    shutil.copytree(tiny_detector.dir, demo / "detector")
+    assert demo_model_dirs() == {"model_dir": demo / "encoder", "detector_dir": demo / "detector"}
 
 
 def test_invalid_settings_exit_2_naming_each_field(clean_env, tmp_path):

@@ -14,7 +14,8 @@ def _opt(help_text: str, panel: str = _S, **kw: Any) -> Any:
 
 
 def serve(
-    model_dir: Annotated[Path | None, _opt("encoder checkpoint directory (env VLSERVE_MODEL_DIR)", "Models")] = None,
+    model_dir: Annotated[Path | None, _opt("encoder checkpoint directory (env VLSERVE_MODEL_DIR); with no model or detector given, "
+                                           "the demo model set is used (built on first use)", "Models")] = None,
     detector_dir: Annotated[Path | None, _opt("detector directory (env VLSERVE_DETECTOR_DIR)", "Models")] = None,
     runtime: Annotated[str | None, _opt("inference backend: torch, onnxruntime or tensorrt (default torch)", "Models")] = None,
     device: Annotated[str | None, _opt("cpu, cuda or cuda:N (default cpu)", "Models")] = None,
@@ -56,10 +57,23 @@ def serve(
 
     try:
         settings = load_settings(**overrides)
+        if settings.model_dir is None and settings.detector_dir is None:
+            settings = load_settings(**overrides, **demo_model_dirs())
     except ValidationError as exc:
         typer.echo(f"error: {settings_error_message(exc)}", err=True)
         raise typer.Exit(2) from None
     raise typer.Exit(run_server(settings, log_level))
+
+
+def demo_model_dirs() -> dict[str, Path]:
+    """The embedded default: the demo model set in the cache, built first (about 10 minutes on 2 cores) if absent."""
+    from training.zoo import build_zoo, is_built, zoo_dir
+
+    path = zoo_dir("demo")
+    if not is_built(path):
+        typer.echo(f"no model given: building the demo model set into {path} (first run only; `make zoo` does the same)", err=True)
+        build_zoo("demo")
+    return {"model_dir": path / "encoder", "detector_dir": path / "detector"}
 
 
 def run_server(settings, log_level: str = "info") -> int:
