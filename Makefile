@@ -1,9 +1,8 @@
 # vlserve — the two set-up commands are `make serve` and `make test` (see README.md).
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
-CACHE ?= $(HOME)/.cache/vlserve
 
-.PHONY: install test serve bench clean
+.PHONY: install test serve zoo zoo-full bench clean
 
 # torch first (pins read from pyproject.toml), so no dependency pulls another torch build.
 # redis-server comes from Debian: the tests start their own on a free loopback port.
@@ -16,11 +15,19 @@ install:
 test: install
 	$(PYTHON) -m pytest -q
 
+# With no VLSERVE_MODEL_DIR / VLSERVE_DETECTOR_DIR the service runs the demo model set, built first if absent.
 serve: install
 	vlserve serve
 
+zoo: install
+	vlserve zoo build --profile demo
+
+zoo-full: install
+	vlserve zoo build --profile full
+
 bench: install
 	$(PYTHON) benchmarks/encoder.py
+	$(PYTHON) benchmarks/detector.py
 
 clean:
 	rm -rf build *.egg-info .pytest_cache
