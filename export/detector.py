@@ -1,0 +1,149 @@
+"""The region detector as one ONNX graph: backbone + FPN, RPN (NMS as an ONNX operator), RoIAlign, box head and
+bottom-up-attention region selection (per-class NMS as one NonMaxSuppression over classes), dynamic image size.
+
+Input: the resized, normalised image (1, 3, h, w) from models.detector.preprocess (not yet padded; the graph
+pads it to the canvas as prepare_image does). Outputs, in resized-image pixels: boxes (k, 4), features (k, D),
+obj_ids / obj_scores (k,), attr_ids / attr_scores (k,), image_feature (D,) when the config pools one.
+`OnnxDetector.extract` maps them back to original pixels and pads them into RegionFeatures, as
+RegionDetector.extract does. Batch 1 per run: images of different sizes never share a canvas anyway.
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchvision.models.detection.image_list import ImageList
+from torchvision.ops import clip_boxes_to_image, nms
+
+from models.detector import RegionDetector
+from models.detector.preprocess import prepare_image
+from models.region_features import RegionFeatures
+
+from .encoder import DEFAULT_OPSET
+
+OUTPUTS = ("boxes", "features", "obj_ids", "obj_scores", "attr_ids", "attr_scores")
+
+
+class PerClassNMS(torch.autograd.Function):
+    """boxes (R, K, 4), scores (R, K) -> (R, K) 1.0 where a box survives NMS among its class's boxes."""
+
+    @staticmethod
+    def forward(ctx, boxes, scores, thresh: float):
+        survive = torch.zeros_like(scores)
+        for k in range(scores.shape[1]):
+            survive[nms(boxes[:, k], scores[:, k], thresh), k] = 1.0
+        return survive
+
+    @staticmethod
+    def symbolic(g, boxes, scores, thresh: float):
+        def const(value, dtype):
+            return g.op("Constant", value_t=torch.tensor(value, dtype=dtype))
+
+        per_class = g.op("Transpose", scores, perm_i=[1, 0])  # (K, R)
+        # one NMS "batch" per class, so every class has its own boxes: boxes (K, R, 4), scores (K, 1, R)
+        selected = g.op("NonMaxSuppression", g.op("Transpose", boxes, perm_i=[1, 0, 2]),
+                        g.op("Unsqueeze", per_class, const([1], torch.int64)),
+                        const([1 << 30], torch.int64), const([thresh], torch.float32))  # (M, 3): class, 0, box
+        where = g.op("Gather", selected, const([0, 2], torch.int64), axis_i=1)  # (M, 2)
+        count = g.op("Slice", g.op("Shape", selected), const([0], torch.int64), const([1], torch.int64))
+        ones = g.op("ConstantOfShape", count, value_t=torch.tensor([1.0]))
+        zeros = g.op("Mul", per_class, const(0.0, torch.float32))
+        out = g.op("Transpose", g.op("ScatterND", zeros, where, ones), perm_i=[1, 0])
+        out.setType(scores.type())
+        return out
+
+
+def padding(size, divisible: int):
+    """Zeros to add after `size` for the canvas prepare_image makes (size rounded up to a multiple)."""
+    if torch.is_tensor(size):
+        return (torch.ceil(size.float() / divisible) * divisible).long() - size
+    return -(-size // divisible) * divisible - size
+
+
+class DetectorGraph(nn.Module):
+    """RegionDetector._heads + _decode + region selection for one resized image, exportable with dynamic size."""
+
+    def __init__(self, detector: RegionDetector):
+        super().__init__()
+        self.detector = detector
+
+    def forward(self, image: torch.Tensor):
+        det, c = self.detector, self.detector.config
+        h, w = image.shape[2], image.shape[3]  # 0-d tensors while tracing: the sizes stay dynamic in the graph
+        canvas = F.pad(image, (0, padding(w, c.size_divisible), 0, padding(h, c.size_divisible)))
+        sizes = [(h, w)]
+        feats = det.backbone(canvas)
+        proposals, _ = det.rpn(ImageList(canvas, sizes), feats)
+        features = det._box_head(feats, proposals, sizes)  # (R, D)
+        class_logits, box_regression = det.roi_heads.box_predictor(features)
+        boxes = det.roi_heads.box_coder.decode(box_regression, proposals)  # (R, K+1, 4)
+        boxes = clip_boxes_to_image(boxes, (h, w))[:, 1:]
+        scores = F.softmax(class_logits, -1)[:, 1:]
+        # region_confidence: best score among the classes whose NMS the proposal survives (first such class on ties)
+        surviving = torch.where(PerClassNMS.apply(boxes, scores, c.region_nms_thresh) > 0, scores, torch.zeros_like(scores))
+        conf = surviving.max(-1).values
+        cls = torch.where(conf > 0, surviving.argmax(-1), scores.argmax(-1))
+        # choose_regions: most confident first, ties by index (TopK's order, as a stable descending argsort)
+        count = torch._shape_as_tensor(conf)[0]
+        if c.adaptive:
+            wanted = (conf >= c.conf_thresh).sum().clamp(min=c.min_boxes, max=c.max_boxes)
+        else:
+            wanted = torch.tensor(c.num_boxes)
+        keep = torch.topk(conf, torch.minimum(count, wanted), sorted=True).indices
+        obj_ids = cls[keep]
+        chosen = boxes[keep, obj_ids]  # (k, 4) resized pixels
+        attr_scores, attr_ids = torch.sigmoid(det.attr_score(features[keep])).max(-1)
+        out = [chosen, features[keep], obj_ids, conf[keep], attr_ids, attr_scores]
+        if c.image_feature:
+            hw = torch._shape_as_tensor(image)[2:].float()
+            whole = torch.cat([torch.zeros(2), hw.flip(0)]).unsqueeze(0)  # [0, 0, w, h]
+            out.append(det._box_head(feats, [whole], sizes)[0])  # (D,)
+        return tuple(out)
+
+
+def export_detector(detector: RegionDetector, path: str | Path, opset: int = DEFAULT_OPSET) -> list[str]:
+    """Write the detector graph (fp32) to `path`; returns its output names."""
+    detector = detector.float().eval()
+    example = np.full((96, 128, 3), 200, np.uint8)
+    example[20:70, 30:90] = (200, 30, 30)
+    prepared = prepare_image(example, detector.config)
+    rh, rw = prepared.resized_hw
+    image = prepared.tensor[None, :, :rh, :rw].contiguous()
+    names = [*OUTPUTS, *(["image_feature"] if detector.config.image_feature else [])]
+    dynamic = {"image": {2: "height", 3: "width"}, **{n: {0: "regions"} for n in OUTPUTS}}
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # tracer warnings: parity with the torch detector is what counts
+        torch.onnx.export(DetectorGraph(detector).eval(), (image,), str(path), dynamo=False, opset_version=opset,
+                          input_names=["image"], output_names=names, dynamic_axes=dynamic, do_constant_folding=True)
+    return names
+
+
+class OnnxDetector:
+    """RegionDetector.extract on an onnxruntime session of the exported graph."""
+
+    def __init__(self, session, config):
+        self.session = session
+        self.config = config
+
+    def extract(self, images: list[np.ndarray], batch_size: int = 1) -> list[RegionFeatures]:
+        """Region features per image, padded to config.max_regions (one run per image; batch_size is ignored)."""
+        results = []
+        for image in images:
+            prepared = prepare_image(image, self.config)
+            rh, rw = prepared.resized_hw
+            x = prepared.tensor[None, :, :rh, :rw].contiguous().numpy()
+            out = dict(zip([o.name for o in self.session.get_outputs()], self.session.run(None, {"image": x})))
+            h, w = prepared.original_hw
+            boxes = out["boxes"] / prepared.scale  # original pixels, clipped as torchvision clips
+            boxes = np.stack([boxes[:, 0].clip(0, w), boxes[:, 1].clip(0, h), boxes[:, 2].clip(0, w),
+                              boxes[:, 3].clip(0, h)], axis=1)
+            results.append(RegionFeatures(
+                boxes=boxes, features=out["features"], obj_ids=out["obj_ids"], obj_scores=out["obj_scores"],
+                attr_ids=out["attr_ids"], attr_scores=out["attr_scores"], image_hw=(h, w),
+                num_boxes=int(boxes.shape[0]), image_feature=out.get("image_feature"),
+            ).pad_to(self.config.max_regions))
+        return results
