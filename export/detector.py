@@ -129,6 +129,12 @@ class OnnxDetector:
         self.session = session
         self.config = config
 
+    @classmethod
+    def load(cls, path: str | Path, config, threads: int = 1, providers: list | None = None) -> OnnxDetector:
+        from .repository import session
+
+        return cls(session(Path(path), threads, providers), config)
+
     def extract(self, images: list[np.ndarray], batch_size: int = 1) -> list[RegionFeatures]:
         """Region features per image, padded to config.max_regions (one run per image; batch_size is ignored)."""
         results = []
@@ -147,3 +153,46 @@ class OnnxDetector:
                 num_boxes=int(boxes.shape[0]), image_feature=out.get("image_feature"),
             ).pad_to(self.config.max_regions))
         return results
+
+
+def canonical(rf: RegionFeatures) -> dict[str, np.ndarray]:
+    """The real regions ordered by confidence (to 1e-4), then box. A blank image's proposals are translated
+    copies whose confidences differ only by float rounding: torch and onnxruntime may rank them either way."""
+    n = rf.num_boxes
+    order = np.lexsort((*np.round(rf.boxes[:n], 3).T[::-1], -np.round(rf.obj_scores[:n], 4)))
+    return {name: getattr(rf, name)[:n][order].astype(np.float32)
+            for name in ("boxes", "features", "obj_ids", "attr_ids", "obj_scores", "attr_scores")}
+
+
+def parity_images(seed: int = 0) -> list[np.ndarray]:
+    """Images of several sizes and aspect ratios with coloured rectangles, plus two blank ones."""
+    rng = np.random.default_rng(seed)
+    images = []
+    for h, w in ((200, 150), (64, 300), (33, 47), (480, 640), (120, 120)):
+        image = np.full((h, w, 3), rng.integers(150, 250), np.uint8)
+        for _ in range(3):
+            bh, bw = int(rng.integers(h // 6 + 1, h // 2 + 2)), int(rng.integers(w // 6 + 1, w // 2 + 2))
+            y, x = int(rng.integers(0, h - bh + 1)), int(rng.integers(0, w - bw + 1))
+            image[y : y + bh, x : x + bw] = rng.integers(0, 255, 3)
+        images.append(image)
+    return images + [np.full((80, 90, 3), 128, np.uint8), np.zeros((64, 64, 3), np.uint8)]
+
+
+def detector_parity(detector: RegionDetector, exported: OnnxDetector, images: list[np.ndarray]) -> dict:
+    """Worst differences of the exported detector's regions to the torch detector's over `images`."""
+    worst = {"boxes_px": 0.0, "features": 0.0, "scores": 0.0, "image_feature": 0.0}
+    same_count = same_ids = 0
+    for want, got in zip(detector.extract(images), exported.extract(images)):
+        if want.num_boxes != got.num_boxes:
+            continue
+        same_count += 1
+        w, g = canonical(want), canonical(got)
+        same_ids += int(np.array_equal(w["obj_ids"], g["obj_ids"]) and np.array_equal(w["attr_ids"], g["attr_ids"]))
+        for key, name in (("boxes_px", "boxes"), ("features", "features"), ("scores", "obj_scores")):
+            if w[name].size:
+                worst[key] = max(worst[key], float(np.abs(w[name] - g[name]).max()))
+        if want.image_feature is not None:
+            diff = np.abs(want.image_feature.astype(np.float32) - got.image_feature.astype(np.float32)).max()
+            worst["image_feature"] = max(worst["image_feature"], float(diff))
+    return {**worst, "same_region_count": same_count / len(images), "same_classes": same_ids / len(images),
+            "images": [list(im.shape[:2]) for im in images]}

@@ -65,6 +65,12 @@ class Repository:
     def tasks(self) -> dict[str, str]:
         return {task: spec.kind for task, spec in self.graphs.items()}
 
+    @property
+    def detector_path(self) -> Path | None:
+        """The exported detector graph, when the export was given the detector (`--detector`)."""
+        graph = (self.manifest.get("detector") or {}).get("graph")
+        return self.path / graph if graph else None
+
 
 def versions() -> dict[str, str]:
     import onnx
@@ -125,6 +131,44 @@ def _check(task: str, variant: str, parity, max_diff: float | None, min_agreemen
     return None
 
 
+DETECTOR_DIR = "detector"
+DETECTOR_BOX_PX = 1e-3  # exported detector boxes may differ from torch's by this many pixels
+
+
+def _export_detector(detector_dir: Path, tmp: Path, source: dict, opset: int, threads: int) -> tuple[dict, dict]:
+    """Export the detector into tmp/detector/ -> (parity report, manifest fields)."""
+    from models.detector.io import load_detector
+
+    from .detector import OnnxDetector, detector_parity, export_detector, parity_images
+
+    detector, fingerprint = load_detector(detector_dir)
+    expected = (source.get("detector") or {}).get("fingerprint")
+    if expected and expected != fingerprint:
+        raise ExportError(f"the checkpoint expects region features of detector {expected}, but {detector_dir} is "
+                          f"detector {fingerprint}")
+    out = tmp / DETECTOR_DIR
+    out.mkdir()
+    export_detector(detector, out / "detector.onnx", opset=opset)
+    for name in (CONFIG, LABELS):
+        shutil.copyfile(detector_dir / name, out / name)
+    exported = OnnxDetector.load(out / "detector.onnx", detector.config, threads)
+    report = detector_parity(detector, exported, parity_images())
+    fields = {"fingerprint": fingerprint, "graph": f"{DETECTOR_DIR}/detector.onnx", "config": f"{DETECTOR_DIR}/{CONFIG}",
+              "labels": f"{DETECTOR_DIR}/{LABELS}"}
+    return report, fields
+
+
+def _check_detector(report: dict, max_diff: float) -> str | None:
+    if report["same_region_count"] < 1 or report["same_classes"] < 1:
+        return (f"detector: regions or classes differ from torch's on {1 - min(report['same_region_count'], report['same_classes']):.0%} "
+                "of the images")
+    if report["features"] > max_diff or report["image_feature"] > max_diff:
+        return f"detector: max abs feature difference to torch {max(report['features'], report['image_feature']):.3g} exceeds {max_diff:g}"
+    if report["boxes_px"] > DETECTOR_BOX_PX:
+        return f"detector: boxes differ from torch's by up to {report['boxes_px']:.3g} px (bound {DETECTOR_BOX_PX:g})"
+    return None
+
+
 def export_repository(
     model_dir: str | Path,
     out_dir: str | Path,
@@ -138,13 +182,16 @@ def export_repository(
     max_abs_diff: float = MAX_ABS_DIFF,
     min_agreement: float = MIN_AGREEMENT,
     int8_min_agreement: float = MIN_AGREEMENT,
+    detector_dir: str | Path | None = None,
     log: Callable[[str], None] = lambda message: None,
 ) -> Repository:
     """Export every task head of the checkpoint at `model_dir` into a repository at `out_dir`.
 
     fp32 graphs (and optimized ones) must stay within `max_abs_diff` of torch and agree on the top-1 of at
     least `min_agreement` of `examples` examples; int8 graphs must agree on `int8_min_agreement` (the bound
-    on the accuracy they may lose). Raises ExportError, leaving `out_dir` untouched, when any graph misses.
+    on the accuracy they may lose). With `detector_dir` (the detector the checkpoint expects) the detector is
+    exported too and must give the torch detector's regions (features within `max_abs_diff`, boxes within
+    DETECTOR_BOX_PX pixels). Raises ExportError, leaving `out_dir` untouched, when any graph misses.
     """
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -209,6 +256,12 @@ def export_repository(
             graphs[task] = {"file": f"{GRAPHS}/{task}.onnx", "variant": variant, **spec.to_dict()}
             log(f"  {task}: " + ", ".join(f"{k} max|diff| {v.max_abs_diff:.2e} top-1 {v.agreement:.2%}"
                                           for k, v in report.items()))
+        detector_fields, detector_report = {}, {}
+        if detector_dir is not None:
+            report, detector_fields = _export_detector(Path(detector_dir), tmp, checkpoint.manifest, opset, threads)
+            detector_report = {"detector": report}
+            failures.append(_check_detector(report, max_abs_diff))
+            log(f"  detector: boxes max|diff| {report['boxes_px']:.2e} px, features {report['features']:.2e}")
         failures = [f for f in failures if f]
         if failures:
             raise ParityError("parity check failed: " + "; ".join(failures))
@@ -217,9 +270,11 @@ def export_repository(
             shutil.copyfile(model_dir / name, tmp / name)
         bounds = {"max_abs_diff": max_abs_diff, "min_agreement": min_agreement,
                   "int8_min_agreement": int8_min_agreement if quantize else None}
-        (tmp / PARITY).write_text(json.dumps({"bounds": bounds, "graphs": parity}, indent=2))
+        (tmp / PARITY).write_text(json.dumps({"bounds": bounds, "graphs": parity, **detector_report}, indent=2))
         source = checkpoint.manifest
-        write_manifest(tmp, [CONFIG, LABELS, *TOKENIZER_FILES, PARITY, *(g["file"] for g in graphs.values())], {
+        files = [CONFIG, LABELS, *TOKENIZER_FILES, PARITY, *(g["file"] for g in graphs.values()),
+                 *(detector_fields.get(k) for k in ("graph", "config", "labels") if detector_fields)]
+        write_manifest(tmp, files, {
             "kind": KIND,
             "preset": config.encoder.preset,
             "size": config.encoder.size,
@@ -229,7 +284,7 @@ def export_repository(
             "precision": "int8" if quantize else "fp32",
             "optimized": optimize,
             "versions": versions(),
-            "detector": source.get("detector") or {},
+            "detector": {**(source.get("detector") or {}), **detector_fields},
             "source": {
                 "path": str(model_dir.resolve()),
                 "manifest_sha256": hashlib.sha256((model_dir / MANIFEST).read_bytes()).hexdigest(),

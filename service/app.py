@@ -20,6 +20,7 @@ import numpy as np
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from export.detector import OnnxDetector
 from export.repository import Repository, is_repository, load_repository
 from models import ModelConfig
 from models.checkpoint import Checkpoint, CheckpointError, load_checkpoint
@@ -60,7 +61,7 @@ class StartupError(RuntimeError):
 
 @dataclass
 class Loaded:
-    detector: RegionDetector
+    detector: RegionDetector | OnnxDetector  # OnnxDetector: the detector graph of a repository exported with it
     fingerprint: str
     checkpoint: Checkpoint | Repository  # a checkpoint directory (torch) or an exported model repository
 
@@ -96,6 +97,10 @@ def load_models(settings: Settings) -> Loaded:
     want, have = model_config(checkpoint).encoder.visual_feat_dim, detector.config.feature_dim
     if want != have:
         raise StartupError(f"{settings.model_dir} reads {want}-d region features but the detector gives {have}-d")
+    if isinstance(checkpoint, Repository) and checkpoint.detector_path is not None:
+        from .runtime.onnx_runtime import exported_detector  # the repository's detector graph replaces torch's
+
+        detector = exported_detector(checkpoint, detector.config, settings)
     return Loaded(detector, fingerprint, checkpoint)
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from export.detector import OnnxDetector
 from export.encoder import graph_feed
 from export.repository import Repository, session
 
@@ -20,7 +21,7 @@ from .base import Runtime
 if TYPE_CHECKING:
     from ..settings import Settings
 
-__all__ = ["OnnxRuntime", "choose_providers", "create"]
+__all__ = ["OnnxRuntime", "choose_providers", "create", "exported_detector"]
 
 TENSORRT, CUDA, CPU = "TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"
 
@@ -78,3 +79,11 @@ def create(settings: Settings, checkpoint: Repository) -> OnnxRuntime:
                          "not a checkpoint directory")
     return OnnxRuntime(checkpoint, device=settings.device, threads=settings.threads,
                        engine_cache_dir=settings.engine_cache_dir)
+
+
+def exported_detector(repository: Repository, config, settings: Settings) -> OnnxDetector:
+    """The repository's detector graph on the providers of `settings.device` (same regions as the torch detector)."""
+    import onnxruntime
+
+    providers = choose_providers(settings.device, onnxruntime.get_available_providers(), settings.engine_cache_dir)
+    return OnnxDetector.load(repository.detector_path, config, threads=settings.threads, providers=providers)

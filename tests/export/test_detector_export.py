@@ -6,22 +6,13 @@ import numpy as np
 import onnx
 import pytest
 
-from export.detector import OnnxDetector, export_detector
+from export.detector import OnnxDetector, canonical, detector_parity, export_detector, parity_images
 from export.repository import session
 from tests.service.conftest import build_tiny_detector, shapes_image
 
 IMAGES = [  # (h, w, seed); the graph was traced on 96 x 128
     (200, 150, 1), (64, 300, 2), (33, 47, 3), (512, 384, 4), (120, 120, 5),
 ]
-
-
-def canonical(rf):
-    """Rows ordered by confidence (to 1e-4), then box. A blank image's proposals are translated copies whose
-    confidences differ only by float rounding, so torch and onnxruntime may rank them in either order."""
-    n = rf.num_boxes
-    order = np.lexsort((*np.round(rf.boxes[:n], 3).T[::-1], -np.round(rf.obj_scores[:n], 4)))
-    return {name: getattr(rf, name)[:n][order].astype(np.float32)
-            for name in ("boxes", "features", "obj_ids", "attr_ids", "obj_scores", "attr_scores")}
 
 
 def blank(value: int) -> np.ndarray:
@@ -52,3 +43,13 @@ def test_exported_detector_equals_torch(overrides, tmp_path):
             assert got.image_feature is None
         else:
             np.testing.assert_allclose(got.image_feature, want.image_feature, atol=1e-4, err_msg=where)
+
+
+def test_detector_parity_report(tmp_path):
+    detector = build_tiny_detector(tmp_path / "detector").detector
+    export_detector(detector, tmp_path / "detector.onnx")
+    images = parity_images()
+    assert any(im.std() == 0 for im in images) and len({im.shape for im in images}) >= 6
+    report = detector_parity(detector, OnnxDetector.load(tmp_path / "detector.onnx", detector.config), images)
+    assert report["same_region_count"] == 1.0 and report["same_classes"] == 1.0, report
+    assert report["boxes_px"] <= 1e-3 and report["features"] <= 1e-4 and report["image_feature"] <= 1e-4, report

@@ -167,3 +167,12 @@ def test_int8_past_its_agreement_bound_fails_loudly(checkpoint, tmp_path):
     with pytest.raises(ParityError, match=r"graph 'nlvr2' \(int8\): top-1 agreement with torch .* is below 99.90%"):
         export_repository(checkpoint, tmp_path / "repo", quantize="int8", examples=64, int8_min_agreement=0.999)
     assert not (tmp_path / "repo").exists()
+
+
+def test_the_detector_must_be_the_one_the_checkpoint_expects(checkpoint, tmp_path):
+    from tests.service.conftest import build_tiny_detector
+
+    other = build_tiny_detector(tmp_path / "detector")
+    with pytest.raises(ExportError, match=f"expects region features of detector 0123456789abcdef, but .* is detector {other.fingerprint}"):
+        export_repository(checkpoint, tmp_path / "repo", examples=16, detector_dir=other.dir)
+    assert not (tmp_path / "repo").exists()

@@ -10,7 +10,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from export.repository import export_repository
+from export.detector import OnnxDetector
+from export.repository import export_repository, load_repository
 from service.app import StartupError, create_app
 from service.runtime.onnx_runtime import CPU, CUDA, TENSORRT, OnnxRuntime, choose_providers, create
 
@@ -42,6 +43,9 @@ def repositories(tmp_path_factory, tiny_checkpoint, tiny_detector, make_checkpoi
         repo = tmp_path_factory.mktemp(f"repo-{preset}") / "repo"
         export_repository(ckpt, repo, examples=48)
         out[preset] = (ckpt, repo)
+    with_detector = tmp_path_factory.mktemp("repo-detector") / "repo"
+    export_repository(tiny_checkpoint, with_detector, examples=16, detector_dir=tiny_detector.dir)
+    out["with-detector"] = (tiny_checkpoint, with_detector)
     return out
 
 
@@ -102,9 +106,22 @@ def test_every_endpoint_answers_as_the_torch_runtime(preset, repositories, make_
     assert_same_answers(onnx, ref)
 
 
+def test_a_repository_with_the_detector_serves_it_and_answers_as_torch(repositories, make_settings, image_png, make_png):
+    ckpt, repo = repositories["with-detector"]
+    exported = load_repository(repo)
+    assert exported.detector_path == repo / "detector/detector.onnx" and "detector/detector.onnx" in exported.manifest["files"]
+    assert exported.parity["detector"]["features"] <= 1e-4 and exported.parity["detector"]["same_classes"] == 1.0
+    with TestClient(create_app(make_settings(model_dir=ckpt))) as c:
+        ref = answers(c, image_png, make_png)
+        torch_fingerprint = c.get("/readyz").json()["model"]["detector"]
+    with TestClient(create_app(make_settings(model_dir=repo, runtime="onnxruntime"))) as c:
+        assert isinstance(c.app.state.services.pipeline.regions.detector, OnnxDetector)
+        assert c.get("/readyz").json()["model"]["detector"] == torch_fingerprint  # same cache keys: same regions
+        assert_same_answers(answers(c, image_png, make_png), ref)
+
+
 def test_runtime_batches_equal_torch_logits(repositories, tiny_detector, image_png):
     """Straight through the runtime: padded batches of several rows, with and without image_feature."""
-    from export.repository import load_repository
     from models.checkpoint import load_checkpoint
     from service.runtime.torch_runtime import TorchRuntime
 

@@ -21,6 +21,7 @@ def export(
     min_agreement: Annotated[float, typer.Option(help="fail below this top-1 agreement with torch (fp32)")] = 0.995,
     int8_min_agreement: Annotated[float, typer.Option(help="fail below this top-1 agreement with torch (int8)")] = 0.995,
     threads: Annotated[int, typer.Option(min=1, help="torch and onnxruntime threads")] = 2,
+    detector: Annotated[Path | None, typer.Option(help="detector directory the checkpoint expects: exported too")] = None,
 ) -> None:
     """Export every task head of a checkpoint to ONNX (one graph per task) with a manifest and a parity report.
 
@@ -33,7 +34,7 @@ def export(
     try:
         repo = export_repository(model_dir, out, fmt=fmt, optimize=optimize, quantize=quantize, opset=opset,
                                  exporter=exporter, examples=examples, threads=threads, max_abs_diff=max_abs_diff,
-                                 min_agreement=min_agreement, int8_min_agreement=int8_min_agreement,
+                                 min_agreement=min_agreement, int8_min_agreement=int8_min_agreement, detector_dir=detector,
                                  log=lambda m: typer.echo(m, err=True))
     except ExportError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -46,4 +47,5 @@ def export(
     typer.echo(json.dumps({"out": str(out), "graphs": list(repo.graphs), "precision": repo.manifest["precision"],
                            "optimized": repo.manifest["optimized"],
                            "parity": {t: {k: {"max_abs_diff": v["max_abs_diff"], "agreement": v["agreement"]}
-                                          for k, v in s.items()} for t, s in summary.items()}}))
+                                          for k, v in s.items()} for t, s in summary.items()},
+                           "detector": repo.parity.get("detector")}))
