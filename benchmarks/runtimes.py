@@ -5,7 +5,8 @@ transformers' VisualBertModel through our key map (benchmarks/encoder.py build_m
 36 regions, batch 1 and 32, CPU fp32, every contender with the same number of threads. The checkpoint is
 exported with `export_repository(optimize=True)` (fused Attention, skip-LayerNorm, GELU), and its served
 graph quantized to int8 (dynamic, MatMul/Gemm). Contenders take turns; medians after warm-up. GFLOP/s counts
-the encoder's matmuls and is compared with onnxruntime's own fp32 MatMul peak on this machine. The markdown
+the encoder's matmuls and is compared with onnxruntime's own fp32 MatMul peak on this machine. Then the
+detector: torch RegionDetector.extract vs its exported graph, 128x128 and 480x640 images. The markdown
 section is printed and written into docs/BENCHMARKS.md under its own heading, leaving other sections alone.
 
     python benchmarks/runtimes.py [--runs 5] [--threads 2] [--batches 1 32] [--no-write]
@@ -24,9 +25,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runs from a checkout without installing
 
+from detector import images_of, ours  # noqa: E402
 from encoder import (build_models, cpu_name, encoder_flops, gemm_peak_onnxruntime, make_inputs,  # noqa: E402
                      parse_args, take_turns, write_section)
 
+from export.detector import OnnxDetector, detector_parity, export_detector  # noqa: E402
 from export.encoder import graph_feed  # noqa: E402
 from export.optimize import quantize_graph  # noqa: E402
 from export.repository import export_repository, session  # noqa: E402
@@ -69,6 +72,32 @@ def contenders(theirs, torch_rt: TorchRuntime, fp32: OnnxRuntime, int8_sess, int
                                  lambda: int8_sess.run(None, int8_feed(batch))[0])))
 
 
+def detector_rows(threads: int, runs: int) -> list[dict]:
+    """RegionDetector.extract vs the exported detector graph (benchmarks/detector.py's detector at 480x640)."""
+    det = ours(480, 640)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        export_detector(det, Path(tmp) / "detector.onnx")
+        exported = OnnxDetector.load(Path(tmp) / "detector.onnx", det.config, threads)
+        for h, w in ((128, 128), (480, 640)):
+            images = images_of(h, w, 1)
+            parity = detector_parity(det, exported, images)
+            medians = take_turns({"torch": lambda: det.extract(images), "onnxruntime": lambda: exported.extract(images)}, runs)
+            rows.append(dict(image=f"{h}x{w}", **medians, boxes=parity["boxes_px"], features=parity["features"]))
+            print(f"detector {h}x{w}: torch {medians['torch'] * 1e3:.1f} ms, onnxruntime {medians['onnxruntime'] * 1e3:.1f} ms",
+                  file=sys.stderr)
+    return rows
+
+
+def detector_table(rows: list[dict]) -> list[str]:
+    lines = ["| image | torch ms | onnxruntime ms | speed-up | boxes max abs diff (px) | features max abs diff |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['image']} | {r['torch'] * 1e3:.1f} | {r['onnxruntime'] * 1e3:.1f} | "
+                     f"**{r['torch'] / r['onnxruntime']:.2f}x** | {r['boxes']:.1e} | {r['features']:.1e} |")
+    return lines
+
+
 def table(rows: list[dict], peak: float | None) -> list[str]:
     cols = ["batch", "GFLOP", *(f"{c} ms" for c in CONTENDERS), *(f"{c} vs transformers" for c in CONTENDERS[1:]),
             *(f"{c} GFLOP/s (% ORT peak)" for c in CONTENDERS[1:])]
@@ -108,6 +137,7 @@ def main() -> None:
             print(f"batch {b}: " + ", ".join(f"{c} {result[c] * 1e3:.1f} ms" for c in CONTENDERS), file=sys.stderr)
         parity = repo.parity["graphs"]["vqa"]
         fused = parity.get("fused_operators", {})
+    detectors = detector_rows(args.threads, max(args.runs, 3))
     after = gemm_peak_onnxruntime(threads=args.threads)  # again: a busy moment must not lower the peak
     peak = max(peak, after) if peak and after else None
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -144,6 +174,13 @@ def main() -> None:
         "near-tied answers); `vlserve export --quantize int8` measures and bounds the top-1 agreement of a real "
         "model. The machine is shared (see the load average): absolute times move from run to run; the contenders "
         "take turns, so their ratios hold better.",
+        "",
+        "Detector, one image per run: `RegionDetector.extract` (torch) vs the graph `vlserve export --detector` writes "
+        "(backbone + FPN, RPN, RoIAlign, box head, per-class NMS and top-k region selection in one graph; resizing and "
+        "normalising stay in numpy/torch for both), benchmarks/detector.py's configuration (600/150 proposals, "
+        "36 regions, 480x640 input size, random heads). Median of the same number of runs, taking turns.",
+        "",
+        *detector_table(detectors),
     ])
     print(text)
     if not args.no_write:
