@@ -169,6 +169,37 @@ def _check_detector(report: dict, max_diff: float) -> str | None:
     return None
 
 
+def _export_graph(model, task: str, graphs: Path, opset: int, exporter: str, optimize: bool, quantize: str | None,
+                  examples: int, threads: int, bounds: tuple[float, float, float]) -> tuple[GraphSpec, dict, list]:
+    """graphs/<task>.onnx (fp32, optimized or int8, each variant measured against torch) -> (spec, parity, failures)."""
+    max_abs_diff, min_agreement, int8_min_agreement = bounds
+    fp32 = graphs / f"{task}.fp32.onnx"
+    spec = export_task(model, task, fp32, opset=opset, exporter=exporter)
+    report = {"fp32": measure(model, spec, runner(session(fp32, threads)), examples)}
+    failures = [_check(task, "fp32", report["fp32"], max_abs_diff, min_agreement)]
+    served, extra = fp32, {}
+    if optimize:  # attention exported as fused operators, then onnxruntime's other fusions
+        with_attention, optimized = graphs / f"{task}.attention.onnx", graphs / f"{task}.opt.onnx"
+        with fused_attention(model):
+            export_task(model, task, with_attention, opset=opset, exporter="torchscript")
+        extra["fused_operators"] = optimize_graph(with_attention, optimized, model.config.encoder)
+        report["optimized"] = measure(model, spec, runner(session(optimized, threads)), examples)
+        failures.append(_check(task, "optimized", report["optimized"], max_abs_diff, min_agreement))
+        served = optimized
+    if quantize == "int8":
+        int8 = graphs / f"{task}.int8.onnx"
+        quantize_graph(served, int8)
+        report["int8"] = measure(model, spec, runner(session(int8, threads)), examples)
+        failures.append(_check(task, "int8", report["int8"], None, int8_min_agreement))
+        extra["int8_agreement_change_points"] = round(100 * (report["int8"].agreement - report["fp32"].agreement), 3)
+        served = int8
+    served.replace(graphs / f"{task}.onnx")
+    for stale in graphs.glob(f"{task}.*.onnx"):
+        stale.unlink()
+    variant = "int8" if quantize else ("optimized" if optimize else "fp32")
+    return spec, {"served": variant, **{k: v.to_dict() for k, v in report.items()}, **extra}, failures
+
+
 def export_repository(
     model_dir: str | Path,
     out_dir: str | Path,
@@ -223,39 +254,13 @@ def export_repository(
         graphs, parity, failures = {}, {}, []
         for task, kind in tasks.items():
             log(f"exporting {task} ({kind})")
-            fp32 = tmp / GRAPHS / f"{task}.fp32.onnx"
-            spec = export_task(model, task, fp32, opset=opset, exporter=exporter)
-            report = {"fp32": measure(model, spec, runner(session(fp32, threads)), examples)}
-            failures.append(_check(task, "fp32", report["fp32"], max_abs_diff, min_agreement))
-            served = fp32
-            if optimize:  # attention exported as fused operators, then onnxruntime's other fusions
-                with_attention = tmp / GRAPHS / f"{task}.attention.onnx"
-                with fused_attention(model):
-                    export_task(model, task, with_attention, opset=opset, exporter="torchscript")
-                optimized = tmp / GRAPHS / f"{task}.opt.onnx"
-                fused = optimize_graph(with_attention, optimized, config.encoder)
-                report["optimized"] = measure(model, spec, runner(session(optimized, threads)), examples)
-                failures.append(_check(task, "optimized", report["optimized"], max_abs_diff, min_agreement))
-                served = optimized
-            if quantize == "int8":
-                int8 = tmp / GRAPHS / f"{task}.int8.onnx"
-                quantize_graph(served, int8)
-                report["int8"] = measure(model, spec, runner(session(int8, threads)), examples)
-                failures.append(_check(task, "int8", report["int8"], None, int8_min_agreement))
-                served = int8
-            final = tmp / GRAPHS / f"{task}.onnx"
-            served.replace(final)
-            for stale in (tmp / GRAPHS).glob(f"{task}.*.onnx"):
-                stale.unlink()
-            variant = "int8" if quantize else ("optimized" if optimize else "fp32")
-            parity[task] = {"served": variant, **{k: v.to_dict() for k, v in report.items()},
-                            **({"fused_operators": fused} if optimize else {})}
-            if quantize:
-                parity[task]["int8_agreement_change_points"] = round(
-                    100 * (report["int8"].agreement - report["fp32"].agreement), 3)
-            graphs[task] = {"file": f"{GRAPHS}/{task}.onnx", "variant": variant, **spec.to_dict()}
-            log(f"  {task}: " + ", ".join(f"{k} max|diff| {v.max_abs_diff:.2e} top-1 {v.agreement:.2%}"
-                                          for k, v in report.items()))
+            spec, parity[task], failed = _export_graph(
+                model, task, tmp / GRAPHS, opset, exporter, optimize, quantize, examples, threads,
+                (max_abs_diff, min_agreement, int8_min_agreement))
+            failures += failed
+            graphs[task] = {"file": f"{GRAPHS}/{task}.onnx", "variant": parity[task]["served"], **spec.to_dict()}
+            log(f"  {task}: " + ", ".join(f"{k} max|diff| {v['max_abs_diff']:.2e} top-1 {v['agreement']:.2%}"
+                                          for k, v in parity[task].items() if k in ("fp32", "optimized", "int8")))
         detector_fields, detector_report = {}, {}
         if detector_dir is not None:
             report, detector_fields = _export_detector(Path(detector_dir), tmp, checkpoint.manifest, opset, threads)
@@ -339,8 +344,3 @@ def load_repository(path: str | Path) -> Repository:
             raise RepositoryError(f"{path / MANIFEST}: graph {task!r} has no head in {CONFIG}")
     return Repository(path=path, manifest=manifest, config=config, tokenizer=VLTokenizer.from_dir(path),
                       labels=labels, graphs=graphs, parity=parity)
-
-
-def run_graph(repository: Repository, sess, task: str, batch: dict[str, np.ndarray]) -> np.ndarray:
-    """Logits of `task` on a runtime batch through its session (inputs the graph does not read are dropped)."""
-    return sess.run(None, graph_feed(repository.graphs[task], batch))[0]
