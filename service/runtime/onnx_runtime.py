@@ -30,7 +30,8 @@ def default_engine_cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vlserve" / "tensorrt"
 
 
-def choose_providers(device: str, available: list[str], engine_cache_dir: Path | None = None) -> list[Any]:
+def choose_providers(device: str, available: list[str], engine_cache_dir: Path | None = None,
+                     tensorrt_options: dict[str, Any] | None = None) -> list[Any]:
     """onnxruntime providers (with options) for `device`, from the ones this build has."""
     if device == "cpu":
         return [CPU]
@@ -41,7 +42,7 @@ def choose_providers(device: str, available: list[str], engine_cache_dir: Path |
         cache.mkdir(parents=True, exist_ok=True)
         chosen.append((TENSORRT, {"device_id": device_id, "trt_engine_cache_enable": True,
                                   "trt_engine_cache_path": str(cache), "trt_timing_cache_enable": True,
-                                  "trt_timing_cache_path": str(cache)}))
+                                  "trt_timing_cache_path": str(cache), **(tensorrt_options or {})}))
     if CUDA in available:
         chosen.append((CUDA, {"device_id": device_id}))
     if not chosen:

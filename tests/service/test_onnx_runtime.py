@@ -1,19 +1,22 @@
 """The service on VLSERVE_RUNTIME=onnxruntime: the tiny checkpoint exported to a model repository answers every
 endpoint as the torch runtime does; the endpoint tests of test_endpoints.py run again on it; GPU providers are
-chosen when the build has them."""
+chosen when the build has them; VLSERVE_RUNTIME=tensorrt's engine profiles (its run needs a GPU)."""
 from __future__ import annotations
 
 import base64
 
 import numpy as np
+import onnxruntime
 import pytest
 import torch
 from fastapi.testclient import TestClient
 
 from export.detector import OnnxDetector
+from export.encoder import synthetic_batch
 from export.repository import export_repository, load_repository
 from service.app import StartupError, create_app
 from service.runtime.onnx_runtime import CPU, CUDA, TENSORRT, OnnxRuntime, choose_providers, create
+from service.runtime.tensorrt_runtime import profile_shapes
 
 # The endpoint tests, re-run on this module's `client` (onnxruntime, in-process store); they are runtime-agnostic.
 from tests.service.test_endpoints import (  # noqa: F401
@@ -188,3 +191,36 @@ def test_gpu_providers_answer_as_the_torch_runtime(repositories, make_settings, 
     with TestClient(create_app(make_settings(model_dir=repo, runtime="onnxruntime", device="cuda",
                                              engine_cache_dir=tmp_path / "trt"))) as c:
         assert_same_answers(answers(c, image_png, make_png), ref)
+
+
+def test_tensorrt_profiles_cover_the_service_ranges(repositories):
+    repo = load_repository(repositories["vl-bert"][1])
+    vqa = profile_shapes(repo.graphs["vqa"], max_batch=32, max_text=64)
+    assert vqa["trt_profile_min_shapes"].startswith("input_ids:1x1,attention_mask:1x1,")
+    assert "input_ids:32x64" in vqa["trt_profile_max_shapes"] and "region_features:32x100x16" in vqa["trt_profile_max_shapes"]
+    assert "image_feature:16x16" in vqa["trt_profile_opt_shapes"]
+    nlvr2 = profile_shapes(repo.graphs["nlvr2"], max_batch=8, max_text=40)
+    assert "region_mask:8x2x100" in nlvr2["trt_profile_max_shapes"] and "region_boxes:1x2x1x4" in nlvr2["trt_profile_min_shapes"]
+
+
+@pytest.mark.skipif("TensorrtExecutionProvider" in onnxruntime.get_available_providers(),
+                    reason="checks the message given where onnxruntime has no TensorRT execution provider")
+def test_tensorrt_runtime_says_what_it_needs(repositories, make_settings):
+    from service.runtime import create_runtime
+
+    with pytest.raises(ValueError, match="needs a CUDA device .* TensorRT execution provider"):
+        create_runtime(make_settings(runtime="tensorrt"), load_repository(repositories["visualbert"][1]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or "TensorrtExecutionProvider" not in onnxruntime.get_available_providers(),
+                    reason="needs a CUDA GPU and onnxruntime's TensorRT execution provider")
+def test_tensorrt_runtime_matches_torch_in_fp16(repositories, tmp_path):
+    from models.checkpoint import load_checkpoint
+    from service.runtime.tensorrt_runtime import TensorrtRuntime
+    from service.runtime.torch_runtime import TorchRuntime
+
+    ckpt, repo = repositories["visualbert"]
+    trt = TensorrtRuntime(load_repository(repo), device="cuda", engine_cache_dir=tmp_path, max_batch=4, max_text=16)
+    reference = TorchRuntime(load_checkpoint(ckpt), threads=1)
+    batch = synthetic_batch(load_repository(repo).config, "vqa", batch=3, text_len=9, regions=8, seed=1)
+    np.testing.assert_allclose(trt.run("vqa", batch), reference.run("vqa", batch), atol=5e-2)  # fp16 engines

@@ -107,10 +107,9 @@ def test_tasks_and_errors(saved, tokenizer):
 
 def test_unavailable_runtimes_and_devices_fail_clearly(saved):
     _, checkpoint = saved
-    with pytest.raises(ValueError, match="runtime 'tensorrt' is not available: it needs"):
-        create_runtime(load_settings(runtime="tensorrt"), checkpoint)
-    with pytest.raises(ValueError, match="runtime 'onnxruntime' serves a model repository"):
-        create_runtime(load_settings(runtime="onnxruntime"), checkpoint)  # a checkpoint, not an export
+    for name in ("onnxruntime", "tensorrt"):  # a checkpoint, not an export
+        with pytest.raises(ValueError, match=f"runtime '{name}' serves a model repository"):
+            create_runtime(load_settings(runtime=name), checkpoint)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             TorchRuntime(checkpoint, device="cuda")
