@@ -109,8 +109,9 @@ def main() -> None:
     text = "\n".join([
         HEADING, "",
         f"Command: `{' '.join(['python benchmarks/exported_accuracy.py', *sys.argv[1:]])}` · "
-        f"{datetime.date.today().isoformat()} · model set {zoo} ({checkpoint.model.config.encoder.preset} "
-        f"{checkpoint.model.config.encoder.size}, trained by `vlserve zoo build --profile {args.profile}`).",
+        f"{datetime.date.today().isoformat()} · model set {zoo}: {checkpoint.model.config.encoder.preset} "
+        f"{checkpoint.model.config.encoder.size} fine-tuned on shapes-world and easy-VQA; eval sizes of the "
+        f"{args.profile!r} zoo profile.",
         "",
         "Held-out shapes-world scenes and the easy-VQA test set, region features from the zoo's detector, as "
         "`training.evaluate.evaluate_tasks` scores the torch model; the exported graphs (`vlserve export --optimize` "
