@@ -28,7 +28,7 @@ from models.tokenizer import TOKENIZER_FILES, VLTokenizer
 from .encoder import DEFAULT_OPSET, GraphSpec, export_task, exportable_tasks, graph_feed
 from .fused import fused_attention
 from .optimize import optimize_graph, quantize_graph
-from .parity import MAX_ABS_DIFF, MIN_AGREEMENT, measure
+from .parity import MAX_ABS_DIFF, MIN_AGREEMENT, MIN_INT8_AGREEMENT, measure
 
 KIND = "onnx-repository"
 PARITY = "parity.json"
@@ -212,15 +212,15 @@ def export_repository(
     threads: int = 1,
     max_abs_diff: float = MAX_ABS_DIFF,
     min_agreement: float = MIN_AGREEMENT,
-    int8_min_agreement: float = MIN_AGREEMENT,
+    int8_min_agreement: float = MIN_INT8_AGREEMENT,
     detector_dir: str | Path | None = None,
     log: Callable[[str], None] = lambda message: None,
 ) -> Repository:
     """Export every task head of the checkpoint at `model_dir` into a repository at `out_dir`.
 
     fp32 graphs (and optimized ones) must stay within `max_abs_diff` of torch and agree on the top-1 of at
-    least `min_agreement` of `examples` examples; int8 graphs must agree on `int8_min_agreement` (the bound
-    on the accuracy they may lose). With `detector_dir` (the detector the checkpoint expects) the detector is
+    least `min_agreement` of `examples` examples; int8 graphs must agree on `int8_min_agreement` (a guard
+    against broken quantization; their accuracy change needs labels: benchmarks/exported_accuracy.py). With `detector_dir` (the detector the checkpoint expects) the detector is
     exported too and must give the torch detector's regions (features within `max_abs_diff`, boxes within
     DETECTOR_BOX_PX pixels). Raises ExportError, leaving `out_dir` untouched, when any graph misses.
     """
