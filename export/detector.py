@@ -130,10 +130,10 @@ class OnnxDetector:
         self.config = config
 
     @classmethod
-    def load(cls, path: str | Path, config, threads: int = 1, providers: list | None = None) -> OnnxDetector:
+    def load(cls, path: str | Path, config, threads: int = 1, providers: list | None = None, spin: bool = True) -> OnnxDetector:
         from .repository import session
 
-        return cls(session(Path(path), threads, providers), config)
+        return cls(session(Path(path), threads, providers, spin), config)
 
     def extract(self, images: list[np.ndarray], batch_size: int = 1) -> list[RegionFeatures]:
         """Region features per image, padded to config.max_regions (one run per image; batch_size is ignored)."""

@@ -102,13 +102,18 @@ def supported_opset() -> int:
     return best
 
 
-def session(path: Path, threads: int = 1, providers: list | None = None):
-    """An onnxruntime InferenceSession with all graph optimizations and `threads` intra-op threads."""
+def session(path: Path, threads: int = 1, providers: list | None = None, spin: bool = True):
+    """An onnxruntime InferenceSession with all graph optimizations and `threads` intra-op threads.
+
+    spin=False: idle intra-op threads sleep instead of spinning (a service runs several sessions side by side).
+    """
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
+    if not spin:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3  # errors only
     return ort.InferenceSession(str(path), options, providers=providers or ["CPUExecutionProvider"])

@@ -63,7 +63,9 @@ class OnnxRuntime(Runtime):
         self.repository = repository
         self.providers = choose_providers(device, onnxruntime.get_available_providers(), engine_cache_dir)
         self.tasks = repository.tasks
-        self.sessions = {task: session(repository.graph_path(task), threads, self.providers) for task in self.tasks}
+        # no spinning: the detector's session and the encoder's run side by side on the same cores
+        self.sessions = {task: session(repository.graph_path(task), threads, self.providers, spin=False)
+                         for task in self.tasks}
 
     def run(self, task: str, batch: dict[str, np.ndarray]) -> np.ndarray:
         self.check_batch(task, batch)
@@ -87,4 +89,4 @@ def exported_detector(repository: Repository, config, settings: Settings) -> Onn
     import onnxruntime
 
     providers = choose_providers(settings.device, onnxruntime.get_available_providers(), settings.engine_cache_dir)
-    return OnnxDetector.load(repository.detector_path, config, threads=settings.threads, providers=providers)
+    return OnnxDetector.load(repository.detector_path, config, threads=settings.threads, providers=providers, spin=False)

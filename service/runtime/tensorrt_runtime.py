@@ -55,7 +55,7 @@ class TensorrtRuntime(OnnxRuntime):
         for task, spec in repository.graphs.items():
             options = {"trt_fp16_enable": True, **profile_shapes(spec, max_batch, max_text)}
             self.providers = choose_providers(device, available, engine_cache_dir, options)
-            self.sessions[task] = session(repository.graph_path(task), threads, self.providers)
+            self.sessions[task] = session(repository.graph_path(task), threads, self.providers, spin=False)
 
 
 def create(settings: Settings, checkpoint: Repository) -> TensorrtRuntime:
