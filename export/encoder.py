@@ -7,10 +7,11 @@ read a whole-image feature (VL-BERT, ViLBERT), tag_ids (B, N) for U-VisualBERT, 
 grounding. Output: logits, as VLModel(inputs, task).logits.
 
 Exporter: the TorchScript exporter (`dynamo=False`, dynamic_axes). torch 2.14's default dynamo exporter
-was tried first: it is 10-30x slower (ViLBERT-tiny 12 s a graph) and its multiple-choice graphs fail at
-run time for any batch > 1 (repeat_interleave by the symbolic choice count becomes a wrong Expand), while
-the TorchScript graphs match torch to ~1e-7 at every size tried. `exporter="dynamo"` keeps the other path
-(same inputs, dynamic_shapes); every graph, however exported, must pass the parity check (export/parity.py).
+was tried first: it is 10-30x slower (ViLBERT-tiny 12 s a graph), cannot emit the fused attention operators
+of --optimize (export/fused.py), and its multiple-choice graphs failed at run time for any batch > 1 until
+the head stopped using repeat_interleave by the symbolic choice count. The TorchScript graphs match torch
+to ~1e-7 at every size tried. `exporter="dynamo"` keeps the other path (same inputs, dynamic_shapes); every
+graph, however exported, must pass the parity check (export/parity.py).
 """
 from __future__ import annotations
 

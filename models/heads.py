@@ -165,7 +165,9 @@ class MultipleChoiceHead(Head):
         if inputs.input_ids.dim() != 3:
             raise ValueError("multiple_choice needs input_ids of shape (B, C, T): one row per candidate")
         b, c, t = inputs.input_ids.shape
-        per_choice = lambda x: None if x is None else x.repeat_interleave(c, dim=0)  # noqa: E731
+        # expand + reshape, not repeat_interleave(c): the dynamo ONNX exporter turns a symbolic repeat count
+        # into a wrong Expand (graphs that fail for any batch > 1)
+        per_choice = lambda x: None if x is None else x.unsqueeze(1).expand(b, c, *x.shape[1:]).flatten(0, 1)  # noqa: E731
         return inputs.replace(
             input_ids=inputs.input_ids.reshape(b * c, t), attention_mask=inputs.attention_mask.reshape(b * c, t),
             token_type_ids=inputs.token_type_ids.reshape(b * c, t),
