@@ -11,7 +11,11 @@ import torch.nn.functional as F
 from models import layers
 from models.layers import Linear
 
-pytestmark = pytest.mark.skipif(not layers._ONEDNN_LINEAR, reason="this torch build has no oneDNN linear")
+
+
+def test_pinned_torch_has_the_onednn_linear():
+    """The encoder's CPU speed-up (docs/BENCHMARKS.md) rests on it: a torch without it must fail here, not skip."""
+    assert layers._ONEDNN_LINEAR
 
 
 def linear(seed: int = 0) -> tuple[Linear, torch.Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-schemathesis = pytest.importorskip("schemathesis", reason="fuzzing needs schemathesis (pip install schemathesis==4.32.5)")
+import schemathesis  # pinned test dependency
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
