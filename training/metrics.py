@@ -59,19 +59,19 @@ def recall_at_k(score_matrix: torch.Tensor, gold: torch.Tensor, ks: Sequence[int
 def grounding_hits(
     attention: torch.Tensor, word_to_gold_box: torch.Tensor, region_boxes: torch.Tensor, thresh: float = 0.5
 ) -> torch.Tensor:
-    """(heads, words) bool: the region the head attends to most from each word has IoU >= thresh with its gold box.
+    """(..., words) bool: the region a head attends to most from each word has IoU >= thresh with the word's gold box.
 
-    attention (heads, words, regions) over the real regions only; word_to_gold_box (words, 4): row w is the
-    gold box of word w; region_boxes (regions, 4).
+    attention (..., words, regions) over the real regions only, any leading dims (heads; layers, heads);
+    word_to_gold_box (words, 4): row w is the gold box of word w; region_boxes (regions, 4).
     """
-    picked = region_boxes[attention.argmax(-1)]  # (heads, words, 4)
-    return box_iou(picked, word_to_gold_box.unsqueeze(0)) >= thresh
+    picked = region_boxes[attention.argmax(-1)]  # (..., words, 4)
+    return box_iou(picked, word_to_gold_box) >= thresh
 
 
 def grounding_accuracy(
     attention: torch.Tensor, word_to_gold_box: torch.Tensor, region_boxes: torch.Tensor, thresh: float = 0.5
 ) -> torch.Tensor:
-    """Entity grounding accuracy of every attention head as a word -> region classifier (heads,).
+    """Entity grounding accuracy of every attention head as a word -> region classifier (...,), e.g. (heads,).
 
     Li et al. 2020, "What Does BERT with Vision Look At?": a head's prediction for a word is its
     most-attended region; correct when that region has IoU >= thresh with the word's gold box.
@@ -80,10 +80,28 @@ def grounding_accuracy(
     return grounding_hits(attention, word_to_gold_box, region_boxes, thresh).float().mean(-1)
 
 
+def confidence_baseline_hits(
+    region_scores: torch.Tensor, word_to_gold_box: torch.Tensor, region_boxes: torch.Tensor, thresh: float = 0.5
+) -> torch.Tensor:
+    """(words,) bool: the detector's most confident region (scores (regions,)) has IoU >= thresh with each gold box."""
+    best = region_boxes[region_scores.argmax()]  # (4,): the same region for every word
+    return box_iou(best.expand_as(word_to_gold_box), word_to_gold_box) >= thresh
+
+
 def confidence_baseline_accuracy(
     region_scores: torch.Tensor, word_to_gold_box: torch.Tensor, region_boxes: torch.Tensor, thresh: float = 0.5
 ) -> float:
     """The grounding baseline of Li et al. 2020: every word picks the detector's most confident region."""
-    words = word_to_gold_box.shape[0]
-    always = region_scores.expand(1, words, -1)  # one "head" attending to confidence
-    return grounding_hits(always, word_to_gold_box, region_boxes, thresh).float().mean().item()
+    return confidence_baseline_hits(region_scores, word_to_gold_box, region_boxes, thresh).float().mean().item()
+
+
+def image_attention_fraction(attention: torch.Tensor, text_mask: torch.Tensor, region_mask: torch.Tensor) -> torch.Tensor:
+    """Share of their attention that real text tokens put on real regions, averaged over the tokens (...,).
+
+    attention (..., T, N): text queries over the region keys, rows as the softmax left them (single-stream rows
+    also cover the text, so they put less than all of it on regions); text_mask (T,), region_mask (N,): 1 = real.
+    Li et al. 2020 call a head with more than 20% "attending to the image".
+    """
+    mass = (attention * region_mask.to(attention.dtype)).sum(-1)  # (..., T)
+    tokens = text_mask.to(attention.dtype)
+    return (mass * tokens).sum(-1) / tokens.sum().clamp(min=1)

@@ -6,6 +6,7 @@ import logging
 import typer
 
 from vlserve import __version__
+from vlserve.commands.analyze import app as analyze_app
 from vlserve.commands.import_cmd import app as import_app
 from vlserve.commands.eval import app as eval_app
 from vlserve.commands.export import export
@@ -36,6 +37,7 @@ app.command("export")(export)
 app.add_typer(train_app, name="train")
 app.add_typer(zoo_app, name="zoo")
 app.add_typer(eval_app, name="eval")
+app.add_typer(analyze_app, name="analyze")
 app.command("serve")(serve)
 
 

@@ -6,8 +6,8 @@ import torch
 
 from models.spatial import pairwise_iou
 from training.metrics import (
-    accuracy, box_iou, confidence_baseline_accuracy, gold_ranks, grounding_accuracy, grounding_hits, recall_at_k,
-    refer_accuracy, vqa_soft_accuracy,
+    accuracy, box_iou, confidence_baseline_accuracy, confidence_baseline_hits, gold_ranks, grounding_accuracy,
+    grounding_hits, image_attention_fraction, recall_at_k, refer_accuracy, vqa_soft_accuracy,
 )
 
 
@@ -132,3 +132,32 @@ def test_confidence_baseline_by_hand():
     # most confident about r2: w2 (IoU 0.75) matches, w0 and w1 (0.25) do not
     assert confidence_baseline_accuracy(torch.tensor([0.2, 0.1, 0.5]), WORD_GOLD, REGIONS) == pytest.approx(1 / 3)
     assert confidence_baseline_accuracy(torch.tensor([0.2, 0.1, 0.5]), WORD_GOLD[2:], REGIONS) == 1.0
+
+
+def test_grounding_hits_over_layers_and_heads():
+    # a second layer whose heads swap the first layer's: (layers, heads, words) in one call
+    stacked = torch.stack([ATTENTION, ATTENTION.flip(0)])  # (2, 2, 3, 3)
+    hits = grounding_hits(stacked, WORD_GOLD, REGIONS)
+    assert hits.shape == (2, 2, 3)
+    assert hits.tolist() == [[[True, False, True], [False, True, False]], [[False, True, False], [True, False, True]]]
+    assert grounding_accuracy(stacked, WORD_GOLD, REGIONS).flatten().tolist() == pytest.approx([2 / 3, 1 / 3, 1 / 3, 2 / 3])
+
+
+def test_confidence_baseline_hits_by_hand():
+    # most confident r2 [0,0,4,4]: IoU 1/4, 1/4 and 3/4 with the three gold boxes
+    assert confidence_baseline_hits(torch.tensor([0.2, 0.1, 0.5]), WORD_GOLD, REGIONS).tolist() == [False, False, True]
+    assert confidence_baseline_hits(torch.tensor([0.9, 0.1, 0.5]), WORD_GOLD, REGIONS).tolist() == [True, False, False]
+    assert confidence_baseline_hits(torch.tensor([0.2, 0.1, 0.5]), WORD_GOLD, REGIONS, thresh=0.8).tolist() == [False] * 3
+
+
+def test_image_attention_fraction_by_hand():
+    # one head, 3 text tokens (the last is padding) over 2 real regions and 1 padding region
+    attention = torch.tensor([[
+        [0.1, 0.2, 0.3],  # 0.1 + 0.2 on real regions (the padding region's 0.3 does not count)
+        [0.5, 0.4, 0.0],  # 0.9
+        [1.0, 0.0, 0.0],  # a padding token: left out
+    ]])
+    got = image_attention_fraction(attention, torch.tensor([1, 1, 0]), torch.tensor([1, 1, 0]))
+    assert got.tolist() == pytest.approx([(0.3 + 0.9) / 2])
+    # leading dims are kept: (layers, heads)
+    assert image_attention_fraction(attention.expand(2, 4, 3, 3), torch.tensor([1, 1, 0]), torch.tensor([1, 1, 0])).shape == (2, 4)
