@@ -73,6 +73,49 @@ def finetune(
     typer.echo(json.dumps({"out": str(out), "final": metrics["final"], "train_seconds": metrics["train_seconds"]}, indent=2))
 
 
+@app.command("pretrain")
+def pretrain(
+    out: Annotated[Path, typer.Option(help="encoder checkpoint directory to write (resumed if it holds train_state.pt)")],
+    detector: Annotated[Path, typer.Option(help="detector checkpoint directory (regions are extracted once and cached)")],
+    preset: Annotated[str, typer.Option(help="visualbert, vl-bert, vilbert, lxmert or u-visualbert")] = "visualbert",
+    size: Annotated[str, typer.Option(help="tiny, small or base")] = "small",
+    objectives: Annotated[str, typer.Option(help="comma-separated: mlm, mrfr, mrc, mrc_kl, itm, image_qa, tag, weak "
+                                                 "(default: the preset's paper objectives)")] = "",
+    steps: Annotated[int, typer.Option(min=1)] = 2000,
+    batch_size: Annotated[int, typer.Option(min=1)] = 32,
+    lr: Annotated[float, typer.Option(min=0.0, help="encoder peak learning rate")] = 1e-4,
+    head_lr: Annotated[float, typer.Option(min=0.0, help="heads' peak learning rate")] = 1e-4,
+    warmup: Annotated[int, typer.Option(min=0, help="linear warm-up steps, then linear decay to 0")] = 100,
+    clip: Annotated[float, typer.Option(min=0.0, help="gradient norm clip")] = 1.0,
+    mask_prob: Annotated[float, typer.Option(help="text tokens masked")] = 0.15,
+    region_mask_prob: Annotated[float, typer.Option(help="regions masked")] = 0.15,
+    visual_feat_dim: Annotated[int | None, typer.Option(help="expected region feature width (default: the detector's)")] = None,
+    train_scenes: Annotated[int, typer.Option(min=1)] = 20_000,
+    eval_scenes: Annotated[int, typer.Option(min=1, help="val scenes for the final zero-shot ITM accuracy")] = 500,
+    easy_vqa: Annotated[bool, typer.Option(help="add easy-VQA images and questions (image QA)")] = True,
+    init_text: Annotated[bool, typer.Option(help="start the text side from MiniLM (size small)")] = True,
+    seed: Annotated[int, typer.Option()] = 0,
+    threads: Annotated[int, typer.Option(min=1)] = 2,
+) -> None:
+    """Pretrain an encoder preset with its paper's objectives (weak mode for u-visualbert) on cached regions."""
+    from training.pretrain import PretrainConfig, PretrainConfigError
+    from training.pretrain import pretrain as run_pretrain
+
+    cfg = PretrainConfig(out=out, detector_dir=detector, preset=preset, size=size, init_text=init_text,
+                         objectives=tuple(o.strip() for o in objectives.split(",") if o.strip()),
+                         visual_feat_dim=visual_feat_dim, easy_vqa=easy_vqa, train_scenes=train_scenes,
+                         eval_scenes=eval_scenes, steps=steps, batch_size=batch_size, lr=lr, head_lr=head_lr,
+                         warmup=warmup, clip=clip, mask_prob=mask_prob, region_mask_prob=region_mask_prob,
+                         seed=seed, threads=threads)
+    try:
+        metrics = run_pretrain(cfg)  # validates the config, then the data, before the first step
+    except PretrainConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps({"out": str(out), "objectives": list(cfg.objectives), "final": metrics["final"],
+                           "last": metrics["history"][-1], "train_seconds": metrics["train_seconds"]}, indent=2))
+
+
 def validate_finetune(cfg) -> None:
     """Fail before any data is prepared: unknown preset/size/task, missing detector, feature-dim mismatch."""
     from models.checkpoint import CheckpointError

@@ -1,0 +1,331 @@
+"""`vlserve train pretrain`: each preset's paper objectives over cached region features (extract once, train many).
+
+Objectives (names of `PretrainConfig.objectives`):
+  mlm       masked LM with the image (every seed system)
+  mrfr      masked region feature regression (LXMERT)
+  mrc       masked region classification against the detector's class (LXMERT, VL-BERT)
+  mrc_kl    masked region classification as KL to the detector's class distribution (ViLBERT); the region
+            cache keeps each region's top class only, so the distribution is its one-hot
+  itm       image-text matching, half of the pairs mismatched (VisualBERT, ViLBERT, LXMERT)
+  image_qa  answer the question when it is asked of its own image (LXMERT)
+  tag       reconstruct masked detector tags (U-VisualBERT)
+  weak      U-VisualBERT's weakly-supervised mode: text-only MLM batches and image-only batches
+            (masked region classification + tag reconstruction, tags anchoring regions to words); never paired
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from models import HeadConfig, VLInputs, VLModel, create_model
+from models.checkpoint import CheckpointError, save_checkpoint
+from models.detector import DetectorConfig
+from models.detector.io import load_detector
+from models.registry import encoder_config
+from models.text_init import init_text_from_minilm
+from models.tokenizer import VLTokenizer
+
+from .evaluate import evaluate_tasks
+from .finetune import STATE, _jsonable, load_state, lr_scale, param_groups, save_state
+from .objectives import (
+    IGNORE, TokenIds, image_only_batch, image_qa_labels, itm_pairs, mask_regions, mask_tokens, pretraining_losses,
+    region_class_labels, text_only_batch, with_images,
+)
+from .vl_data import TaskData, prepare_task_data
+
+log = logging.getLogger(__name__)
+
+OBJECTIVES = ("mlm", "mrfr", "mrc", "mrc_kl", "itm", "image_qa", "tag", "weak")
+DEFAULT_OBJECTIVES = {  # each paper's pretraining tasks
+    "visualbert": ("mlm", "itm"),  # masked LM with the image + sentence-image prediction
+    "vl-bert": ("mlm", "mrc"),  # masked LM + masked RoI classification with linguistic clues; no ITM (it hurt)
+    "vilbert": ("mlm", "mrc_kl", "itm"),  # masked multi-modal modelling (KL) + multi-modal alignment
+    "lxmert": ("mlm", "mrfr", "mrc", "itm", "image_qa"),
+    "u-visualbert": ("weak",),  # unpaired text and images, detector tags as anchors
+}
+ONLY_FOR = {"tag": "u-visualbert", "weak": "u-visualbert"}  # objectives that read detector tags as input
+WEAK_HEADS = ("mlm", "mrc", "tag")  # text-only batches train mlm, image-only batches mrc and tag
+
+
+class PretrainConfigError(ValueError):
+    """A configuration or data set pretraining cannot run with; raised before the first step."""
+
+
+@dataclass
+class PretrainConfig:
+    out: Path = Path("pretrained")  # checkpoint directory (resumed if it holds train_state.pt)
+    detector_dir: Path = Path("detector")  # region features come from this detector (cached per fingerprint)
+    preset: str = "visualbert"  # encoder preset
+    size: str = "small"  # encoder size (small: text side from MiniLM)
+    init_text: bool = True  # start the text side from the pretrained MiniLM-L6
+    objectives: tuple[str, ...] = ()  # empty = the preset's paper objectives (DEFAULT_OBJECTIVES)
+    visual_feat_dim: int | None = None  # encoder region-feature width; None = the detector's (anything else is an error)
+    easy_vqa: bool = True  # add easy-VQA's training images and questions (image QA)
+    easy_vqa_images: int | None = None  # use only the first N easy-VQA training images (None = all 4,000)
+    train_scenes: int = 20_000  # shapes-world training scenes (captions, questions, images)
+    eval_scenes: int = 500  # shapes-world val scenes: zero-shot ITM accuracy at the end
+    steps: int = 2000  # optimizer steps
+    batch_size: int = 32
+    lr: float = 1e-4  # encoder peak learning rate
+    head_lr: float = 1e-4  # pretraining heads' peak learning rate
+    warmup: int = 100  # linear warm-up steps, then linear decay to 0
+    weight_decay: float = 0.01
+    clip: float = 1.0  # gradient norm clip
+    mask_prob: float = 0.15  # text tokens masked (BERT's 80/10/10)
+    region_mask_prob: float = 0.15  # regions masked (LXMERT, ViLBERT)
+    mismatch_prob: float = 0.5  # itm: pairs whose image is swapped for another one
+    image_qa_batches: float = 0.5  # image_qa: share of steps whose sentences are questions (the rest captions)
+    log_every: int = 50  # steps per logged loss average
+    checkpoint_every: int = 250  # steps between resumable-state saves
+    eval_examples: int | None = 2000  # held-out ITM examples evaluated at the end (None = all)
+    seed: int = 0
+    threads: int = 2
+    max_length: int = 40  # text tokens
+
+    def __post_init__(self) -> None:
+        self.objectives = tuple(self.objectives) or DEFAULT_OBJECTIVES.get(self.preset, ())
+
+
+def validate_config(cfg: PretrainConfig) -> DetectorConfig:
+    """Fail with one PretrainConfigError before any data work; returns the detector's config."""
+    try:
+        encoder_config(cfg.preset, cfg.size)  # raises for an unknown preset or size
+    except ValueError as exc:
+        raise PretrainConfigError(str(exc)) from None
+    unknown = [o for o in cfg.objectives if o not in OBJECTIVES]
+    if unknown:
+        raise PretrainConfigError(f"unknown objective {unknown[0]!r}; choose from {', '.join(OBJECTIVES)}")
+    for objective in cfg.objectives:
+        if ONLY_FOR.get(objective, cfg.preset) != cfg.preset:
+            raise PretrainConfigError(f"objective {objective!r} is not supported by preset {cfg.preset!r} (only {ONLY_FOR[objective]})")
+    if "weak" in cfg.objectives and len(cfg.objectives) > 1:
+        raise PretrainConfigError("objective 'weak' trains on unpaired text and images only; it cannot be combined with "
+                                  + ", ".join(o for o in cfg.objectives if o != "weak"))
+    if {"mrc", "mrc_kl"} <= set(cfg.objectives):
+        raise PretrainConfigError("choose one of mrc (cross-entropy) and mrc_kl (KL), not both")
+    for name in ("mask_prob", "region_mask_prob", "mismatch_prob", "image_qa_batches"):
+        if not 0.0 < getattr(cfg, name) <= 1.0:
+            raise PretrainConfigError(f"{name} must be in (0, 1], not {getattr(cfg, name)}")
+    if "itm" in cfg.objectives and cfg.batch_size < 2:
+        raise PretrainConfigError("itm needs batch_size >= 2 (a mismatched pair borrows another row's image)")
+    if cfg.init_text and cfg.size != "small":
+        raise PretrainConfigError("--init-text needs size small (MiniLM has hidden size 384)")
+    try:
+        detector, _ = load_detector(cfg.detector_dir)
+    except CheckpointError as exc:
+        raise PretrainConfigError(f"detector: {exc}") from None
+    dim = detector.config.feature_dim
+    if cfg.visual_feat_dim is not None and cfg.visual_feat_dim != dim:
+        raise PretrainConfigError(f"feature dim mismatch: visual_feat_dim={cfg.visual_feat_dim} but the detector "
+                                  f"{cfg.detector_dir} produces {dim}-d region features")
+    return detector.config
+
+
+def check_data(cfg: PretrainConfig, data: TaskData, detector: DetectorConfig) -> None:
+    """The prepared data comes from the detector and has what the objectives read."""
+    dim = data.train_table.features.shape[-1]
+    if dim != detector.feature_dim:
+        raise PretrainConfigError(f"feature dim mismatch: the region features are {dim}-d but the detector "
+                                  f"{cfg.detector_dir} produces {detector.feature_dim}-d")
+    if list(data.objects) != list(detector.classes):
+        raise PretrainConfigError(f"class mismatch: the data's object classes {data.objects} are not the detector's {detector.classes}")
+    if not captions(data):
+        raise PretrainConfigError("missing data: no captions (itm examples labelled 1) to pretrain on")
+    if "image_qa" in cfg.objectives and not data.train.get("vqa"):
+        raise PretrainConfigError("missing data: image_qa needs questions (vqa examples)")
+
+
+def captions(data: TaskData) -> list:
+    return [e for e in data.train.get("itm", []) if e.label == 1]
+
+
+def tag_word_ids(classes: list[str], tokenizer: VLTokenizer) -> np.ndarray:
+    """Detector class id -> word-piece id of its name (the first sub-word): U-VisualBERT's tags share the word table."""
+    return np.array([tokenizer.word_id(name) for name in classes], dtype=np.int64)
+
+
+def tags_of(obj_ids: np.ndarray, words: np.ndarray) -> torch.Tensor:
+    """(B, N) detector class ids (-1 = padding) -> (B, N) tag word ids (-1 = none)."""
+    return torch.from_numpy(np.where(obj_ids >= 0, words[obj_ids.clip(min=0)], -1))
+
+
+def pretraining_heads(objectives: tuple[str, ...], num_classes: int, num_answers: int) -> dict[str, HeadConfig]:
+    """One head per objective, named by its kind (mrc_kl is the mrc head with the KL loss)."""
+    tasks = WEAK_HEADS if "weak" in objectives else objectives
+    heads = {}
+    for objective in tasks:
+        kind = "mrc" if objective == "mrc_kl" else objective
+        num_labels = {"mrc": num_classes, "image_qa": num_answers}.get(kind, 0)
+        heads[kind] = HeadConfig(kind=kind, num_labels=num_labels, mrc_loss="kl" if objective == "mrc_kl" else "ce")
+    return heads
+
+
+def build_model(cfg: PretrainConfig, feature_dim: int, num_classes: int, num_answers: int) -> VLModel:
+    heads = pretraining_heads(cfg.objectives, num_classes, num_answers)
+    model = create_model(cfg.preset, cfg.size, heads=heads, visual_feat_dim=feature_dim)
+    if cfg.init_text:
+        init_text_from_minilm(model)
+    return model
+
+
+@dataclass
+class Batch:
+    kind: str  # "paired"; weak mode: "text" (no image) or "image" (no text)
+    inputs: VLInputs
+    targets: dict[str, object]  # head name -> labels, as pretraining_losses reads them
+
+
+class BatchBuilder:
+    """Pretraining batches drawn from `rng`: a batch is a function of (rng state, step), so a resumed run sees the same."""
+
+    def __init__(self, cfg: PretrainConfig, data: TaskData, tokenizer: VLTokenizer):
+        self.cfg, self.table, self.tokenizer = cfg, data.train_table, tokenizer
+        self.ids = TokenIds.from_tokenizer(tokenizer)
+        self.captions = captions(data)
+        self.questions = data.train.get("vqa", []) if "image_qa" in cfg.objectives else []
+        self.num_answers, self.num_classes = len(data.answers), len(data.objects)
+        self.tag_words = tag_word_ids(data.objects, tokenizer) if cfg.preset == "u-visualbert" else None
+        self.heads = set(pretraining_heads(cfg.objectives, self.num_classes, self.num_answers))
+
+    def __call__(self, step: int, rng: np.random.Generator) -> Batch:
+        g = torch.Generator().manual_seed(int(rng.integers(2**62)))  # every mask and pairing of this batch
+        if "weak" in self.cfg.objectives:  # alternate, so text and images never meet in one batch
+            return self.text_only(rng, g) if step % 2 == 0 else self.image_only(rng, g)
+        return self.paired(rng, g)
+
+    def text(self, examples: list) -> dict[str, torch.Tensor]:
+        enc = self.tokenizer.encode([e.text for e in examples], max_length=self.cfg.max_length)
+        return {k: torch.from_numpy(v) for k, v in enc.items()}
+
+    def regions(self, rows: np.ndarray) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Region inputs of table rows (with detector tags for u-visualbert) and their detector class ids (B, N)."""
+        regions = self.table.tensors(rows)
+        if self.tag_words is not None:
+            regions["tag_ids"] = tags_of(self.table.obj_ids[rows], self.tag_words)
+        return regions, torch.from_numpy(self.table.obj_ids[rows])
+
+    def mask_image(self, inputs: VLInputs, classes: torch.Tensor, g: torch.Generator, targets: dict) -> VLInputs:
+        """Masked region modelling: chosen regions lose their feature and their tag; targets of mrfr, mrc, tag."""
+        if not self.heads & {"mrfr", "mrc", "tag"}:
+            return inputs
+        features, mrfr, chosen = mask_regions(inputs.region_features, inputs.region_mask, g, self.cfg.region_mask_prob)
+        # a whole-image feature would still see the masked regions: the encoder recomputes it from the masked ones
+        inputs = inputs.replace(region_features=features, image_feature=None)
+        if "mrfr" in self.heads:
+            targets["mrfr"] = mrfr
+        if "mrc" in self.heads:
+            kl = "mrc_kl" in self.cfg.objectives
+            targets["mrc"] = region_class_labels(classes, chosen, "kl" if kl else "ce", self.num_classes)
+        if inputs.tag_ids is not None:  # a masked region keeps no tag, or mrc would read its class off the tag
+            if "tag" in self.heads:
+                targets["tag"] = inputs.tag_ids.masked_fill(~chosen, IGNORE)
+            inputs = inputs.replace(tag_ids=inputs.tag_ids.masked_fill(chosen, self.ids.mask_id))
+        return inputs
+
+    def paired(self, rng: np.random.Generator, g: torch.Generator) -> Batch:
+        cfg, targets = self.cfg, {}
+        questions = bool(self.questions) and rng.random() < cfg.image_qa_batches
+        pool = self.questions if questions else self.captions
+        examples = [pool[int(i)] for i in rng.integers(0, len(pool), cfg.batch_size)]
+        regions, classes = self.regions(np.array([e.rows[0] for e in examples]))
+        inputs = VLInputs(**self.text(examples), **regions)
+        matched = torch.ones(len(examples), dtype=torch.long)
+        if "itm" in cfg.objectives:
+            image_index, matched = itm_pairs(len(examples), g, cfg.mismatch_prob)
+            inputs, classes = with_images(inputs, image_index), classes[image_index]
+            targets["itm"] = matched
+        if questions:
+            answers = torch.nn.functional.one_hot(torch.tensor([e.label for e in examples]), self.num_answers).float()
+            targets["image_qa"] = image_qa_labels(answers, matched)
+        if "mlm" in cfg.objectives:
+            input_ids, targets["mlm"] = mask_tokens(inputs.input_ids, inputs.attention_mask, self.ids, g, cfg.mask_prob)
+            inputs = inputs.replace(input_ids=input_ids)
+        return Batch("paired", self.mask_image(inputs, classes, g, targets), targets)
+
+    def text_only(self, rng: np.random.Generator, g: torch.Generator) -> Batch:
+        examples = [self.captions[int(i)] for i in rng.integers(0, len(self.captions), self.cfg.batch_size)]
+        text = self.text(examples)
+        input_ids, labels = mask_tokens(text["input_ids"], text["attention_mask"], self.ids, g, self.cfg.mask_prob)
+        inputs = text_only_batch(input_ids, text["attention_mask"], visual_feat_dim=self.table.features.shape[-1])
+        return Batch("text", inputs, {"mlm": labels})
+
+    def image_only(self, rng: np.random.Generator, g: torch.Generator) -> Batch:
+        regions, classes = self.regions(rng.integers(0, len(self.table), self.cfg.batch_size))
+        inputs = image_only_batch(**regions, tokenizer_ids=self.ids)
+        targets: dict[str, object] = {}
+        return Batch("image", self.mask_image(inputs, classes, g, targets), targets)
+
+
+def pretrain(cfg: PretrainConfig, data: TaskData | None = None, progress: bool = True, stop_after: int | None = None) -> dict:
+    """Pretrain; resumes from out/train_state.pt when present. Returns the metrics and the per-step losses."""
+    detector = validate_config(cfg)
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.threads)
+    rng = np.random.default_rng(cfg.seed)
+    data = data or prepare_task_data(cfg.detector_dir, cfg.train_scenes, cfg.eval_scenes, cfg.easy_vqa, progress,
+                                     easy_vqa_images=cfg.easy_vqa_images)
+    check_data(cfg, data, detector)
+    tokenizer = VLTokenizer.pretrained_minilm(max_length=cfg.max_length)
+    model = build_model(cfg, detector.feature_dim, len(data.objects), len(data.answers))
+    batches = BatchBuilder(cfg, data, tokenizer)
+    opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # records: one {objective: loss, "total": loss} per step; resumed with the state
+    step, records = (load_state(out / STATE, model, opt, rng) if (out / STATE).exists() else (0, []))
+    start = time.perf_counter()
+    bar = tqdm(total=cfg.steps, initial=step, desc=f"pretrain {cfg.preset}", disable=not progress)
+    while step < cfg.steps:
+        # set lr
+        for group in opt.param_groups:
+            group["lr"] = group["peak_lr"] * lr_scale(step, cfg)
+        # checkpoint / log
+        if step and step % cfg.checkpoint_every == 0:
+            save_state(out / STATE, model, opt, step, rng, records)
+        if step and step % cfg.log_every == 0:
+            log.info("step %d: %s", step, window_means(records[-cfg.log_every :]))
+        # forward / backward
+        model.train()
+        batch = batches(step, rng)
+        losses = pretraining_losses(model, batch.inputs, batch.targets)
+        opt.zero_grad(set_to_none=True)
+        losses["total"].backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+        opt.step()
+        records.append({name: round(loss.item(), 6) for name, loss in losses.items()})
+        step += 1
+        bar.update(1)
+        bar.set_postfix(batch=batch.kind, loss=f"{records[-1]['total']:.3f}")
+        if stop_after is not None and step >= stop_after:  # simulated interruption (tests)
+            save_state(out / STATE, model, opt, step, rng, records)
+            return {"losses": [r["total"] for r in records], "records": records, "interrupted_at": step}
+    bar.close()
+    train_seconds = time.perf_counter() - start
+    history = [{"step": min(s + cfg.log_every, len(records)), **window_means(records[s : s + cfg.log_every])}
+               for s in range(0, len(records), cfg.log_every)]
+    final = evaluate_tasks(model, data, tokenizer, cfg.eval_examples)  # zero-shot ITM accuracy when there is an itm head
+    metrics = {"final": final, "history": history, "train_seconds": round(train_seconds, 1), "config": _jsonable(asdict(cfg))}
+    head_labels = {"mrc": data.objects, "image_qa": data.answers}
+    save_checkpoint(
+        model, out, tokenizer,
+        labels={"heads": {t: names for t, names in head_labels.items() if t in model.heads},
+                "objects": data.objects, "attributes": data.attributes},
+        detector={"fingerprint": data.fingerprint, "feature_dim": data.feature_dim},
+        extra={"training": metrics},
+    )
+    (out / STATE).unlink(missing_ok=True)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    return {**metrics, "losses": [r["total"] for r in records], "records": records}
+
+
+def window_means(records: list[dict[str, float]]) -> dict[str, float]:
+    """Mean of each loss over the steps that had it (weak mode alternates text and image objectives)."""
+    names = sorted({name for r in records for name in r})
+    return {n: round(float(np.mean([r[n] for r in records if n in r])), 4) for n in names}
