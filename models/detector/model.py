@@ -84,7 +84,9 @@ class RegionDetector(nn.Module):
 
     def _decode(self, head: HeadOutputs, resized_hw: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Class-specific boxes (R, K, 4) clipped to the resized image, and foreground scores (R, K)."""
-        boxes = self.roi_heads.box_coder.decode(head.box_regression, [head.proposals])  # (R, K+1, 4)
+        r, k1 = head.class_logits.shape
+        # explicit shape: with zero proposals (R = 0) decode returns (0, 4 (K+1)), not (0, K+1, 4)
+        boxes = self.roi_heads.box_coder.decode(head.box_regression, [head.proposals]).reshape(r, k1, 4)  # (R, K+1, 4)
         boxes = clip_boxes_to_image(boxes, resized_hw)
         scores = F.softmax(head.class_logits, -1)
         return boxes[:, 1:], scores[:, 1:]

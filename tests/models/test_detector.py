@@ -76,6 +76,35 @@ def test_adaptive_mode_keeps_between_min_and_max():
         assert rf.boxes.shape[0] == 20 and 3 <= rf.num_boxes <= 20
 
 
+def test_zero_proposals_give_an_image_without_regions(monkeypatch):
+    """An RPN that proposes nothing (here: rpn_post_nms_top_n=0) is a valid answer: num_boxes 0, all padding."""
+    torch.manual_seed(0)
+    det = RegionDetector(small_config(rpn_post_nms_top_n=0), pretrained_backbone=False).eval()
+    blank = np.full((64, 80, 3), 255, np.uint8)
+    for img, rf in zip([blank, IMAGES[1]], det.extract([blank, IMAGES[1]])):
+        assert rf.num_boxes == 0 and rf.boxes.shape == (12, 4) and rf.image_hw == img.shape[:2]
+        assert not rf.boxes.any() and not rf.features.any() and (rf.obj_ids == -1).all()
+        assert rf.image_feature.shape == (512,) and rf.region_mask().sum() == 0
+        rf.validate()
+    (dets,) = det.detect([blank])
+    assert dets["boxes"].shape == (0, 4) and dets["scores"].numel() == 0
+
+    # one image of a batch without proposals leaves the other image's regions as they are alone
+    torch.manual_seed(0)
+    det = RegionDetector(small_config(), pretrained_backbone=False).eval()
+    alone = det.extract([IMAGES[0]])[0]
+    propose = det.rpn.forward
+
+    def none_for_the_first(images, features, targets=None):
+        proposals, losses = propose(images, features, targets)
+        return [proposals[0][:0], *proposals[1:]], losses
+
+    monkeypatch.setattr(det.rpn, "forward", none_for_the_first)
+    empty, same = det.extract([IMAGES[2], IMAGES[0]])  # both 64 x 64: one canvas, one batch
+    assert empty.num_boxes == 0 and same.num_boxes == alone.num_boxes > 0
+    np.testing.assert_allclose(same.features.astype(np.float32), alone.features.astype(np.float32), atol=1e-4)
+
+
 def test_region_selection_functions():
     boxes = torch.tensor([[[0, 0, 10, 10.0]], [[0, 0, 10, 9.0]], [[20, 20, 30, 30.0]]])  # (R=3, K=1, 4)
     scores = torch.tensor([[0.9], [0.8], [0.3]])

@@ -215,6 +215,28 @@ def test_two_stream_preset_serves_too(tmp_path, tiny_detector, make_settings, im
         assert c.post("/nlvr2", json={"images": [{"image": b64(image_png)}] * 2, "statement": "same"}).status_code == 200
 
 
+@pytest.mark.parametrize("preset", ["visualbert", "lxmert"])
+def test_an_image_without_regions_gets_clear_answers(preset, tmp_path, make_detector, make_settings, make_checkpoint,
+                                                     problem, image_png):
+    """A detector whose RPN proposes nothing: the image registers with 0 regions, every task but /refer answers."""
+    blind = make_detector(tmp_path / "detector", rpn_post_nms_top_n=0)
+    checkpoint = make_checkpoint(tmp_path / "encoder", blind.fingerprint, preset=preset)
+    with TestClient(create_app(make_settings(model_dir=checkpoint, detector_dir=blind.dir))) as c:
+        registered = c.post("/images", json={"image": b64(image_png)})
+        assert registered.status_code == 200, registered.text
+        assert registered.json()["num_boxes"] == 0
+        image_id = registered.json()["image_id"]
+        vqa = c.post("/vqa", json={"image_id": image_id, "question": "what color?"})
+        assert vqa.status_code == 200 and all(0 < a["score"] < 1 for a in vqa.json()["answers"]), vqa.text
+        body = problem(c.post("/refer", json={"image_id": image_id, "expression": "the red one"}), 422, "validation-error")
+        assert "no regions" in body["detail"]
+        for path, request in (("/retrieve", {"text": "a red rectangle", "image_ids": [image_id]}),
+                              ("/retrieve", {"image_id": image_id, "texts": ["a", "b"]}),
+                              ("/nlvr2", {"images": [{"image_id": image_id}] * 2, "statement": "same"})):
+            r = c.post(path, json=request)
+            assert r.status_code == 200 and "nan" not in r.text.lower(), r.text
+
+
 def test_not_ready_until_the_lifespan_has_warmed_up(make_settings, problem):
     app = create_app(make_settings())
     c = TestClient(app)  # no `with`: the lifespan has not run
