@@ -1,7 +1,17 @@
-"""Two-stream encoders: LXMERT (language / object-relationship / cross-modality) and ViLBERT (co-attention)."""
+"""Two-stream encoders: LXMERT (language / object-relationship / cross-modality) and ViLBERT (co-attention).
+
+Each encoder is split where the streams first meet: `encode_text` runs the text-only layers, `encode_image`
+the image-only ones, and `fuse` the rest; `forward` is `fuse(encode_text(...), encode_image(...))`. Retrieval
+caches each side's `StreamStates` (one text against many images, one image against many texts) and runs
+only `fuse` per pair, as ViLBERT does for retrieval.
+"""
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import EncoderConfig
@@ -9,6 +19,36 @@ from .layers import CrossAttention, FeedForward, Pooler, SelfAttention, TextEmbe
 from .outputs import EncoderOutput
 from .single_stream import whole_image_feature
 from .spatial import spatial_5d
+
+
+@dataclass
+class StreamStates:
+    """One stream's hidden states before the streams meet; depends on that modality alone (cacheable)."""
+
+    hidden: torch.Tensor  # (B, S, W): text (B, T, H); regions (B, N, Hv), ViLBERT's [IMG] first (B, 1+N, Hv)
+    mask: torch.Tensor  # (B, S) 1 = real token / region
+    attentions: tuple[torch.Tensor, ...] | None = None  # text only: self-attention of the layers run, when asked
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors kept (what a cache of states is bounded by)."""
+        tensors = [self.hidden, self.mask, *(self.attentions or ())]
+        return sum(t.nelement() * t.element_size() for t in tensors)
+
+    def row(self, i: int, length: int | None = None) -> StreamStates:
+        """Row i alone, its first `length` positions (all by default), copied so the batch can be freed; no attentions."""
+        stop = self.hidden.shape[1] if length is None else length
+        return StreamStates(self.hidden[i : i + 1, :stop].clone(), self.mask[i : i + 1, :stop].clone())  # (1, S', W)
+
+    @staticmethod
+    def cat(rows: Sequence[StreamStates]) -> StreamStates:
+        """Rows padded to the longest S (zero states, mask 0) and concatenated on the batch axis; no attentions."""
+        if not rows:
+            raise ValueError("no stream states to concatenate")
+        s = max(r.hidden.shape[1] for r in rows)
+        hidden = torch.cat([F.pad(r.hidden, (0, 0, 0, s - r.hidden.shape[1])) for r in rows])  # (B, S, W)
+        mask = torch.cat([F.pad(r.mask, (0, s - r.mask.shape[1])) for r in rows])  # (B, S)
+        return StreamStates(hidden, mask)
 
 
 class BertTextEmbeddings(TextEmbeddings):
@@ -74,18 +114,30 @@ class LxmertEncoder(nn.Module):
         self.x_layers = nn.ModuleList(LxmertCrossLayer(c) for _ in range(c.num_cross_layers))  # NX cross layers
         self.pooler = Pooler(c.hidden_size, c.hidden_size)
 
-    def forward(self, input_ids, attention_mask, token_type_ids, region_features, region_boxes, region_mask,
-                image_feature=None, tag_ids=None, output_attentions: bool = False) -> EncoderOutput:
+    def encode_text(self, input_ids, attention_mask, token_type_ids, output_attentions: bool = False) -> StreamStates:
+        """Embeddings and the NL language layers."""
         lang = self.embeddings(input_ids, token_type_ids)  # (B, T, H)
-        visn = self.visn_fc(region_features, region_boxes)  # (B, N, H)
         lang_bias = additive_mask(attention_mask, lang.dtype)
-        visn_bias = additive_mask(region_mask, visn.dtype)
-        attentions, cross = [], []
+        attentions = []
         for layer in self.layer:
             lang, probs = layer(lang, lang_bias, output_attentions)
             attentions.append(probs)
+        return StreamStates(lang, attention_mask, tuple(attentions) if output_attentions else None)
+
+    def encode_image(self, region_features, region_boxes, region_mask, image_feature=None) -> StreamStates:
+        """Object embeddings and the NR object-relationship layers (LXMERT has no whole-image input)."""
+        visn = self.visn_fc(region_features, region_boxes)  # (B, N, H)
+        visn_bias = additive_mask(region_mask, visn.dtype)
         for layer in self.r_layers:
             visn, _ = layer(visn, visn_bias)
+        return StreamStates(visn, region_mask)
+
+    def fuse(self, text: StreamStates, image: StreamStates, output_attentions: bool = False) -> EncoderOutput:
+        """The NX cross-modality layers and the pooler over one text and one image per row."""
+        lang, visn = text.hidden, image.hidden
+        lang_bias = additive_mask(text.mask, lang.dtype)
+        visn_bias = additive_mask(image.mask, visn.dtype)
+        cross = []
         for layer in self.x_layers:
             lang, visn, probs = layer(lang, lang_bias, visn, visn_bias, output_attentions)
             cross.append(probs)
@@ -93,9 +145,15 @@ class LxmertEncoder(nn.Module):
             text=lang,
             image=visn,
             pooled=self.pooler(lang),
-            attentions=tuple(attentions) if output_attentions else None,
+            attentions=text.attentions if output_attentions else None,
             cross_attentions=tuple(cross) if output_attentions else None,
         )
+
+    def forward(self, input_ids, attention_mask, token_type_ids, region_features, region_boxes, region_mask,
+                image_feature=None, tag_ids=None, output_attentions: bool = False) -> EncoderOutput:
+        text = self.encode_text(input_ids, attention_mask, token_type_ids, output_attentions)
+        image = self.encode_image(region_features, region_boxes, region_mask, image_feature)
+        return self.fuse(text, image, output_attentions)
 
 
 class VilbertImageEmbeddings(nn.Module):
@@ -153,22 +211,49 @@ class VilbertEncoder(nn.Module):
         self.t_pooler = Pooler(c.hidden_size, c.coattention_width, activation="relu")
         self.v_pooler = Pooler(c.image_width, c.coattention_width, activation="relu")
 
-    def forward(self, input_ids, attention_mask, token_type_ids, region_features, region_boxes, region_mask,
-                image_feature=None, tag_ids=None, output_attentions: bool = False) -> EncoderOutput:
-        b = input_ids.shape[0]
+    @property
+    def text_only_layers(self) -> int:
+        """Text layers that run before the first co-attention layer (all of them without co-attention)."""
+        return self.config.coattention_text_layers[0] if len(self.c_layer) else len(self.layer)
+
+    @property
+    def image_only_layers(self) -> int:
+        """Image layers that run before the first co-attention layer: none (they follow each co-attention)."""
+        return 0 if len(self.c_layer) else len(self.v_layer)
+
+    def encode_text(self, input_ids, attention_mask, token_type_ids, output_attentions: bool = False) -> StreamStates:
+        """Embeddings and the text layers before the first co-attention layer."""
+        text = self.embeddings(input_ids, token_type_ids)  # (B, T, H)
+        text_bias = additive_mask(attention_mask, text.dtype)
+        attentions = []
+        for layer in self.layer[: self.text_only_layers]:
+            text, probs = layer(text, text_bias, output_attentions)
+            attentions.append(probs)
+        return StreamStates(text, attention_mask, tuple(attentions) if output_attentions else None)
+
+    def encode_image(self, region_features, region_boxes, region_mask, image_feature=None) -> StreamStates:
+        """[IMG] (the whole image) then the regions, embedded; mask (B, 1+N) with [IMG] always real."""
+        b = region_features.shape[0]
         if image_feature is None:
             image_feature = whole_image_feature(region_features, region_mask)
         whole_box = region_boxes.new_tensor([0.0, 0.0, 1.0, 1.0]).expand(b, 1, 4)
         feats = torch.cat([image_feature.unsqueeze(1), region_features], dim=1)  # (B, 1+N, D)
         boxes = torch.cat([whole_box, region_boxes], dim=1)  # (B, 1+N, 4)
         vmask = torch.cat([region_mask.new_ones(b, 1), region_mask], dim=1)  # (B, 1+N)
-
-        text = self.embeddings(input_ids, token_type_ids)  # (B, T, H)
         image = self.v_embeddings(feats, boxes)  # (B, 1+N, Hv)
-        text_bias = additive_mask(attention_mask, text.dtype)
         image_bias = additive_mask(vmask, image.dtype)
-        attentions, cross = [], []
-        t_next = v_next = 0
+        for layer in self.v_layer[: self.image_only_layers]:
+            image, _ = layer(image, image_bias)
+        return StreamStates(image, vmask)
+
+    def fuse(self, text: StreamStates, image: StreamStates, output_attentions: bool = False) -> EncoderOutput:
+        """Co-attention layers with the text and image layers between and after them, then h_CLS ⊙ h_IMG."""
+        text_states, image_states = text, image
+        text, image = text_states.hidden, image_states.hidden
+        text_bias = additive_mask(text_states.mask, text.dtype)
+        image_bias = additive_mask(image_states.mask, image.dtype)
+        attentions, cross = list(text_states.attentions or ()), []
+        t_next, v_next = self.text_only_layers, self.image_only_layers
         for k, co_layer in enumerate(self.c_layer):
             # text layers up to this co-attention point; image layers [.., k) before co-attention k
             for layer in self.layer[t_next : self.config.coattention_text_layers[k]]:
@@ -192,3 +277,9 @@ class VilbertEncoder(nn.Module):
             attentions=tuple(attentions) if output_attentions else None,
             cross_attentions=tuple(p[..., 1:] for p in cross) if output_attentions else None,
         )
+
+    def forward(self, input_ids, attention_mask, token_type_ids, region_features, region_boxes, region_mask,
+                image_feature=None, tag_ids=None, output_attentions: bool = False) -> EncoderOutput:
+        text = self.encode_text(input_ids, attention_mask, token_type_ids, output_attentions)
+        image = self.encode_image(region_features, region_boxes, region_mask, image_feature)
+        return self.fuse(text, image, output_attentions)

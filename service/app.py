@@ -27,11 +27,11 @@ from models.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from models.detector import RegionDetector
 from models.detector.io import load_detector
 
-from .batcher import Batcher, BatcherConfig
+from .batcher import Batcher, BatcherConfig, InFlight
 from .errors import PROBLEM_JSON, install_error_handlers
 from .feature_store import create_store
 from .metrics import Metrics, MetricsMiddleware
-from .pipeline import Limits, Pipeline, batch_fn, task_specs
+from .pipeline import Limits, Pipeline, TaskSpec, batch_fn, fused_batch_fn, task_specs
 from .regions import RegionService
 from .routes import ROUTERS
 from .routes.common import Services
@@ -39,6 +39,7 @@ from .runtime import create_runtime
 from .schemas import ModelInfo
 from .security import PUBLIC_PATHS, APIKeyMiddleware, BodyLimitMiddleware
 from .settings import Settings
+from .stream_cache import StreamCache
 
 log = logging.getLogger("vlserve.app")
 
@@ -112,6 +113,14 @@ def model_info(loaded: Loaded, runtime_name: str) -> ModelInfo:
                      runtime=runtime_name)
 
 
+def stream_cache(settings: Settings, runtime, specs: dict[str, TaskSpec], model: ModelInfo) -> StreamCache | None:
+    """The two-stream retrieval cache, when the runtime runs the itm head on split streams and the cache is on."""
+    itm = specs.get("itm")
+    if itm is None or settings.stream_cache_max_bytes == 0 or not runtime.splits_streams(itm.task):
+        return None
+    return StreamCache(settings.stream_cache_max_bytes, model=model.checkpoint, detector=model.detector)
+
+
 def warm_up(loaded: Loaded, pipeline: Pipeline, runtime) -> None:
     """The detector on a small image, then one example per served task through the runtime."""
     image = np.full((64, 64, 3), 128, np.uint8)
@@ -146,12 +155,21 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             settings.max_pixels, detector_pool, on_batch=metrics.on_batch("detector"))
         config = model_config(loaded.checkpoint)
         specs = task_specs(runtime.tasks, {t: {"pool": h.pool} for t, h in config.heads.items()}, loaded.checkpoint.labels)
+        model = model_info(loaded, runtime.name)
+        streams = stream_cache(settings, runtime, specs, model)
         encoder_batching = BatcherConfig(settings.max_batch_size, settings.max_wait_ms, settings.max_queue)
-        batchers = {spec.task: Batcher(spec.task, batch_fn(runtime, spec.task), encoder_batching, encoder_pool,
-                                       on_batch=metrics.on_batch(spec.task)) for spec in specs.values()}
+        encoder_busy = InFlight()  # the task batchers share one runtime: a batch goes at once only when it is idle
+
+        def encoder_batcher(spec: TaskSpec) -> Batcher:
+            split = streams is not None and spec.kind == "itm"
+            fn = fused_batch_fn(runtime, spec.task, streams) if split else batch_fn(runtime, spec.task)
+            return Batcher(spec.task, fn, encoder_batching, encoder_pool, on_batch=metrics.on_batch(spec.task),
+                           in_flight=encoder_busy)
+
+        batchers = {spec.task: encoder_batcher(spec) for spec in specs.values()}
         limits = Limits(settings.max_text_chars, settings.max_text_tokens, settings.max_top_k, settings.max_candidates)
-        pipeline = Pipeline(regions, loaded.checkpoint.tokenizer, specs, batchers, limits)
-        metrics.watch({**batchers, "detector": regions}, store, regions)
+        pipeline = Pipeline(regions, loaded.checkpoint.tokenizer, specs, batchers, limits, streams)
+        metrics.watch({**batchers, "detector": regions}, store, regions, streams)
 
         await regions.start()
         stack.push_async_callback(regions.stop, settings.shutdown_timeout_s)
@@ -160,7 +178,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             stack.push_async_callback(batcher.stop, settings.shutdown_timeout_s)
         await asyncio.to_thread(warm_up, loaded, pipeline, runtime)
 
-        app.state.services = Services(pipeline=pipeline, model=model_info(loaded, runtime.name))
+        app.state.services = Services(pipeline=pipeline, model=model)
         app.state.ready = True
         metrics.ready.set(1)
         log.info("ready: %s serving %s", app.state.services.model.preset, ", ".join(specs) or "nothing")

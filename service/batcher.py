@@ -1,8 +1,12 @@
 """Dynamic batching: one future per request, one consumer task per queue, inference in an executor thread.
 
-The consumer takes the first queued item, waits up to `max_wait_ms` (counted from that item's arrival)
-for more, up to `max_batch_size`, and runs the synchronous batch function once in the executor, so the
-event loop never blocks on inference. A bounded queue turns overload into `QueueFullError` (HTTP 429).
+The consumer takes the first queued item and dispatches at once when the runtime is idle (no batch of any
+batcher sharing its `InFlight` is running or waiting to run), with whatever else is queued, up to
+`max_batch_size`. While the runtime is busy, the batch keeps filling until it has `max_batch_size` items,
+its first item has waited `max_wait_ms`, or the runtime becomes idle, whichever comes first (continuous
+batching: under load, batches form from the requests that arrive while the previous batch runs; a lone
+request never waits). The synchronous batch function runs in the executor, so the event loop never blocks
+on inference. A bounded queue turns overload into `QueueFullError` (HTTP 429).
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class BatcherConfig:
     max_batch_size: int  # items per call of the batch function
-    max_wait_ms: float  # how long a batch waits to fill, counted from its first item's arrival
+    max_wait_ms: float  # while the runtime is busy, how long a batch may wait to fill, from its first item's arrival
     max_queue: int  # items waiting (not yet in a running batch) before submit raises QueueFullError
 
     def __post_init__(self) -> None:
@@ -48,6 +52,38 @@ class QueueFullError(Exception):
 
 class BatcherClosedError(RuntimeError):
     """submit() on a batcher that is not started or is shutting down (HTTP 503)."""
+
+
+class InFlight:
+    """Batches handed to one runtime and not finished yet, counted across the batchers that share it.
+
+    Batchers that feed one runtime (one executor) share one InFlight, so a batch dispatches at once only
+    when the runtime is really idle. Every finished batch wakes the listening batchers: a batch that is
+    filling while the runtime is busy goes as soon as the runtime is free.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._listeners: list[asyncio.Event] = []
+
+    @property
+    def idle(self) -> bool:
+        return self.count == 0
+
+    def listen(self, event: asyncio.Event) -> None:
+        self._listeners.append(event)
+
+    def unlisten(self, event: asyncio.Event) -> None:
+        if event in self._listeners:
+            self._listeners.remove(event)
+
+    def started(self) -> None:
+        self.count += 1
+
+    def finished(self) -> None:
+        self.count -= 1
+        for event in self._listeners:
+            event.set()
 
 
 @dataclass
@@ -75,9 +111,10 @@ def check_results(results: object, n: int) -> list:
 class Batcher(Generic[T, R]):
     """Collects concurrent `submit(item)` calls into batches for a synchronous `fn(items) -> results`.
 
-    `fn` runs in `executor` (by default a private one-thread pool, shut down by stop()). If it raises,
-    every request of that batch gets the exception; a result that is an Exception instance fails only
-    its own request. `on_batch(batch_size, max_queue_wait_s, run_s)` is called after every batch (metrics).
+    `fn` runs in `executor` (by default a private one-thread pool, shut down by stop()); batchers that share
+    an executor should share `in_flight` too (by default a private one). If `fn` raises, every request of
+    that batch gets the exception; a result that is an Exception instance fails only its own request.
+    `on_batch(batch_size, max_queue_wait_s, run_s)` is called after every batch (metrics).
     """
 
     def __init__(
@@ -87,6 +124,7 @@ class Batcher(Generic[T, R]):
         config: BatcherConfig,
         executor: Executor | None = None,
         on_batch: Callable[[int, float, float], None] | None = None,
+        in_flight: InFlight | None = None,
     ) -> None:
         self.name = name
         self.fn = fn
@@ -94,6 +132,7 @@ class Batcher(Generic[T, R]):
         self.on_batch = on_batch
         self._executor = executor
         self._own_executor = executor is None
+        self._in_flight = in_flight if in_flight is not None else InFlight()
         self._queue: deque[_Pending[T, R]] = deque()
         self._arrived: asyncio.Event | None = None
         self._consumer: asyncio.Task | None = None
@@ -116,7 +155,8 @@ class Batcher(Generic[T, R]):
             raise RuntimeError(f"batcher {self.name} already started")
         if self._own_executor:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"vlserve-{self.name}")
-        self._arrived = asyncio.Event()
+        self._arrived = asyncio.Event()  # set on every arrival, on stop, and when a batch of the runtime finishes
+        self._in_flight.listen(self._arrived)
         self._closing = False
         self._consumer = asyncio.create_task(self._consume(), name=f"batcher-{self.name}")
 
@@ -134,6 +174,7 @@ class Batcher(Generic[T, R]):
         finally:
             self._fail_queued(BatcherClosedError(f"batcher {self.name} stopped before this request ran"))
             self._consumer = None
+            self._in_flight.unlisten(self._arrived)
             if self._own_executor and self._executor is not None:
                 self._executor.shutdown(wait=False, cancel_futures=True)
                 self._executor = None
@@ -190,7 +231,8 @@ class Batcher(Generic[T, R]):
                 if not p.future.done():
                     batch.append(p)
                 continue
-            if self._closing or loop.time() >= deadline:
+            # nothing else queued: go now if the runtime is idle, else wait for an arrival, a free runtime or the deadline
+            if self._closing or self._in_flight.idle or loop.time() >= deadline:
                 break
             self._arrived.clear()
             try:
@@ -208,6 +250,7 @@ class Batcher(Generic[T, R]):
         started = loop.time()
         max_wait = started - min(p.enqueued for p in live)
         t0 = time.perf_counter()
+        self._in_flight.started()
         try:
             results = check_results(await loop.run_in_executor(self._executor, self.fn, [p.item for p in live]), len(live))
         except Exception as exc:
@@ -215,6 +258,8 @@ class Batcher(Generic[T, R]):
                 if not p.future.done():
                     p.future.set_exception(exc)
             results = None
+        finally:
+            self._in_flight.finished()
         run_s = time.perf_counter() - t0
         if results is not None:
             for p, result in zip(live, results):

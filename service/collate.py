@@ -48,6 +48,8 @@ def pad_and_stack(items: Sequence[Mapping[str, np.ndarray]], pad_values: Mapping
     Items are per-request dicts of arrays without a batch axis, e.g. input_ids (T,), region_features (N, D),
     or (2, N, D) for an NLVR2 pair; every item must have the same keys.
     """
+    if len(items) == 1:  # nothing to pad: a batch axis on views of the item's arrays
+        return {key: np.asarray(value)[None] for key, value in items[0].items()}
     return {key: np.stack(arrays) for key, arrays in _padded(items, pad_values, leading=False).items()}
 
 

@@ -73,8 +73,21 @@ class FeatureStore(ABC):
         return rf
 
 
+def frozen(rf: RegionFeatures) -> RegionFeatures:
+    """The regions with read-only arrays, so one stored value can be handed to every request that asks."""
+    for name in ("boxes", "features", "obj_ids", "obj_scores", "attr_ids", "attr_scores", "image_feature"):
+        value = getattr(rf, name)
+        if value is not None:
+            value.setflags(write=False)
+    return rf
+
+
 class InProcessStore(FeatureStore):
-    """LRU bounded by the bytes of its stored values (the embedded default; one per process)."""
+    """LRU bounded by the bytes of its stored values (the embedded default; one per process).
+
+    A value is decoded once, when it is put: get hands out that (read-only) RegionFeatures, which is what
+    decoding the stored bytes would give, without paying for it on every request.
+    """
 
     name = "memory"
 
@@ -86,7 +99,7 @@ class InProcessStore(FeatureStore):
         self.fingerprint = fingerprint
         self.evictions = 0
         self._bytes = 0
-        self._values: OrderedDict[str, bytes] = OrderedDict()  # key -> to_bytes(), least recently used first
+        self._values: OrderedDict[str, tuple[RegionFeatures, int]] = OrderedDict()  # key -> (value, len(to_bytes())), LRU first
 
     @property
     def nbytes(self) -> int:
@@ -98,28 +111,32 @@ class InProcessStore(FeatureStore):
 
     async def get(self, image_id: str) -> RegionFeatures | None:
         key = feature_key(self.fingerprint, image_id)
-        value = self._values.get(key)
-        if value is None:
+        entry = self._values.get(key)
+        if entry is None:
             self.misses += 1
             return None
         self._values.move_to_end(key)
-        rf = self._decode(value, key)
-        if rf is None:
-            self._drop(key)
-        return rf
+        self.hits += 1
+        return entry[0]
 
     async def put(self, image_id: str, rf: RegionFeatures) -> None:
         key = feature_key(self.fingerprint, image_id)
         value = rf.to_bytes()
+        size = len(value)
         self._drop(key)
-        if len(value) > self.max_bytes:
-            log.warning("feature store memory: %d-byte value exceeds max_bytes=%d; not cached", len(value), self.max_bytes)
+        if size > self.max_bytes:
+            log.warning("feature store memory: %d-byte value exceeds max_bytes=%d; not cached", size, self.max_bytes)
             return
-        while self._bytes + len(value) > self.max_bytes:
+        try:
+            stored = RegionFeatures.from_bytes(value)  # exactly what a store that keeps bytes would hand out
+        except FeatureFormatError as exc:  # cannot happen for a valid RegionFeatures; never fail a request over it
+            log.warning("feature store memory: not caching %s (%s)", key, exc)
+            return
+        while self._bytes + size > self.max_bytes:
             self._drop(next(iter(self._values)))
             self.evictions += 1
-        self._values[key] = value
-        self._bytes += len(value)
+        self._values[key] = (frozen(stored), size)
+        self._bytes += size
 
     async def close(self) -> None:
         self._values.clear()
@@ -130,9 +147,9 @@ class InProcessStore(FeatureStore):
                 "evictions": self.evictions}
 
     def _drop(self, key: str) -> None:
-        value = self._values.pop(key, None)
-        if value is not None:
-            self._bytes -= len(value)
+        entry = self._values.pop(key, None)
+        if entry is not None:
+            self._bytes -= entry[1]
 
 
 class RedisStore(FeatureStore):

@@ -54,8 +54,9 @@ class Metrics:
 
         return record
 
-    def watch(self, batchers: dict, store, regions) -> None:
-        """Queue depth per batcher, feature-store hits/misses/errors, detector runs and time, read when scraped."""
+    def watch(self, batchers: dict, store, regions, streams=None) -> None:
+        """Queue depth per batcher, feature-store hits/misses/errors, detector runs and time, and the two-stream
+        retrieval cache's hits/misses per side (when there is one), read when scraped."""
 
         def read() -> list:
             depth = GaugeMetricFamily("vlserve_queue_depth", "items waiting per batcher", labels=["batcher"])
@@ -72,12 +73,28 @@ class Metrics:
                 family = CounterMetricFamily(name, doc)
                 family.add_metric([], float(value))
                 out.append(family)
+            if streams is not None:
+                out += stream_cache_families(streams.stats())
             return out
 
         if self._live is not None:  # the app started again (tests enter one app's lifespan twice)
             self.registry.unregister(self._live)
         self._live = _Live(read)
         self.registry.register(self._live)
+
+
+def stream_cache_families(stats: dict) -> list:
+    """Two-stream retrieval cache: lookups per side that found / did not find states, evictions, bytes held."""
+    hits = CounterMetricFamily("vlserve_stream_cache_hits", "retrieval lookups that found cached stream states", labels=["side"])
+    misses = CounterMetricFamily("vlserve_stream_cache_misses", "retrieval lookups that encoded a stream", labels=["side"])
+    for side in ("text", "image"):
+        hits.add_metric([side], float(stats["hits"][side]))
+        misses.add_metric([side], float(stats["misses"][side]))
+    evictions = CounterMetricFamily("vlserve_stream_cache_evictions", "stream states dropped to stay within the bound")
+    evictions.add_metric([], float(stats["evictions"]))
+    held = GaugeMetricFamily("vlserve_stream_cache_bytes", "bytes of cached stream states")
+    held.add_metric([], float(stats["bytes"]))
+    return [hits, misses, evictions, held]
 
 
 def route_label(scope: Scope) -> str:

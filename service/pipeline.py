@@ -3,6 +3,9 @@
 images -> RegionService (feature store, batched detector) · text -> tokenizer within the limits · one item
 (numpy arrays of one example) -> the task's Batcher, whose batch function pads the items and calls the
 runtime · logits -> answers, boxes, rankings (small pure functions below, tested directly).
+
+Retrieval on a runtime that splits the streams (two-stream presets on torch) submits `Pair` items instead:
+its batch function takes each side's states from the StreamCache (encoding the misses) and fuses the pairs.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from .collate import pad_and_stack
 from .errors import InvalidInput, NoHeadError
 from .regions import RegionService
 from .runtime.base import Runtime
+from .stream_cache import Pair, StreamCache
 
 SERVED_KINDS = ("vqa", "refer", "itm", "nlvr2")  # head kinds that answer an endpoint
 ENDPOINT_OF = {"vqa": "/vqa", "refer": "/refer", "itm": "/retrieve", "nlvr2": "/nlvr2"}
@@ -146,8 +150,31 @@ def batch_fn(runtime: Runtime, task: str) -> Callable[[list[Item]], list[Scored]
     return run
 
 
+def fused_batch_fn(runtime: Runtime, task: str, cache: StreamCache) -> Callable[[list[Pair]], list[Scored]]:
+    """The batch function of a task whose runtime splits the streams: cached states of each side, then fusion."""
+
+    def run(pairs: list[Pair]) -> list[Scored]:
+        started = time.perf_counter()
+        texts = cache.fetch("text", [(p.text_key, p.text) for p in pairs], runtime.encode_texts)
+        # an image's arrays are built only when its states are not cached
+        images = cache.fetch("image", [(p.image_key, p.image) for p in pairs], runtime.encode_images,
+                             lambda rf: region_arrays([rf]))
+        logits = runtime.fuse(task, texts, images)
+        ended = time.perf_counter()
+        return [Scored(np.asarray(row), started, ended) for row in logits]
+
+    return run
+
+
 def region_arrays(images: Sequence[RegionFeatures]) -> Item:
     """Encoder inputs of one image, or of an image pair (leading axis 2, NLVR2)."""
+    if len(images) == 1:  # the common case, without stack()'s batch of every field
+        rf = images[0]
+        arrays = {"region_features": rf.features.astype(np.float32), "region_boxes": rf.normalized_boxes(),
+                  "region_mask": rf.region_mask()}
+        if rf.image_feature is not None:
+            arrays["image_feature"] = rf.image_feature.astype(np.float32)
+        return arrays
     batch = stack(images)
     arrays = {
         "region_features": batch["features"].astype(np.float32),  # (k, N, D)
@@ -156,8 +183,6 @@ def region_arrays(images: Sequence[RegionFeatures]) -> Item:
     }
     if "image_feature" in batch:
         arrays["image_feature"] = batch["image_feature"].astype(np.float32)  # (k, D)
-    if len(images) == 1:
-        arrays = {name: value[0] for name, value in arrays.items()}
     return arrays
 
 
@@ -166,12 +191,13 @@ class Pipeline:
     QueueFullError, which the app turns into problem+json answers."""
 
     def __init__(self, regions: RegionService, tokenizer: VLTokenizer, specs: dict[str, TaskSpec],
-                 batchers: dict[str, Batcher], limits: Limits):
+                 batchers: dict[str, Batcher], limits: Limits, streams: StreamCache | None = None):
         self.regions = regions
         self.tokenizer = tokenizer
         self.specs = specs  # kind -> spec
         self.batchers = batchers  # task name -> batcher
         self.limits = limits
+        self.streams = streams  # set when the itm batcher runs fused_batch_fn: retrieval submits Pair items
 
     # ---- inputs ----
 
@@ -197,13 +223,15 @@ class Pipeline:
             raise InvalidInput(loc, "must not be empty or only whitespace")
         if len(text) > self.limits.max_text_chars:
             raise InvalidInput(loc, f"is {len(text)} characters long; the limit is {self.limits.max_text_chars}")
-        pieces = len(self.tokenizer.token_ids(text))
-        if pieces == 0:  # e.g. only control characters, which the normalizer drops
+        specials = 2 + int(answer_slot)  # [CLS] text ([MASK]) [SEP]
+        # one tokenization: a text over the limit comes back cut to limit + 1, which is enough to refuse it
+        encoded = self.tokenizer.encode([text], answer_slot=answer_slot, max_length=self.limits.max_text_tokens + 1)
+        length = encoded["input_ids"].shape[1]
+        if length == specials:  # e.g. only control characters, which the normalizer drops
             raise InvalidInput(loc, "has no words the tokenizer can read")
-        length = pieces + 2 + int(answer_slot)  # [CLS] text ([MASK]) [SEP]
         if length > self.limits.max_text_tokens:
+            length = len(self.tokenizer.token_ids(text)) + specials  # the real length, for the message
             raise InvalidInput(loc, f"is {length} word pieces long; the limit is {self.limits.max_text_tokens}")
-        encoded = self.tokenizer.encode([text], answer_slot=answer_slot, max_length=length)
         return {name: value[0] for name, value in encoded.items()}
 
     async def image(self, data: bytes | None, image_id: str | None, timer: Timer) -> tuple[str, RegionFeatures]:
@@ -221,15 +249,18 @@ class Pipeline:
         # detector batches images of concurrent requests anyway
         return [await self.image(data, image_id, timer) for data, image_id in refs]
 
-    async def run(self, spec: TaskSpec, items: list[Item], timer: Timer) -> list[np.ndarray]:
+    async def run(self, spec: TaskSpec, items: list[Item] | list[Pair], timer: Timer) -> list[np.ndarray]:
         """Logits of each item from the task's batcher (items of one request may share a batch)."""
         submitted = time.perf_counter()
         batcher = self.batchers[spec.task]
-        outcomes = await asyncio.gather(*(batcher.submit(item) for item in items), return_exceptions=True)
-        failed = [o for o in outcomes if isinstance(o, BaseException)]
-        if failed:  # e.g. the queue filled up part-way through a retrieval request's candidates
-            raise failed[0]
-        results: list[Scored] = outcomes
+        if len(items) == 1:  # no task per item for the common single-item request
+            results: list[Scored] = [await batcher.submit(items[0])]
+        else:
+            outcomes = await asyncio.gather(*(batcher.submit(item) for item in items), return_exceptions=True)
+            failed = [o for o in outcomes if isinstance(o, BaseException)]
+            if failed:  # e.g. the queue filled up part-way through a retrieval request's candidates
+                raise failed[0]
+            results = outcomes
         timer.add("queue", min(r.started for r in results) - submitted)
         batches = {(r.started, r.ended) for r in results}
         timer.add("encoder", sum(end - start for start, end in batches))
@@ -270,7 +301,12 @@ class Pipeline:
         self.check_candidates("image_ids", len(image_ids))
         tokens = self.tokens(text, ("text",), timer)
         images = await self.images([(None, i) for i in image_ids], timer)
-        logits = await self.run(spec, [{**tokens, **region_arrays([rf])} for _, rf in images], timer)
+        if self.streams is None:
+            items = [{**tokens, **region_arrays([rf])} for _, rf in images]
+        else:
+            text_key = self.streams.text_key(tokens)
+            items = [self.streams.pair(text_key, tokens, image_id, rf) for image_id, rf in images]
+        logits = await self.run(spec, items, timer)
         score, prob = match_scores(np.stack(logits))
         hits = [{"image_id": image_ids[i], "score": float(score[i]), "probability": float(prob[i])} for i in rank(score, top_k)]
         return {"direction": "text_to_images", "results": hits}
@@ -282,8 +318,12 @@ class Pipeline:
         self.check_candidates("texts", len(texts))
         rows = [self.tokens(t, ("texts", i), timer) for i, t in enumerate(texts)]
         image_id, rf = await self.image(data, image_id, timer)
-        regions = region_arrays([rf])
-        logits = await self.run(spec, [{**row, **regions} for row in rows], timer)
+        if self.streams is None:
+            regions = region_arrays([rf])
+            items = [{**row, **regions} for row in rows]
+        else:
+            items = [self.streams.pair(self.streams.text_key(row), row, image_id, rf) for row in rows]
+        logits = await self.run(spec, items, timer)
         score, prob = match_scores(np.stack(logits))
         hits = [{"index": i, "text": texts[i], "score": float(score[i]), "probability": float(prob[i])}
                 for i in rank(score, top_k)]

@@ -29,13 +29,14 @@ class Settings(BaseSettings):
     redis_url: str | None = None  # redis://host:port/db; None or "" = in-process LRU
     redis_ttl_s: int = Field(604800, gt=0)  # lifetime of a cached image's regions in Redis (a week)
     cache_max_bytes: int = Field(256 * MiB, gt=0)  # in-process feature store bound, in bytes of stored values
+    stream_cache_max_bytes: int = Field(256 * MiB, ge=0)  # two-stream retrieval: cached text/image states (torch); 0 = off
     # batching (encoder, per task)
     max_batch_size: int = Field(32, ge=1)  # requests per encoder batch
-    max_wait_ms: float = Field(5.0, ge=0)  # how long a batch waits to fill after its first request
+    max_wait_ms: float = Field(5.0, ge=0)  # while the runtime is busy, how long a batch may wait to fill (idle: none)
     max_queue: int = Field(256, ge=1)  # queued requests per batcher before 429
     # batching (detector)
     detector_max_batch_size: int = Field(8, ge=1)  # images per detector batch
-    detector_max_wait_ms: float = Field(5.0, ge=0)  # how long a detector batch waits to fill
+    detector_max_wait_ms: float = Field(5.0, ge=0)  # while the detector is busy, how long a batch may wait to fill
     # request limits
     max_body_bytes: int = Field(10 * MiB, gt=0)  # larger request bodies get 413
     max_pixels: int = Field(40_000_000, gt=0)  # larger images are refused before decoding (decompression bombs)

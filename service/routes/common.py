@@ -35,7 +35,10 @@ def received_at(request: Request) -> float:
     return request.scope.get("state", {}).get("received_at") or time.perf_counter()
 
 
-def get_services(request: Request) -> Services:
+# Dependencies are coroutines: FastAPI runs a plain function (or a class) dependency in a thread pool, a
+# thread hop per dependency per request.
+
+async def get_services(request: Request) -> Services:
     services = getattr(request.app.state, "services", None)
     if services is None or not request.app.state.ready:
         raise ProblemError(503, "the models are still loading and warming up, or the service is shutting down",
@@ -46,12 +49,10 @@ def get_services(request: Request) -> Services:
 class Call:
     """One task request: the pipeline, its timer, and whether the client asked for timings."""
 
-    def __init__(self, request: Request,
-                 services: Annotated[Services, Depends(get_services)],
-                 timings: Annotated[bool, Query(description="add per-stage timings (ms) to the response")] = False):
+    def __init__(self, request: Request, services: Services, want_timings: bool):
         self.services = services
         self.pipeline = services.pipeline
-        self.want_timings = timings
+        self.want_timings = want_timings
         self.started = received_at(request)
         self.timer = Timer()
         self.timer.add("decode", time.perf_counter() - self.started)  # body read, JSON parse, base64 decode
@@ -64,4 +65,9 @@ class Call:
         return response(model=self.services.model, timings=timings, **result)
 
 
-CallDep = Annotated[Call, Depends()]
+async def open_call(request: Request, services: Annotated[Services, Depends(get_services)],
+                    timings: Annotated[bool, Query(description="add per-stage timings (ms) to the response")] = False) -> Call:
+    return Call(request, services, timings)
+
+
+CallDep = Annotated[Call, Depends(open_call)]

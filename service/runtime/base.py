@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,6 +46,26 @@ class Runtime(ABC):
 
     def close(self) -> None:
         """Release backend resources (sessions, GPU memory)."""
+
+    # Two-stream retrieval: a runtime that can run each stream alone lets the service cache every image's and
+    # every text's single-modality states and run only the fusion layers per (text, image) pair. States are
+    # opaque to the service: one object per row with an `nbytes` attribute.
+
+    def splits_streams(self, task: str) -> bool:
+        """Whether encode_texts / encode_images / fuse serve `task` (default: no, the full graph runs per pair)."""
+        return False
+
+    def encode_texts(self, batch: dict[str, np.ndarray]) -> list[Any]:
+        """Text-stream states of each row of a padded text batch (input_ids, attention_mask, token_type_ids)."""
+        raise NotImplementedError(f"runtime {self.name} does not split the streams")
+
+    def encode_images(self, batch: dict[str, np.ndarray]) -> list[Any]:
+        """Image-stream states of each row of a padded region batch (region_*, optional image_feature)."""
+        raise NotImplementedError(f"runtime {self.name} does not split the streams")
+
+    def fuse(self, task: str, texts: list[Any], images: list[Any]) -> np.ndarray:
+        """Logits of `task` for the pairs (texts[i], images[i]), from states made by encode_texts / encode_images."""
+        raise NotImplementedError(f"runtime {self.name} does not split the streams")
 
     def check_batch(self, task: str, batch: dict[str, np.ndarray]) -> None:
         """Raise UnknownTaskError / ValueError naming what is wrong with a (task, batch) before running it."""

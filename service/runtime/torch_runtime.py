@@ -1,4 +1,8 @@
-"""The reference runtime: the checkpoint's VLModel in eval mode, float32, under torch.inference_mode."""
+"""The reference runtime: the checkpoint's VLModel in eval mode, float32, under torch.inference_mode.
+
+For two-stream encoders (ViLBERT, LXMERT) it also runs each stream alone and the fusion layers over cached
+states (`splits_streams`): the service's retrieval then encodes every image and every text once.
+"""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -8,22 +12,36 @@ import torch
 
 from models.checkpoint import Checkpoint
 from models.inputs import VLInputs
+from models.two_stream import StreamStates
 
-from .base import FLOAT_KEYS, Runtime, create_runtime
+from .base import FLOAT_KEYS, Runtime, UnknownTaskError, create_runtime
 
 if TYPE_CHECKING:
     from ..settings import Settings
 
-__all__ = ["TorchRuntime", "create", "create_runtime", "to_inputs"]
+__all__ = ["TorchRuntime", "create", "create_runtime", "to_inputs", "to_tensors"]
 
 
-def to_inputs(batch: dict[str, np.ndarray], device: torch.device) -> VLInputs:
-    """numpy batch -> VLInputs on `device`: float keys as float32 (stored features are float16), the rest int64."""
+def to_tensors(batch: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """numpy arrays -> tensors on `device`: float keys as float32 (stored features are float16), the rest int64.
+
+    Arrays already of that dtype are shared with numpy, not copied (on the CPU)."""
     tensors = {}
     for key, value in batch.items():
         dtype = np.float32 if key in FLOAT_KEYS else np.int64
         tensors[key] = torch.from_numpy(np.ascontiguousarray(value, dtype=dtype)).to(device)
-    return VLInputs(**tensors)
+    return tensors
+
+
+def to_inputs(batch: dict[str, np.ndarray], device: torch.device) -> VLInputs:
+    """numpy batch -> VLInputs on `device` (see to_tensors)."""
+    return VLInputs(**to_tensors(batch, device))
+
+
+def text_lengths(attention_mask: np.ndarray) -> list[int]:
+    """Per row, the position after its last real token (rows are cut there before they are cached)."""
+    real = np.asarray(attention_mask) != 0
+    return [int(np.flatnonzero(row)[-1]) + 1 if row.any() else 1 for row in real]
 
 
 class TorchRuntime(Runtime):
@@ -44,6 +62,33 @@ class TorchRuntime(Runtime):
         inputs = to_inputs(batch, self.device)
         with torch.inference_mode():
             logits = self.model(inputs, task).logits
+        return logits.float().cpu().numpy()
+
+    def splits_streams(self, task: str) -> bool:
+        # the ITM head reads only the fused pooled vector, so it needs no inputs beyond the two streams
+        return hasattr(self.model.encoder, "fuse") and self.tasks.get(task) == "itm"
+
+    def encode_texts(self, batch: dict[str, np.ndarray]) -> list[StreamStates]:
+        t = to_tensors(batch, self.device)
+        with torch.inference_mode():
+            states = self.model.encoder.encode_text(t["input_ids"], t["attention_mask"], t["token_type_ids"])
+        return [states.row(i, n) for i, n in enumerate(text_lengths(batch["attention_mask"]))]
+
+    def encode_images(self, batch: dict[str, np.ndarray]) -> list[StreamStates]:
+        t = to_tensors(batch, self.device)
+        with torch.inference_mode():
+            states = self.model.encoder.encode_image(t["region_features"], t["region_boxes"], t["region_mask"],
+                                                     t.get("image_feature"))
+        return [states.row(i) for i in range(states.hidden.shape[0])]
+
+    def fuse(self, task: str, texts: list[StreamStates], images: list[StreamStates]) -> np.ndarray:
+        if not self.splits_streams(task):
+            raise UnknownTaskError(f"task {task!r} does not run on split streams in this model")
+        if len(texts) != len(images):
+            raise ValueError(f"{len(texts)} text states for {len(images)} image states")
+        with torch.inference_mode():
+            enc = self.model.encoder.fuse(StreamStates.cat(texts), StreamStates.cat(images))
+            logits = self.model.forward_head(task, enc, None)  # ITM: the pooled vector alone
         return logits.float().cpu().numpy()
 
 

@@ -19,6 +19,7 @@ from PIL import Image
 
 from models.detector import DetectorConfig, RegionDetector
 from models.detector.io import save_detector
+from models.region_features import RegionFeatures
 
 
 def free_port() -> int:
@@ -142,6 +143,18 @@ def shapes_image(h: int = 96, w: int = 128, seed: int = 0) -> np.ndarray:
         y, x = int(rng.integers(0, h - bh)), int(rng.integers(0, w - bw))
         img[y : y + bh, x : x + bw] = colour
     return img
+
+
+def random_regions(seed: int, n_real: int, n: int = 8, d: int = 16) -> RegionFeatures:
+    """n_real random regions padded to n rows, at rest precision (as the feature store returns them)."""
+    rng = np.random.default_rng(seed)
+    lo = rng.uniform(0, 60, (n_real, 2))
+    rf = RegionFeatures(boxes=np.concatenate([lo, lo + rng.uniform(5, 60, (n_real, 2))], 1),
+                        features=rng.standard_normal((n_real, d)), obj_ids=rng.integers(0, 3, n_real),
+                        obj_scores=rng.uniform(size=n_real), attr_ids=rng.integers(0, 2, n_real),
+                        attr_scores=rng.uniform(size=n_real), image_hw=(128, 128), num_boxes=n_real,
+                        image_feature=rng.standard_normal(d))
+    return rf.pad_to(n).to_float16()
 
 
 def png_bytes(img: np.ndarray) -> bytes:

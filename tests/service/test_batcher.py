@@ -1,13 +1,16 @@
-"""Batcher: right result to the right caller, failures stay in their batch, max wait, bounded queue, drain on stop."""
+"""Batcher: right result to the right caller, failures stay in their batch, no wait when the runtime is idle,
+max wait while it is busy, bounded queue, drain on stop."""
 import asyncio
+import contextlib
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-from service.batcher import Batcher, BatcherClosedError, BatcherConfig, QueueFullError, check_results, retry_after
+from service.batcher import Batcher, BatcherClosedError, BatcherConfig, InFlight, QueueFullError, check_results, retry_after
 
 
 def run(coro):
@@ -34,7 +37,7 @@ class Recorder:
 
 
 def test_results_return_to_their_callers_under_concurrency():
-    fn = Recorder()
+    fn = Recorder(delay=0.002)  # requests arriving while a batch runs form the next one
     hooks = []
 
     async def main():
@@ -101,25 +104,114 @@ def test_exception_result_fails_only_its_item_and_wrong_count_fails_the_batch():
     assert after == 2
 
 
-def test_lone_item_waits_max_wait_and_full_batch_runs_at_once():
+def test_lone_item_runs_at_once_when_the_runtime_is_idle():
     fn = Recorder()
 
     async def main():
-        b = Batcher("t", fn, BatcherConfig(max_batch_size=4, max_wait_ms=200, max_queue=100))
+        b = Batcher("t", fn, BatcherConfig(max_batch_size=4, max_wait_ms=500, max_queue=100))
         await b.start()
         t0 = time.perf_counter()
         await b.submit(1)
         lone = time.perf_counter() - t0
         t0 = time.perf_counter()
-        await asyncio.gather(*(b.submit(i) for i in range(4)))
-        full = time.perf_counter() - t0
+        await asyncio.gather(*(b.submit(i) for i in range(3)))  # fewer than max_batch_size, queued together
+        few = time.perf_counter() - t0
         await b.stop()
-        return lone, full
+        return lone, few
 
-    lone, full = run(main())
-    assert 0.195 <= lone < 0.5, f"a lone item ran after {lone:.3f} s; max_wait_ms is 200"
-    assert full < 0.1, f"a full batch waited {full:.3f} s instead of running at once"
-    assert fn.sizes == [1, 4]
+    lone, few = run(main())
+    assert lone < 0.2 and few < 0.2, f"waited {lone:.3f} s / {few:.3f} s with an idle runtime; max_wait_ms (0.5 s) is for a busy one"
+    assert fn.sizes == [1, 3], "items queued together still share a batch"
+
+
+def test_items_arriving_while_a_batch_runs_form_the_next_batch():
+    fn = Recorder(delay=0.15)
+
+    async def main():
+        b = Batcher("t", fn, BatcherConfig(max_batch_size=8, max_wait_ms=2000, max_queue=100))
+        await b.start()
+        t0 = time.perf_counter()
+        first = asyncio.ensure_future(b.submit(0))
+        await asyncio.sleep(0.05)  # item 0 is running
+        later = await asyncio.gather(*(b.submit(i) for i in range(1, 6)))
+        elapsed = time.perf_counter() - t0
+        await b.stop()
+        return await first, later, elapsed
+
+    first, later, elapsed = run(main())
+    assert first == 0 and later == [10, 20, 30, 40, 50]
+    assert fn.sizes == [1, 5], "the five that queued behind the running batch went together"
+    assert elapsed < 1.0, f"the second batch waited for max_wait_ms ({elapsed:.3f} s) instead of the runtime"
+
+
+@contextlib.asynccontextmanager
+async def behind_a_busy_runtime(fn: Recorder, config: BatcherConfig, busy_s: float, threads: int = 1):
+    """A started batcher for `fn` that shares its runtime (executor and InFlight) with another batcher, whose
+    batch keeps the runtime busy for `busy_s` from now; yields (batcher, the shared InFlight)."""
+    shared, pool = InFlight(), ThreadPoolExecutor(threads)  # one thread, as the encoder's
+    busy = Batcher("busy", Recorder(delay=busy_s), BatcherConfig(1, 0, 10), pool, in_flight=shared)
+    b = Batcher("t", fn, config, pool, in_flight=shared)
+    await busy.start()
+    await b.start()
+    running = asyncio.ensure_future(busy.submit(0))
+    await asyncio.sleep(0.02)  # the busy batch has started
+    try:
+        yield b, shared
+        await running
+    finally:
+        await b.stop()
+        await busy.stop()
+        pool.shutdown()
+
+
+def test_full_batch_runs_at_once_while_the_runtime_is_busy():
+    fn = Recorder()
+
+    async def main():
+        # two threads: the full batch can start while the other batch still runs
+        async with behind_a_busy_runtime(fn, BatcherConfig(4, 5000, 100), busy_s=0.4, threads=2) as (b, _):
+            t0 = time.perf_counter()
+            await asyncio.gather(*(b.submit(i) for i in range(4)))
+            return time.perf_counter() - t0
+
+    full = run(main())
+    assert full < 0.3 and fn.sizes == [4], f"a full batch waited {full:.3f} s"
+
+
+def test_max_wait_is_honoured_while_another_batcher_keeps_the_runtime_busy():
+    """Batchers sharing a runtime share its InFlight: behind another task's batch, one fills for max_wait_ms."""
+    fn = Recorder()
+    arrived: dict[int, float] = {}
+
+    async def main():
+        async with behind_a_busy_runtime(fn, BatcherConfig(8, 150, 100), busy_s=0.6) as (b, _):
+            t0 = time.perf_counter()
+
+            async def at(delay: float, i: int):
+                await asyncio.sleep(delay)
+                arrived[i] = time.perf_counter() - t0
+                return await b.submit(i)
+
+            # 1 and 2 arrive within max_wait of each other; 3 arrives after the first batch has gone
+            return await asyncio.gather(at(0, 1), at(0.05, 2), at(0.35, 3))
+
+    assert run(main()) == [10, 20, 30]
+    assert arrived[2] < 0.15 < arrived[3], arrived  # the test's own timing held
+    assert fn.sizes == [2, 1], "the batch left at max_wait_ms; the item that came later ran in the next one"
+
+
+def test_filling_batch_goes_as_soon_as_the_runtime_is_idle():
+    fn = Recorder()
+
+    async def main():
+        async with behind_a_busy_runtime(fn, BatcherConfig(8, 5000, 100), busy_s=0.2) as (b, shared):
+            t0 = time.perf_counter()
+            out = await asyncio.gather(b.submit(1), b.submit(2))
+            return out, time.perf_counter() - t0, shared
+
+    out, waited, shared = run(main())
+    assert out == [10, 20] and fn.sizes == [2] and shared.count == 0
+    assert waited < 1.0, f"waited {waited:.3f} s: the batch should leave when the other batch finished (~0.2 s)"
 
 
 def test_zero_wait_runs_whatever_is_queued():

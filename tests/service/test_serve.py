@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import os
 import signal
 import socket
@@ -47,6 +48,23 @@ def test_no_model_given_uses_the_cached_demo_set(clean_env, monkeypatch, tmp_pat
     assert demo_model_dirs() == {"model_dir": demo / "encoder", "detector_dir": demo / "detector"}
 
 
+def test_engine_cache_dir_option_is_documented_and_reaches_the_settings(clean_env, monkeypatch, tmp_path, tiny_checkpoint,
+                                                                        tiny_detector):
+    import vlserve.commands.serve as serve_command
+
+    monkeypatch.setenv("COLUMNS", "200")
+    help_text = serve("--help").output
+    assert "--engine-cache-dir" in help_text and "VLSERVE_ENGINE_CACHE_DIR" in help_text
+
+    started = []
+    monkeypatch.setattr(serve_command, "run_server", lambda settings, log_level="info": started.append(settings) or 0)
+    models = ("--model-dir", tiny_checkpoint, "--detector-dir", tiny_detector.dir)
+    assert serve(*models, "--engine-cache-dir", tmp_path / "engines").exit_code == 0
+    monkeypatch.setenv("VLSERVE_ENGINE_CACHE_DIR", str(tmp_path / "from-env"))
+    assert serve(*models).exit_code == 0
+    assert [s.engine_cache_dir for s in started] == [tmp_path / "engines", tmp_path / "from-env"]
+
+
 def test_invalid_settings_exit_2_naming_each_field(clean_env, tmp_path):
     result = serve("--threads", "0", "--redis-url", "http://nope", "--model-dir", tmp_path / "missing")
     assert result.exit_code == 2
@@ -70,7 +88,7 @@ def free_port() -> int:
 def test_sigterm_finishes_the_request_in_flight(clean_env, tiny_checkpoint, tiny_detector, image_png):
     port = free_port()
     cmd = [sys.executable, "-m", "vlserve.cli", "serve", "--model-dir", str(tiny_checkpoint), "--detector-dir",
-           str(tiny_detector.dir), "--port", str(port), "--threads", "1", "--max-wait-ms", "1500", "--log-level", "warning"]
+           str(tiny_detector.dir), "--port", str(port), "--threads", "1", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -85,13 +103,21 @@ def test_sigterm_finishes_the_request_in_flight(clean_env, tiny_checkpoint, tiny
             assert time.monotonic() < deadline, "the service did not become ready"
             time.sleep(0.2)
         answer = {}
-        body = {"image": base64.b64encode(image_png).decode(), "question": "what color?"}
-        request = threading.Thread(target=lambda: answer.update(r=httpx.post(f"{base}/vqa", json=body, timeout=30)))
+        body = json.dumps({"image": base64.b64encode(image_png).decode(), "question": "what color?"}).encode()
+
+        def slow_body():  # the request is in flight while its body arrives (an idle encoder never keeps it waiting)
+            yield body[:100]
+            time.sleep(1.5)
+            yield body[100:]
+
+        request = threading.Thread(target=lambda: answer.update(r=httpx.post(
+            f"{base}/vqa", content=slow_body(), headers={"content-type": "application/json"}, timeout=30)))
         request.start()
-        time.sleep(0.7)  # the request now waits in the encoder batcher (max wait 1.5 s)
+        time.sleep(0.7)  # the service has the request's first bytes and waits for the rest
         proc.send_signal(signal.SIGTERM)
         request.join(30)
         assert answer["r"].status_code == 200, answer["r"].text
+        assert answer["r"].elapsed.total_seconds() >= 1.4, "the request was still arriving when SIGTERM came"
         assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down cleanly
         with pytest.raises(httpx.TransportError):  # no longer accepting
             httpx.get(f"{base}/healthz", timeout=1)

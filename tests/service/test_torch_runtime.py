@@ -12,6 +12,7 @@ from service.collate import pad_and_concat, pad_and_stack, pad_to_shape, split_r
 from service.runtime import Runtime, UnknownTaskError, create_runtime
 from service.runtime.torch_runtime import TorchRuntime
 from service.settings import load_settings
+from tests.service.conftest import random_regions
 
 HEADS = {"vqa": {"kind": "vqa", "num_labels": 5}, "refer": {"kind": "refer"}, "itm": {"kind": "itm"},
          "nlvr2": {"kind": "nlvr2"}}
@@ -33,18 +34,6 @@ def saved(request, tmp_path_factory, tokenizer):
     return model, load_checkpoint(path)
 
 
-def regions(seed: int, n_real: int, n: int = 8, d: int = 16) -> RegionFeatures:
-    """n_real random regions padded to n rows, at rest precision (as the feature store returns them)."""
-    rng = np.random.default_rng(seed)
-    lo = rng.uniform(0, 60, (n_real, 2))
-    rf = RegionFeatures(boxes=np.concatenate([lo, lo + rng.uniform(5, 60, (n_real, 2))], 1),
-                        features=rng.standard_normal((n_real, d)), obj_ids=rng.integers(0, 3, n_real),
-                        obj_scores=rng.uniform(size=n_real), attr_ids=rng.integers(0, 2, n_real),
-                        attr_scores=rng.uniform(size=n_real), image_hw=(128, 128), num_boxes=n_real,
-                        image_feature=rng.standard_normal(d))
-    return rf.pad_to(n).to_float16()
-
-
 def item(tokenizer: VLTokenizer, text: str, *images: RegionFeatures) -> dict[str, np.ndarray]:
     """One request as the pipeline builds it: 1-D token arrays and per-image region arrays (stacked for pairs)."""
     enc = {k: v[0] for k, v in tokenizer.encode([text]).items()}
@@ -57,8 +46,8 @@ def item(tokenizer: VLTokenizer, text: str, *images: RegionFeatures) -> dict[str
 
 def requests(tokenizer, task: str) -> list[dict[str, np.ndarray]]:
     if task == "nlvr2":
-        return [item(tokenizer, t, regions(i, 3 + i), regions(10 + i, 8 - i)) for i, t in enumerate(TEXTS)]
-    return [item(tokenizer, t, regions(i, 3 + 2 * i)) for i, t in enumerate(TEXTS)]
+        return [item(tokenizer, t, random_regions(i, 3 + i), random_regions(10 + i, 8 - i)) for i, t in enumerate(TEXTS)]
+    return [item(tokenizer, t, random_regions(i, 3 + 2 * i)) for i, t in enumerate(TEXTS)]
 
 
 @pytest.mark.parametrize("task", list(HEADS))

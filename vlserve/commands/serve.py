@@ -20,14 +20,23 @@ def serve(
     runtime: Annotated[str | None, _opt("inference backend: torch, onnxruntime or tensorrt (default torch)", "Models")] = None,
     device: Annotated[str | None, _opt("cpu, cuda or cuda:N (default cpu)", "Models")] = None,
     threads: Annotated[int | None, _opt("intra-op threads of the runtime (default 2)", "Models")] = None,
+    engine_cache_dir: Annotated[Path | None, _opt("TensorRT engine cache on a GPU (env VLSERVE_ENGINE_CACHE_DIR; runtime tensorrt, "
+                                                  "or onnxruntime with its TensorRT provider): engines built once are reused "
+                                                  "across restarts (default $XDG_CACHE_HOME/vlserve/tensorrt, else "
+                                                  "~/.cache/vlserve/tensorrt)", "Models")] = None,
     redis_url: Annotated[str | None, _opt("feature store in Redis (redis://host:port/db); empty = in-process LRU", "Feature store")] = None,
     redis_ttl_s: Annotated[int | None, _opt("lifetime of cached regions in Redis, seconds (default 604800)", "Feature store")] = None,
     cache_max_bytes: Annotated[int | None, _opt("in-process feature store bound in bytes (default 256 MiB)", "Feature store")] = None,
+    stream_cache_max_bytes: Annotated[int | None, _opt("two-stream presets on the torch runtime: bytes of per-image and "
+                                                       "per-text encoder states /retrieve keeps; 0 = off (default 256 MiB)",
+                                                       "Feature store")] = None,
     max_batch_size: Annotated[int | None, _opt("requests per encoder batch; 1 turns batching off (default 32)", "Batching")] = None,
-    max_wait_ms: Annotated[float | None, _opt("how long an encoder batch waits to fill, ms (default 5)", "Batching")] = None,
+    max_wait_ms: Annotated[float | None, _opt("while the encoder is busy, how long a batch may wait to fill, ms; an idle "
+                                              "encoder runs a request at once (default 5)", "Batching")] = None,
     max_queue: Annotated[int | None, _opt("queued requests per batcher before 429 (default 256)", "Batching")] = None,
     detector_max_batch_size: Annotated[int | None, _opt("images per detector batch (default 8)", "Batching")] = None,
-    detector_max_wait_ms: Annotated[float | None, _opt("how long a detector batch waits to fill, ms (default 5)", "Batching")] = None,
+    detector_max_wait_ms: Annotated[float | None, _opt("while the detector is busy, how long a batch may wait to fill, ms "
+                                                       "(default 5)", "Batching")] = None,
     max_body_bytes: Annotated[int | None, _opt("larger request bodies get 413 (default 10 MiB)", "Limits")] = None,
     max_pixels: Annotated[int | None, _opt("larger images are refused before decoding (default 40000000)", "Limits")] = None,
     max_text_chars: Annotated[int | None, _opt("longest question / expression / caption in characters (default 512)", "Limits")] = None,
