@@ -1,4 +1,5 @@
-"""Task metrics of a multi-task model on held-out examples (VQA / easy-VQA accuracy, refer accuracy, ITM and NLVR2 accuracy)."""
+"""Task metrics of a model on held-out examples: VQA / easy-VQA soft-score accuracy, refer accuracy (IoU >= 0.5),
+ITM, NLVR2 and multiple-choice accuracy."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,9 +9,18 @@ from models import VLModel
 from models.tokenizer import VLTokenizer
 
 from .data.vl_tasks import Example, collate
-from .metrics import accuracy, refer_accuracy
+from .metrics import accuracy, refer_accuracy, vqa_soft_accuracy
 
-HEAD_OF = {"vqa": "vqa", "easy_vqa": "vqa", "refer": "refer", "itm": "itm", "nlvr2": "nlvr2"}  # eval set -> head
+# eval set -> the kind of head it measures
+HEAD_OF = {"vqa": "vqa", "easy_vqa": "vqa", "refer": "refer", "itm": "itm", "nlvr2": "nlvr2", "mc": "multiple_choice"}
+
+
+def head_for(model: VLModel, kind: str) -> str | None:
+    """Name of the model's head of this kind: the head named after the kind, else the first of that kind."""
+    heads = model.config.heads
+    if kind in model.heads and heads[kind].kind == kind:
+        return kind
+    return next((name for name, h in heads.items() if h.kind == kind and name in model.heads), None)
 
 
 @torch.inference_mode()
@@ -20,7 +30,7 @@ def predictions(model: VLModel, task: str, examples: list[Example], table, token
     head = model.config.heads[task]
     out = []
     for s in range(0, len(examples), batch_size):
-        inputs, _ = collate(head.kind, examples[s : s + batch_size], table, tokenizer, head)
+        inputs, _ = collate(head.kind, examples[s : s + batch_size], table, tokenizer, head, tokenizer.max_length)
         out.append(model(inputs, task).logits)
     return torch.cat(out)
 
@@ -31,19 +41,36 @@ def predicted_boxes(logits: torch.Tensor, examples: list[Example], table) -> tor
     return torch.from_numpy(table.pixel_boxes[rows, logits.argmax(-1).numpy()])
 
 
-def evaluate_tasks(model: VLModel, data, tokenizer: VLTokenizer, limit: int | None = None) -> dict[str, float]:
-    """Accuracy per eval set the model has a head for (the first `limit` examples of each)."""
+def vqa_scores(examples: list[Example], answers: list[str], head_answers: list[str]) -> torch.Tensor:
+    """(B, A) soft scores over the head's answer list: 1 for the gold answer (shapes-world and easy-VQA questions
+    have one unambiguous answer), 0 elsewhere; a gold answer the head does not know scores 0 everywhere."""
+    column = {a: i for i, a in enumerate(head_answers)}
+    scores = torch.zeros(len(examples), len(head_answers))
+    for b, e in enumerate(examples):
+        if answers[e.label] in column:
+            scores[b, column[answers[e.label]]] = 1.0
+    return scores
+
+
+def evaluate_tasks(model: VLModel, data, tokenizer: VLTokenizer, limit: int | None = None,
+                   head_answers: dict[str, list[str]] | None = None) -> dict[str, float]:
+    """`<eval set>_acc` for every eval set the model has a head of the right kind for (the first `limit` examples
+    of each). head_answers: a VQA head's answer list when it is not data.answers (a checkpoint's labels.json)."""
     results = {}
     for name, examples in data.eval.items():
-        task = HEAD_OF.get(name)
-        if task not in model.heads or not examples:
+        task = head_for(model, HEAD_OF[name]) if name in HEAD_OF else None
+        if task is None or not examples:
             continue
         examples = examples[:limit] if limit else examples
         logits = predictions(model, task, examples, data.eval_table, tokenizer)
-        if task == "refer":
+        kind = model.config.heads[task].kind
+        if kind == "refer":
             gold = torch.tensor(np.array([e.label for e in examples], dtype=np.float32))
             value = refer_accuracy(predicted_boxes(logits, examples, data.eval_table), gold)
-        else:  # one gold answer per question here, so soft-score VQA accuracy is plain accuracy
+        elif kind == "vqa":
+            scores = vqa_scores(examples, data.answers, (head_answers or {}).get(task, data.answers))
+            value = vqa_soft_accuracy(logits.argmax(-1), scores)
+        else:
             value = accuracy(logits, torch.tensor([e.label for e in examples]))
         results[f"{name}_acc"] = round(value, 4)
     return results

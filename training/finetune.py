@@ -1,4 +1,5 @@
-"""`vlserve train finetune`: one shared encoder, several task heads (VQA, refer, ITM, NLVR2), trained together."""
+"""`vlserve train finetune`: one shared encoder, several task heads (VQA, refer, ITM, NLVR2, multiple choice), trained
+together, from scratch, from MiniLM's text side, or from a (pretraining) checkpoint."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from models import HeadConfig, VLModel, create_model
-from models.checkpoint import save_checkpoint
+from models.checkpoint import WEIGHTS, load_checkpoint, load_state_strict, save_checkpoint
 from models.text_init import init_text_from_minilm
 from models.tokenizer import VLTokenizer
 
@@ -22,6 +23,7 @@ from .vl_data import TaskData, prepare_task_data
 
 log = logging.getLogger(__name__)
 STATE = "train_state.pt"  # resumable state, written beside the checkpoint files
+TASKS = ("vqa", "refer", "itm", "nlvr2", "multiple_choice")  # heads fine-tuning trains
 
 
 @dataclass
@@ -30,7 +32,8 @@ class FinetuneConfig:
     detector_dir: Path = Path("detector")  # region features come from this detector
     preset: str = "visualbert"  # encoder preset
     size: str = "small"  # encoder size (small: text side from MiniLM)
-    init_text: bool = True  # start the text side from the pretrained MiniLM-L6
+    init_text: bool = True  # start the text side from the pretrained MiniLM-L6 (unless init_from is set)
+    init_from: Path | None = None  # start the encoder (and same-named, same-shaped heads) from this checkpoint directory
     tasks: dict[str, float] = field(default_factory=lambda: {"vqa": 1.0, "refer": 1.0, "itm": 1.0, "nlvr2": 1.0})  # task -> sampling weight
     easy_vqa: bool = True  # add easy-VQA's training questions to the vqa task
     easy_vqa_images: int | None = None  # use only the first N easy-VQA training images (None = all 4,000)
@@ -57,11 +60,31 @@ def build_model(cfg: FinetuneConfig, feature_dim: int, num_answers: int) -> VLMo
         "refer": HeadConfig(kind="refer"),
         "itm": HeadConfig(kind="itm"),
         "nlvr2": HeadConfig(kind="nlvr2", nlvr2_mode="pair"),
+        "multiple_choice": HeadConfig(kind="multiple_choice"),
     }
     model = create_model(cfg.preset, cfg.size, heads={t: heads[t] for t in cfg.tasks}, visual_feat_dim=feature_dim)
-    if cfg.init_text:
+    if cfg.init_from is not None:
+        copied = init_from_checkpoint(model, cfg.init_from)
+        log.info("encoder from %s; heads copied: %s", cfg.init_from, ", ".join(copied) or "none")
+    elif cfg.init_text:
         init_text_from_minilm(model)
     return model
+
+
+def init_from_checkpoint(model: VLModel, path: Path) -> list[str]:
+    """Copy a checkpoint's encoder into model, and each head with the same name, kind and tensor shapes (the
+    rest stay fresh); returns the copied heads. CheckpointError when preset, size or feature dim differ."""
+    enc = model.config.encoder
+    source = load_checkpoint(path, preset=enc.preset, size=enc.size, visual_feat_dim=enc.visual_feat_dim).model
+    load_state_strict(model.encoder, source.encoder.state_dict(), Path(path) / WEIGHTS)
+    shapes = lambda module: {k: v.shape for k, v in module.state_dict().items()}  # noqa: E731
+    copied = []
+    for name, head in model.heads.items():
+        theirs = source.heads[name] if name in source.heads else None
+        if theirs is not None and source.config.heads[name].kind == model.config.heads[name].kind and shapes(theirs) == shapes(head):
+            head.load_state_dict(theirs.state_dict())
+            copied.append(name)
+    return copied
 
 
 def param_groups(model: VLModel, cfg: FinetuneConfig) -> list[dict]:

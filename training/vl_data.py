@@ -1,27 +1,33 @@
-"""Everything a fine-tuning run reads: region tables (extracted once per detector) and task examples."""
+"""Everything a fine-tuning run or an evaluation reads: region tables (extracted once per detector) and task examples."""
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from models.detector import DetectorConfig
 from models.detector.io import load_detector
 
 from .data.easy_vqa import load_easy_vqa, load_image as load_easy_vqa_image
 from .data.region_table import RegionTable, extract_table
-from .data.shapes_cache import ShapesConfig, cache_root, config_hash, load_split
-from .data.shapes_tasks import ANSWERS
-from .data.vl_tasks import Example, easy_vqa_examples, shapes_examples
+from .data.shapes_cache import FORMAT_VERSION, ShapesConfig, ShapesSplit, cache_root, config_hash, load_split
+from .data.shapes_tasks import ANSWERS, TaskConfig
+from .data.shapes_world import WorldConfig
+from .data.vl_tasks import Example, easy_vqa_examples, retrieval_examples, shapes_examples
 from .data.vl_tasks import easy_vqa_images as easy_vqa_image_ids
+
+Extract = Callable[[str, Callable[[int], np.ndarray], int], RegionTable]  # (cache name, load image i, count)
 
 
 @dataclass
 class TaskData:
-    train_table: RegionTable  # shapes train scenes, then easy-VQA train images
-    eval_table: RegionTable  # shapes val scenes, then easy-VQA test images
+    train_table: RegionTable | None  # shapes train scenes, then easy-VQA train images (None: evaluation only)
+    eval_table: RegionTable  # shapes val (or test) scenes, then easy-VQA test images
     train: dict[str, list[Example]]  # task -> examples over train_table
-    eval: dict[str, list[Example]]  # "vqa", "refer", "itm", "nlvr2", "easy_vqa" -> examples over eval_table
+    eval: dict[str, list[Example]]  # eval set (vqa, refer, itm, nlvr2, mc, easy_vqa, retrieval) -> examples over eval_table
     answers: list[str]
     objects: list[str]
     attributes: list[str]
@@ -41,37 +47,93 @@ def concat_tables(tables: list[RegionTable]) -> RegionTable:
     )
 
 
-def prepare_task_data(detector_dir: Path, train_scenes: int, eval_scenes: int, easy_vqa: bool = True,
-                      progress: bool = True, data: ShapesConfig = ShapesConfig(), easy_vqa_images: int | None = None) -> TaskData:
-    """Extract (or load cached) regions for the data a run uses and build its task examples."""
+def shapes_config_from_dir(path: Path) -> tuple[ShapesConfig, Path]:
+    """The config of a built shapes-world dataset directory (`.../shapes/<hash>`) and its cache root."""
+    path = Path(path)
+    try:
+        raw = json.loads((path / "config.json").read_text())
+        world = WorldConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw["world"].items()})
+        config = ShapesConfig(world=world, tasks=TaskConfig(**raw["tasks"]), splits=tuple(tuple(s) for s in raw["splits"]))
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: not a shapes-world dataset directory ({exc})") from None
+    if raw.get("format") != FORMAT_VERSION or config_hash(config) != path.name:
+        raise ValueError(f"{path}: shapes-world dataset of another format version or a renamed directory")
+    return config, path.parent.parent
+
+
+def shapes_part(extract: Extract, split_name: str, scenes: int, data: ShapesConfig, seed: int, retrieval_pool: int = 0,
+                root: Path | None = None) -> tuple[RegionTable, dict[str, list[Example]]]:
+    """Regions of the first max(scenes, retrieval_pool) scenes of a split; task examples of the first `scenes`
+    (NLVR2 pairs inside them) and, with retrieval_pool, one gold caption for each of the first pool scenes."""
+    split = load_split(split_name, data, root)
+    scenes, pool = min(scenes, len(split)), min(retrieval_pool, len(split))
+    table = extract(f"shapes-{config_hash(data)}-{split_name}", lambda i: np.asarray(split.image(i)), max(scenes, pool))
+    inside = lambda pair: all(int(pair[side].split("/")[1]) < scenes for side in ("left", "right"))  # noqa: E731
+    examples = shapes_examples(ShapesSplit(split.directory, split.annotations[:scenes], list(filter(inside, split.nlvr2))),
+                               ANSWERS, seed=seed)
+    if pool:
+        examples["retrieval"] = retrieval_examples(ShapesSplit(split.directory, split.annotations[:pool], []))
+    return table, examples
+
+
+def easy_vqa_part(extract: Extract, split_name: str, images: int | None, row_offset: int) -> tuple[RegionTable, list[Example]]:
+    """Regions and VQA examples of the first `images` easy-VQA images of a split (None = all)."""
+    split = load_easy_vqa(split_name)
+    if images is not None:
+        keep = set(easy_vqa_image_ids(split)[:images])
+        split.image_paths = {i: p for i, p in split.image_paths.items() if i in keep}
+        split.examples = [e for e in split.examples if e.image_id in keep]
+    ids = easy_vqa_image_ids(split)
+    table = extract(f"easy-vqa-{split_name}", lambda i: load_easy_vqa_image(split.image_paths[ids[i]]), len(ids))
+    return table, easy_vqa_examples(split, ANSWERS, row_offset=row_offset)
+
+
+def as_eval_sets(examples: dict[str, list[Example]]) -> dict[str, list[Example]]:
+    """Eval sets are named by their metric: multiple choice reports mc_acc."""
+    return {("mc" if task == "multiple_choice" else task): exs for task, exs in examples.items()}
+
+
+def _extractor(detector_dir: Path, progress: bool) -> tuple[DetectorConfig, str, Extract]:
+    """The detector's config, its fingerprint, and a cached region extractor (features/<fingerprint>/<name>.vlfeat)."""
     detector, fingerprint = load_detector(detector_dir)
     features_dir = cache_root() / "features" / fingerprint
-    shapes_key = config_hash(data)
-    train_split, val_split = load_split("train", data), load_split("val", data)
-    train_scenes, eval_scenes = min(train_scenes, len(train_split)), min(eval_scenes, len(val_split))
-    train_split.annotations = train_split.annotations[:train_scenes]
-    val_split.annotations = val_split.annotations[:eval_scenes]
-    keep = lambda split, n: [p for p in split.nlvr2 if int(p["left"].split("/")[1]) < n and int(p["right"].split("/")[1]) < n]  # noqa: E731
-    train_split.nlvr2, val_split.nlvr2 = keep(train_split, train_scenes), keep(val_split, eval_scenes)
 
-    def table(name: str, loader, count: int) -> RegionTable:
-        return extract_table(detector, fingerprint, loader, count, features_dir / f"{name}.vlfeat", progress=progress)
+    def extract(name: str, load_image: Callable[[int], np.ndarray], count: int) -> RegionTable:
+        return extract_table(detector, fingerprint, load_image, count, features_dir / f"{name}.vlfeat", progress=progress)
 
-    tables_train = [table(f"shapes-{shapes_key}-train", lambda i: np.asarray(train_split.image(i)), train_scenes)]
-    tables_eval = [table(f"shapes-{shapes_key}-val", lambda i: np.asarray(val_split.image(i)), eval_scenes)]
-    train = shapes_examples(train_split, ANSWERS, seed=0)
-    evals = shapes_examples(val_split, ANSWERS, seed=1)
+    return detector.config, fingerprint, extract
+
+
+def prepare_task_data(detector_dir: Path, train_scenes: int, eval_scenes: int, easy_vqa: bool = True,
+                      progress: bool = True, data: ShapesConfig = ShapesConfig(), easy_vqa_images: int | None = None,
+                      shapes_root: Path | None = None) -> TaskData:
+    """Extract (or load cached) regions for the data a run uses and build its task examples (eval on val)."""
+    cfg, fingerprint, extract = _extractor(detector_dir, progress)
+    train_table, train = shapes_part(extract, "train", train_scenes, data, seed=0, root=shapes_root)
+    eval_table, evals = shapes_part(extract, "val", eval_scenes, data, seed=1, retrieval_pool=eval_scenes, root=shapes_root)
+    train_tables, eval_tables, evals = [train_table], [eval_table], as_eval_sets(evals)
     if easy_vqa:
-        for split_name, tables, target, key in (("train", tables_train, train, "vqa"), ("test", tables_eval, evals, "easy_vqa")):
-            split = load_easy_vqa(split_name)
-            if split_name == "train" and easy_vqa_images is not None:  # a subset of the training images
-                keep_ids = set(easy_vqa_image_ids(split)[:easy_vqa_images])
-                split.image_paths = {i: p for i, p in split.image_paths.items() if i in keep_ids}
-                split.examples = [e for e in split.examples if e.image_id in keep_ids]
-            ids = easy_vqa_image_ids(split)
-            offset = sum(len(t) for t in tables)
-            tables.append(table(f"easy-vqa-{split_name}", lambda i, ids=ids, split=split: load_easy_vqa_image(split.image_paths[ids[i]]), len(ids)))
-            target[key] = target.get(key, []) + easy_vqa_examples(split, ANSWERS, row_offset=offset)
-    cfg = detector.config
-    return TaskData(concat_tables(tables_train), concat_tables(tables_eval), train, evals, list(ANSWERS),
+        table, examples = easy_vqa_part(extract, "train", easy_vqa_images, row_offset=len(train_table))
+        train_tables.append(table)
+        train["vqa"] = train["vqa"] + examples
+        table, evals["easy_vqa"] = easy_vqa_part(extract, "test", None, row_offset=len(eval_table))
+        eval_tables.append(table)
+    return TaskData(concat_tables(train_tables), concat_tables(eval_tables), train, evals, list(ANSWERS),
                     list(cfg.classes), list(cfg.attributes), fingerprint, cfg.feature_dim)
+
+
+def prepare_eval_data(detector_dir: Path, split: str = "test", scenes: int = 1_000, easy_vqa_images: int = 1_000,
+                      retrieval_pool: int = 1_000, progress: bool = True, data: ShapesConfig = ShapesConfig(),
+                      shapes_root: Path | None = None) -> TaskData:
+    """Held-out data only (no training table): a shapes-world split, easy-VQA test images (0 = none), and the
+    retrieval pool (the split's first `retrieval_pool` scenes, 0 = none)."""
+    if split not in ("val", "test"):
+        raise ValueError(f"evaluation split must be val or test, got {split!r}")
+    cfg, fingerprint, extract = _extractor(detector_dir, progress)
+    table, evals = shapes_part(extract, split, scenes, data, seed=1, retrieval_pool=retrieval_pool, root=shapes_root)
+    tables, evals = [table], as_eval_sets(evals)
+    if easy_vqa_images:
+        easy_table, evals["easy_vqa"] = easy_vqa_part(extract, "test", easy_vqa_images, row_offset=len(table))
+        tables.append(easy_table)
+    return TaskData(None, concat_tables(tables), {}, evals, list(ANSWERS), list(cfg.classes), list(cfg.attributes),
+                    fingerprint, cfg.feature_dim)

@@ -1,18 +1,24 @@
-"""Multi-task fine-tuning: a tiny end-to-end run learns, saves and loads; resume reproduces the loss curve."""
+"""Multi-task fine-tuning: a tiny end-to-end run learns, saves and loads; resume reproduces the loss curve; multiple
+choice; starting from a checkpoint."""
 import collections
 import os
 
+import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
 
-from models.checkpoint import load_checkpoint
+from models import HeadConfig
+from models.checkpoint import CheckpointError, load_checkpoint
 from models.detector import DetectorConfig, RegionDetector
 from models.detector.io import save_detector
+from models.tokenizer import VLTokenizer
 from training.data.shapes_cache import ShapesConfig
-from training.finetune import FinetuneConfig, train
+from training.data.vl_tasks import Example, collate
+from training.finetune import FinetuneConfig, build_model, init_from_checkpoint, train
 from training.vl_data import prepare_task_data
 from vlserve.cli import app
+from vlserve.commands.train import validate_finetune
 
 SHAPES = ShapesConfig(splits=(("train", 160), ("val", 80), ("test", 2)))
 
@@ -58,13 +64,14 @@ def test_tiny_run_trains_saves_loads_and_beats_chance(task_data, tmp_path):
 
 def test_resume_reproduces_the_uninterrupted_loss_curve(task_data, tmp_path):
     detector, data = task_data
-    straight = train(tiny(tmp_path / "a", detector, steps=12, tasks={"vqa": 1.0, "refer": 1.0, "itm": 1.0, "nlvr2": 1.0}),
-                     data=data, progress=False)["losses"]
-    cfg = tiny(tmp_path / "b", detector, steps=12, tasks={"vqa": 1.0, "refer": 1.0, "itm": 1.0, "nlvr2": 1.0})
+    every_task = {"vqa": 1.0, "refer": 1.0, "itm": 1.0, "nlvr2": 1.0, "multiple_choice": 1.0}
+    straight = train(tiny(tmp_path / "a", detector, steps=12, tasks=every_task), data=data, progress=False)
+    cfg = tiny(tmp_path / "b", detector, steps=12, tasks=every_task)
     first = train(cfg, data=data, progress=False, stop_after=5)
     assert first["interrupted_at"] == 5 and (tmp_path / "b" / "train_state.pt").exists()
-    resumed = train(cfg, data=data, progress=False)["losses"]
-    assert resumed == pytest.approx(straight, abs=1e-5)
+    resumed = train(cfg, data=data, progress=False)
+    assert resumed["losses"] == pytest.approx(straight["losses"], abs=1e-5)
+    assert set(straight["final"]) == {"vqa_acc", "refer_acc", "itm_acc", "nlvr2_acc", "mc_acc"}
 
 
 @pytest.mark.parametrize(
@@ -87,3 +94,67 @@ def test_bad_configs_fail_before_training(task_data, tmp_path, args, message):
 def test_missing_detector_fails_before_training(tmp_path):
     result = CliRunner().invoke(app, ["train", "finetune", "--out", str(tmp_path / "x"), "--detector", str(tmp_path / "none")])
     assert result.exit_code == 2 and "checkpoint directory not found" in result.stderr
+
+
+def test_multiple_choice_collates_one_row_per_candidate(task_data):
+    _, data = task_data
+    questions = data.train["multiple_choice"][:3]
+    assert questions and all(len(e.choices) == 4 and 0 <= e.label < 4 for e in questions) and data.eval["mc"]
+    short = Example(questions[0].rows, "what color is the circle?", 1, ("red", "blue"))  # padded with copies of "red"
+    inputs, labels = collate("multiple_choice", [*questions, short], data.train_table, VLTokenizer.pretrained_minilm(),
+                             HeadConfig(kind="multiple_choice"))
+    assert inputs.input_ids.shape[:2] == (4, 4) and inputs.region_features.shape[:2] == (4, 8)
+    assert labels.tolist() == [e.label for e in questions] + [1]
+    assert all(torch.equal(inputs.input_ids[3, c], inputs.input_ids[3, 0]) for c in (2, 3))
+    assert (inputs.token_type_ids[:, :, 1] == 0).all() and (inputs.token_type_ids.amax(-1) == 1).all()  # choice: segment 1
+
+
+def test_multiple_choice_alone_learns_and_reports_mc_acc(task_data, tmp_path):
+    detector, data = task_data
+    result = train(tiny(tmp_path / "mc", detector, tasks={"multiple_choice": 1.0}, steps=80), data=data, progress=False)
+    losses = result["losses"]
+    assert np.mean(losses[-15:]) < np.mean(losses[:15]) - 0.05, losses  # from ln 4; the untrained detector caps it
+    assert set(result["final"]) == {"mc_acc"}
+
+
+@pytest.fixture(scope="module")
+def source_checkpoint(task_data, tmp_path_factory):
+    """A few steps of lxmert tiny with itm and vqa heads: the checkpoint fine-tuning starts from."""
+    detector, data = task_data
+    out = tmp_path_factory.mktemp("source") / "enc"
+    train(tiny(out, detector, tasks={"itm": 1.0, "vqa": 1.0}, steps=3), data=data, progress=False)
+    return out
+
+
+def test_init_from_copies_the_encoder_and_heads_of_the_same_name_and_shape(task_data, source_checkpoint, tmp_path):
+    detector, data = task_data
+    source = load_checkpoint(source_checkpoint).model.state_dict()
+    cfg = tiny(tmp_path / "ft", detector, tasks={"itm": 1.0, "vqa": 1.0, "multiple_choice": 1.0}, init_from=source_checkpoint)
+    model = build_model(cfg, data.feature_dim, len(data.answers))
+    own = model.state_dict()
+    assert all(torch.equal(own[k], v) for k, v in source.items())  # encoder, itm and vqa heads
+    assert not any(k.startswith("heads.multiple_choice.") for k in source)
+    bigger = build_model(tiny(tmp_path / "x", detector, tasks={"vqa": 1.0}), data.feature_dim, len(data.answers) + 1)
+    assert init_from_checkpoint(bigger, source_checkpoint) == []  # a vqa head over other answers stays fresh
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"preset": "visualbert"}, "encoder.preset is 'lxmert', expected 'visualbert'"),
+    ({"size": "small"}, "encoder.size is 'tiny', expected 'small'"),
+    ({"feature_dim": 32}, "encoder.visual_feat_dim is 16, expected 32"),
+])
+def test_init_from_rejects_another_preset_size_or_feature_dim(task_data, source_checkpoint, tmp_path, change, message):
+    detector, data = task_data
+    feature_dim = change.pop("feature_dim", data.feature_dim)
+    cfg = tiny(tmp_path / "ft", detector, init_from=source_checkpoint, **change)
+    with pytest.raises(CheckpointError, match=message):
+        build_model(cfg, feature_dim, len(data.answers))
+
+
+def test_init_from_is_checked_before_training(task_data, source_checkpoint, tmp_path):
+    detector, _ = task_data
+    validate_finetune(tiny(tmp_path / "ok", detector, init_from=source_checkpoint, init_text=True))  # no MiniLM needed
+    result = CliRunner().invoke(app, ["train", "finetune", "--out", str(tmp_path / "x"), "--detector", str(detector),
+                                      "--size", "tiny", "--init-from", str(source_checkpoint)])
+    assert result.exit_code == 2 and "--init-from: " in result.stderr and "expected 'visualbert'" in result.stderr, result.output
+    assert not (tmp_path / "x").exists()

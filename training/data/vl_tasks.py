@@ -1,4 +1,5 @@
-"""Task examples over a RegionTable (VQA, refer, image-text matching, NLVR2) and their collation into VLInputs."""
+"""Task examples over a RegionTable (VQA, refer, image-text matching, NLVR2, multiple choice, retrieval) and their
+collation into VLInputs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,8 +19,10 @@ from .shapes_cache import ShapesSplit
 @dataclass(frozen=True)
 class Example:
     rows: tuple[int, ...]  # RegionTable row(s): one image, or (left, right) for NLVR2
-    text: str
-    label: object  # vqa: answer index; refer: gold pixel box; itm / nlvr2: 0 or 1
+    text: str  # question, expression, caption or statement
+    label: object  # vqa: answer index; refer: gold pixel box; itm / nlvr2: 0 or 1; multiple choice: index of
+    # the correct choice; retrieval: the image's objects_key
+    choices: tuple[str, ...] = ()  # multiple choice: the candidate answers
 
 
 def shapes_examples(split: ShapesSplit, answers: list[str], seed: int = 0, row_offset: int = 0) -> dict[str, list[Example]]:
@@ -28,7 +31,7 @@ def shapes_examples(split: ShapesSplit, answers: list[str], seed: int = 0, row_o
     rng = np.random.default_rng(seed)
     index = {a: i for i, a in enumerate(answers)}
     row_of = {ann["id"]: i + row_offset for i, ann in enumerate(split.annotations)}
-    out: dict[str, list[Example]] = {"vqa": [], "refer": [], "itm": [], "nlvr2": []}
+    out: dict[str, list[Example]] = {"vqa": [], "refer": [], "itm": [], "nlvr2": [], "multiple_choice": []}
     n = len(split.annotations)
     for i, ann in enumerate(split.annotations):
         row = i + row_offset
@@ -41,8 +44,23 @@ def shapes_examples(split: ShapesSplit, answers: list[str], seed: int = 0, row_o
             if n > 1:
                 out["itm"].append(Example((other + row_offset,), caption, 0))
         out["itm"] += [Example((row,), neg["caption"], 0) for neg in ann["negatives"]]
+        out["multiple_choice"] += [Example((row,), q["question"], q["answer"], tuple(q["choices"])) for q in ann["mc"]]
     out["nlvr2"] = [Example((row_of[p["left"]], row_of[p["right"]]), p["statement"], int(p["label"])) for p in split.nlvr2]
     return out
+
+
+def retrieval_examples(split: ShapesSplit, row_offset: int = 0) -> list[Example]:
+    """One gold caption per scene for retrieval: the listing of every object, left to right (captions[0]).
+
+    It is the only caption kind that pins down every object. Its label is the scene's multiset of objects:
+    the caption is true of exactly the images with the same label.
+    """
+    return [Example((i + row_offset,), ann["captions"][0], objects_key(ann)) for i, ann in enumerate(split.annotations)]
+
+
+def objects_key(annotation: dict) -> tuple[tuple[str, str, str], ...]:
+    """The scene's objects as a sorted tuple of (size, color, shape): equal keys, same listing truth."""
+    return tuple(sorted((o["size"], o["color"], o["shape"]) for o in annotation["objects"]))
 
 
 def easy_vqa_images(split: EasyVQASplit) -> list[int]:
@@ -78,7 +96,10 @@ def collate(
     max_length: int = 40,
 ) -> tuple[VLInputs, torch.Tensor]:
     """One padded batch of a task (head kind) and its labels in the head's format."""
-    text = tokenizer.encode([e.text for e in examples], answer_slot=head.pool == "answer_slot", max_length=max_length)
+    if kind == "multiple_choice":
+        text = encode_choices(tokenizer, examples, max_length)
+    else:
+        text = tokenizer.encode([e.text for e in examples], answer_slot=head.pool == "answer_slot", max_length=max_length)
     rows = np.array([e.rows if kind == "nlvr2" else e.rows[0] for e in examples])
     inputs = VLInputs(
         input_ids=torch.from_numpy(text["input_ids"]),
@@ -91,8 +112,24 @@ def collate(
         labels[torch.arange(len(examples)), torch.tensor([e.label for e in examples])] = 1.0
     elif kind == "refer":
         labels = refer_targets(table, rows, np.array([e.label for e in examples], dtype=np.float32))
-    elif kind in ("itm", "nlvr2"):
+    elif kind in ("itm", "nlvr2", "multiple_choice"):
         labels = torch.tensor([e.label for e in examples], dtype=torch.long)
     else:
         raise ValueError(f"collate does not know task kind {kind!r}")
     return inputs, labels
+
+
+def encode_choices(tokenizer: VLTokenizer, examples: list[Example], max_length: int) -> dict[str, np.ndarray]:
+    """`[CLS] question [SEP] choice [SEP]` per candidate, as (B, C, T) arrays (the multiple-choice head's layout).
+
+    A question with fewer candidates than the batch's most is padded with copies of one of its wrong ones:
+    the same text scores the same, so the copy never changes which candidate wins.
+    """
+    if any(not e.choices for e in examples):
+        raise ValueError("multiple choice needs examples with choices")
+    width = max(len(e.choices) for e in examples)
+    wrong = [next((c for i, c in enumerate(e.choices) if i != e.label), e.choices[0]) for e in examples]
+    choices = [[*e.choices, *[w] * (width - len(e.choices))] for e, w in zip(examples, wrong)]
+    flat = tokenizer.encode([e.text for e in examples for _ in range(width)], pairs=[c for row in choices for c in row],
+                            max_length=max_length)
+    return {k: v.reshape(len(examples), width, -1) for k, v in flat.items()}

@@ -38,3 +38,66 @@ def detector(
         paths = [p for _, p in sorted(load_easy_vqa("test").image_paths.items())][:easy_vqa_images]
         result["easy_vqa_test"] = easy_vqa_shape_recall(det, paths)
     typer.echo(json.dumps(result, indent=2))
+
+
+@app.command("encoder")
+def encoder(
+    path: Annotated[Path, typer.Argument(help="encoder checkpoint directory (fine-tuned or pretraining)")],
+    detector_dir: Annotated[Path, typer.Option(help="detector checkpoint directory the encoder was trained with")],
+    split: Annotated[str, typer.Option(help="shapes-world split: val or test")] = "test",
+    scenes: Annotated[int, typer.Option(min=1, help="shapes-world scenes whose task examples are evaluated")] = 1_000,
+    easy_vqa_images: Annotated[int, typer.Option(min=0, help="easy-VQA test images (0 = skip)")] = 1_000,
+    retrieval_pool: Annotated[int, typer.Option(min=0, help="retrieval pool: the split's first scenes, one caption each (0 = skip)")] = 1_000,
+    retrieval_queries: Annotated[int, typer.Option(min=1, help="queries per direction, each ranks the whole pool")] = 100,
+    shapes_dir: Annotated[Path | None, typer.Option(help="a built shapes-world dataset directory (default: the standard one)")] = None,
+    threads: Annotated[int, typer.Option(min=1)] = 2,
+) -> None:
+    """Every metric the checkpoint's heads support, as JSON: vqa/refer/itm/nlvr2/mc/easy_vqa accuracy and
+    retrieval R@1/5/10 both ways (zero-shot from a pretraining checkpoint's ITM head)."""
+    import time
+
+    import torch
+
+    from models.checkpoint import CheckpointError, load_checkpoint
+    from models.detector.io import load_detector
+    from training.evaluate import evaluate_tasks, head_for
+    from training.retrieval import evaluate_retrieval
+    from training.vl_data import prepare_eval_data, shapes_config_from_dir
+
+    def fail(message: str):
+        typer.echo(f"error: {message}", err=True)
+        raise typer.Exit(2)
+
+    if split not in ("val", "test"):
+        fail(f"--split must be val or test, got {split!r}")
+    torch.set_num_threads(threads)
+    started = time.perf_counter()
+    try:
+        checkpoint = load_checkpoint(path)
+        detector, fingerprint = load_detector(detector_dir)
+    except CheckpointError as exc:
+        fail(str(exc))
+    enc, expected = checkpoint.model.config.encoder, checkpoint.manifest.get("detector") or {}
+    if expected.get("fingerprint") not in (None, fingerprint):
+        fail(f"{path} was trained on regions of detector {expected['fingerprint']}, but {detector_dir} is {fingerprint}")
+    if enc.visual_feat_dim != detector.config.feature_dim:
+        fail(f"{path} reads {enc.visual_feat_dim}-d region features, but {detector_dir} produces {detector.config.feature_dim}-d")
+    shapes = {}
+    if shapes_dir is not None:
+        try:
+            shapes["data"], shapes["shapes_root"] = shapes_config_from_dir(shapes_dir)
+        except ValueError as exc:
+            fail(str(exc))
+    model, tokenizer = checkpoint.model, checkpoint.tokenizer
+    easy_vqa_images = easy_vqa_images if head_for(model, "vqa") else 0  # extract only what some head reads
+    retrieval_pool = retrieval_pool if head_for(model, "itm") else 0
+    data = prepare_eval_data(detector_dir, split, scenes, easy_vqa_images, retrieval_pool, **shapes)
+    result = {"encoder": str(path), "preset": enc.preset, "size": enc.size, "heads": model.tasks,
+              "detector": fingerprint, "split": split, "scenes": scenes,
+              **evaluate_tasks(model, data, tokenizer, head_answers=checkpoint.labels.get("heads"))}
+    if retrieval_pool:
+        retrieval_started = time.perf_counter()
+        result["retrieval"] = evaluate_retrieval(model, data, tokenizer, retrieval_queries)
+        result["retrieval"]["seconds"] = round(time.perf_counter() - retrieval_started, 1)
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    typer.echo(json.dumps(result, indent=2))

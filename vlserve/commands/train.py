@@ -43,7 +43,7 @@ def finetune(
     detector: Annotated[Path, typer.Option(help="detector checkpoint directory (regions are extracted once and cached)")],
     preset: Annotated[str, typer.Option(help="visualbert, vl-bert, vilbert, lxmert or u-visualbert")] = "visualbert",
     size: Annotated[str, typer.Option(help="tiny, small or base")] = "small",
-    tasks: Annotated[str, typer.Option(help="comma-separated task:weight list, e.g. vqa:1,refer:1,itm:1,nlvr2:1")] = "vqa:1,refer:1,itm:1,nlvr2:1",
+    tasks: Annotated[str, typer.Option(help="comma-separated task:weight list over vqa, refer, itm, nlvr2, multiple_choice")] = "vqa:1,refer:1,itm:1,nlvr2:1",
     steps: Annotated[int, typer.Option(min=1)] = 2000,
     batch_size: Annotated[int, typer.Option(min=1)] = 32,
     lr: Annotated[float, typer.Option(min=0.0, help="encoder peak learning rate")] = 1e-4,
@@ -52,19 +52,21 @@ def finetune(
     eval_scenes: Annotated[int, typer.Option(min=1)] = 1_000,
     easy_vqa: Annotated[bool, typer.Option(help="add easy-VQA training questions to vqa")] = True,
     init_text: Annotated[bool, typer.Option(help="start the text side from MiniLM (size small)")] = True,
+    init_from: Annotated[Path | None, typer.Option(help="start the encoder (and same-named heads) from this checkpoint, "
+                                                        "e.g. a pretraining run")] = None,
     eval_every: Annotated[int, typer.Option(min=1)] = 500,
     seed: Annotated[int, typer.Option()] = 0,
     threads: Annotated[int, typer.Option(min=1)] = 2,
 ) -> None:
-    """Multi-task fine-tuning: one shared encoder with vqa, refer, itm and nlvr2 heads."""
+    """Multi-task fine-tuning: one shared encoder with vqa, refer, itm, nlvr2 and multiple_choice heads."""
     from training.finetune import FinetuneConfig, train
 
     try:
         weights = {name: float(w) for name, w in (item.split(":") for item in tasks.split(","))}
         cfg = FinetuneConfig(out=out, detector_dir=detector, preset=preset, size=size, tasks=weights, steps=steps,
                              batch_size=batch_size, lr=lr, head_lr=head_lr, train_scenes=train_scenes,
-                             eval_scenes=eval_scenes, easy_vqa=easy_vqa, init_text=init_text, eval_every=eval_every,
-                             seed=seed, threads=threads)
+                             eval_scenes=eval_scenes, easy_vqa=easy_vqa, init_text=init_text, init_from=init_from,
+                             eval_every=eval_every, seed=seed, threads=threads)
         validate_finetune(cfg)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -117,20 +119,27 @@ def pretrain(
 
 
 def validate_finetune(cfg) -> None:
-    """Fail before any data is prepared: unknown preset/size/task, missing detector, feature-dim mismatch."""
-    from models.checkpoint import CheckpointError
+    """Fail before any data is prepared: unknown preset/size/task, missing detector, an --init-from checkpoint of
+    another preset, size or feature dim."""
+    from models.checkpoint import CheckpointError, load_checkpoint
     from models.detector.io import load_detector
     from models.registry import encoder_config
+    from training.finetune import TASKS
 
     encoder_config(cfg.preset, cfg.size)  # raises for an unknown preset or size
-    unknown = set(cfg.tasks) - {"vqa", "refer", "itm", "nlvr2"}
+    unknown = set(cfg.tasks) - set(TASKS)
     if unknown:
-        raise ValueError(f"head not supported by fine-tuning: {', '.join(sorted(unknown))} (choose vqa, refer, itm, nlvr2)")
+        raise ValueError(f"head not supported by fine-tuning: {', '.join(sorted(unknown))} (choose {', '.join(TASKS)})")
     if any(w <= 0 for w in cfg.tasks.values()):
         raise ValueError("task weights must be positive")
-    if cfg.init_text and cfg.size != "small":
+    if cfg.init_text and cfg.init_from is None and cfg.size != "small":
         raise ValueError("--init-text needs size small (MiniLM has hidden size 384)")
     try:
-        load_detector(cfg.detector_dir)
+        detector, _ = load_detector(cfg.detector_dir)
     except CheckpointError as exc:
         raise ValueError(f"detector: {exc}") from None
+    if cfg.init_from is not None:
+        try:
+            load_checkpoint(cfg.init_from, preset=cfg.preset, size=cfg.size, visual_feat_dim=detector.config.feature_dim)
+        except CheckpointError as exc:
+            raise ValueError(f"--init-from: {exc}") from None

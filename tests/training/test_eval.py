@@ -1,0 +1,109 @@
+"""`vlserve eval encoder`: every metric of a tiny fine-tuned checkpoint, zero-shot retrieval from an ITM-only one,
+the same numbers as training's own evaluation, and exit 2 on bad input."""
+import json
+import shutil
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from models import HeadConfig, create_model
+from models.checkpoint import load_checkpoint, save_checkpoint
+from models.detector import DetectorConfig, RegionDetector
+from models.detector.io import save_detector
+from models.tokenizer import VLTokenizer
+from training.data.shapes_cache import ShapesConfig, dataset_dir
+from training.finetune import TASKS, FinetuneConfig, train
+from training.vl_data import prepare_task_data
+from vlserve.cli import app
+
+SHAPES = ShapesConfig(splits=(("train", 40), ("val", 10), ("test", 30)))
+TASK_METRICS = {"vqa_acc", "refer_acc", "itm_acc", "nlvr2_acc", "mc_acc"}
+
+
+def detector_config(**kw) -> DetectorConfig:
+    base = dict(classes=["circle", "rectangle", "triangle"], attributes=["red"], min_size=64, max_size=128,
+                rpn_pre_nms_top_n=100, rpn_post_nms_top_n=30, num_boxes=8, feature_dim=16)
+    return DetectorConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny detector, a tiny visualbert fine-tuned for a few steps on all five tasks, and an ITM-only checkpoint."""
+    root = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLSERVE_CACHE", str(root))  # regions and shapes scenes stay in this test's directory
+        torch.manual_seed(0)
+        save_detector(RegionDetector(detector_config()), root / "detector")
+        data = prepare_task_data(root / "detector", 40, 10, easy_vqa=False, progress=False, data=SHAPES)
+        cfg = FinetuneConfig(out=root / "encoder", detector_dir=root / "detector", preset="visualbert", size="tiny",
+                             init_text=False, tasks=dict.fromkeys(TASKS, 1.0), steps=10, batch_size=8, eval_every=10_000,
+                             threads=1)
+        final = train(cfg, data=data, progress=False)["final"]
+        itm_only = create_model("visualbert", "tiny", heads={"itm": HeadConfig(kind="itm"), "mlm": HeadConfig(kind="mlm")},
+                                visual_feat_dim=16)  # what a pretraining run leaves: no task heads
+        save_checkpoint(itm_only, root / "pretrained", VLTokenizer.pretrained_minilm(max_length=40))
+        yield root, final
+
+
+def evaluate(root, *args, checkpoint="encoder", detector="detector"):
+    argv = ["eval", "encoder", str(root / checkpoint), "--detector-dir", str(root / detector),
+            "--shapes-dir", str(dataset_dir(SHAPES, root)), "--threads", "1", *map(str, args)]
+    return CliRunner().invoke(app, argv)
+
+
+def test_every_metric_of_a_finetuned_checkpoint(trained):
+    root, _ = trained
+    result = evaluate(root, "--scenes", 20, "--easy-vqa-images", 2, "--retrieval-pool", 25, "--retrieval-queries", 5)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["split"] == "test" and set(report["heads"]) == set(TASKS)
+    assert TASK_METRICS | {"easy_vqa_acc"} <= set(report)
+    assert all(0.0 <= report[k] <= 1.0 for k in TASK_METRICS | {"easy_vqa_acc"})
+    retrieval = report["retrieval"]
+    assert retrieval["pool"] == 25 and retrieval["queries"] == 5
+    for direction in ("text_to_image", "image_to_text"):
+        recall = retrieval[direction]
+        assert list(recall) == ["R@1", "R@5", "R@10"] and recall["R@1"] <= recall["R@5"] <= recall["R@10"]
+
+
+def test_val_numbers_are_those_training_reported(trained):
+    root, final = trained
+    result = evaluate(root, "--split", "val", "--scenes", 10, "--easy-vqa-images", 0, "--retrieval-pool", 0)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert {k: report[k] for k in final} == final and set(final) == TASK_METRICS
+    assert "retrieval" not in report and "easy_vqa_acc" not in report
+
+
+def test_zero_shot_retrieval_from_an_itm_only_checkpoint(trained):
+    root, _ = trained
+    result = evaluate(root, "--scenes", 10, "--easy-vqa-images", 0, "--retrieval-pool", 12, "--retrieval-queries", 12,
+                      checkpoint="pretrained")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert "itm_acc" in report and not (TASK_METRICS - {"itm_acc"}) & set(report)
+    assert report["retrieval"]["queries"] == 12 and set(report["retrieval"]["text_to_image"]) == {"R@1", "R@5", "R@10"}
+
+
+def test_bad_inputs_exit_2(trained, tmp_path):
+    root, _ = trained
+    shutil.copytree(root / "encoder", tmp_path / "corrupt")
+    weights = tmp_path / "corrupt" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
+    torch.manual_seed(1)
+    save_detector(RegionDetector(detector_config()), tmp_path / "other-detector")
+    save_detector(RegionDetector(detector_config(feature_dim=8)), tmp_path / "narrow-detector")
+    cases = [
+        (evaluate(tmp_path, checkpoint="missing", detector="other-detector"), "checkpoint directory not found"),
+        (evaluate(tmp_path, checkpoint="corrupt", detector="other-detector"), "does not match its sha256"),
+        (evaluate(root, detector="missing"), "checkpoint directory not found"),
+        (evaluate(root, detector=tmp_path / "other-detector"), "was trained on regions of detector"),
+        (evaluate(root, checkpoint="pretrained", detector=tmp_path / "narrow-detector"), "reads 16-d region features"),
+        (evaluate(root, "--split", "train"), "--split must be val or test"),
+        (CliRunner().invoke(app, ["eval", "encoder", str(root / "encoder"), "--detector-dir", str(root / "detector"),
+                                  "--shapes-dir", str(tmp_path)]), "not a shapes-world dataset directory"),
+    ]
+    for result, message in cases:
+        assert result.exit_code == 2 and message in result.stderr, (message, result.output)
+    assert load_checkpoint(root / "encoder")  # the originals are untouched

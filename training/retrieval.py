@@ -1,0 +1,112 @@
+"""Image-text retrieval with an ITM head: R@1/5/10 text -> image and image -> text over a pool of images.
+
+Caption i is the gold caption of pool image i. A single-stream model runs once per (caption, image) pair, so
+scoring is the whole cost: each of `queries` captions ranks every pool image (text -> image) and each of
+`queries` images ranks every pool caption (image -> text): 2 * queries * pool pairs. A pretraining checkpoint's
+ITM head gives zero-shot retrieval the same way.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from models import VLInputs, VLModel
+from models.tokenizer import VLTokenizer
+
+from .data.region_table import RegionTable
+from .data.vl_tasks import Example
+from .evaluate import head_for
+from .metrics import gold_ranks, recall_at_k
+
+PairScorer = Callable[[np.ndarray, np.ndarray], torch.Tensor]  # (caption ids (P,), image ids (P,)) -> match scores (P,)
+KS = (1, 5, 10)
+
+
+def score_grid(score_pairs: PairScorer, texts: np.ndarray, images: np.ndarray, batch_size: int = 256) -> torch.Tensor:
+    """(len(texts), len(images)) scores of every caption with every image, batch_size pairs per call."""
+    t, i = np.repeat(texts, len(images)), np.tile(images, len(texts))
+    scores = [score_pairs(t[s : s + batch_size], i[s : s + batch_size]).float() for s in range(0, len(t), batch_size)]
+    return torch.cat(scores).reshape(len(texts), len(images))
+
+
+def query_sample(pool: int, queries: int | None, seed: int = 0) -> np.ndarray:
+    """Sorted pool indices of the queries: all of the pool when queries is None or not smaller."""
+    if queries is None or queries >= pool:
+        return np.arange(pool)
+    return np.sort(np.random.default_rng(seed).choice(pool, size=queries, replace=False))
+
+
+def named(recall: dict[int, float]) -> dict[str, float]:
+    return {f"R@{k}": round(r, 4) for k, r in recall.items()}
+
+
+def at_k(ranks: torch.Tensor, ks: Sequence[int]) -> dict[str, float]:
+    """R@K from gold ranks (0 = first)."""
+    return named({k: (ranks < k).float().mean().item() for k in ks})
+
+
+def retrieval_recall(score_pairs: PairScorer, pool: int, queries: int | None = 100, keys: Sequence | None = None,
+                     ks: Sequence[int] = KS, seed: int = 0, batch_size: int = 256) -> dict:
+    """R@K in both directions, counting only the gold image / caption (the standard metric).
+
+    keys (optional, one per pool image): caption i is true of every image whose key equals keys[i]. Then also
+    reports how many pool images each query caption is true of and R@K counting any true match as a hit.
+    """
+    q = query_sample(pool, queries, seed)
+    everything = np.arange(pool)
+    t2i = score_grid(score_pairs, q, everything, batch_size)  # (Q, pool): query captions rank every image
+    i2t = score_grid(score_pairs, everything, q, batch_size)  # (pool, Q): query images rank every caption
+    image_of_caption = torch.full((pool,), -1, dtype=torch.long)  # column of i2t holding caption t's image
+    image_of_caption[torch.from_numpy(q)] = torch.arange(len(q))
+    result = {
+        "pool": pool,
+        "queries": len(q),
+        "text_to_image": named(recall_at_k(t2i, torch.from_numpy(q), ks)["text_to_image"]),
+        "image_to_text": named(recall_at_k(i2t, image_of_caption, ks)["image_to_text"]),
+    }
+    if keys is not None:
+        ids = {key: n for n, key in enumerate(dict.fromkeys(keys))}
+        key_id = torch.tensor([ids[key] for key in keys])
+        true = key_id[q].unsqueeze(1) == key_id.unsqueeze(0)  # (Q, pool): query q's caption is true of image i,
+        matches = true.sum(1).float()  # and image q is described by caption i (the same relation)
+        result["true_images_per_caption"] = round(matches.mean().item(), 4)
+        result["ambiguous_queries"] = int((matches > 1).sum())
+        result["text_to_image_any_true"] = at_k(gold_ranks(t2i, true), ks)
+        result["image_to_text_any_true"] = at_k(gold_ranks(i2t.T, true), ks)
+    return result
+
+
+def itm_scorer(model: VLModel, task: str, examples: list[Example], table: RegionTable, tokenizer: VLTokenizer,
+               max_length: int | None = None) -> PairScorer:
+    """Match score (ITM logit of "match" minus "no match") of caption examples[t] with the image of examples[i]."""
+    text = tokenizer.encode([e.text for e in examples], max_length=max_length or tokenizer.max_length)
+    lengths = text["attention_mask"].sum(1)
+    rows = np.array([e.rows[0] for e in examples])
+    model.eval()
+
+    @torch.inference_mode()
+    def score(texts: np.ndarray, images: np.ndarray) -> torch.Tensor:
+        width = int(lengths[texts].max())  # trim the padding no caption of this batch needs
+        inputs = VLInputs(
+            input_ids=torch.from_numpy(text["input_ids"][texts, :width]),
+            attention_mask=torch.from_numpy(text["attention_mask"][texts, :width]),
+            token_type_ids=torch.from_numpy(text["token_type_ids"][texts, :width]),
+            **table.tensors(rows[images]),
+        )
+        logits = model(inputs, task).logits  # (P, 2)
+        return logits[:, 1] - logits[:, 0]
+
+    return score
+
+
+def evaluate_retrieval(model: VLModel, data, tokenizer: VLTokenizer, queries: int | None = 100, seed: int = 0,
+                       batch_size: int = 256) -> dict | None:
+    """Retrieval over data.eval["retrieval"] with the model's ITM head; None without either."""
+    examples = data.eval.get("retrieval")
+    task = head_for(model, "itm")
+    if not examples or task is None:
+        return None
+    scorer = itm_scorer(model, task, examples, data.eval_table, tokenizer)
+    return retrieval_recall(scorer, len(examples), queries, keys=[e.label for e in examples], seed=seed, batch_size=batch_size)
