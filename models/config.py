@@ -32,6 +32,7 @@ class EncoderConfig:
     dropout: float = 0.1  # hidden dropout
     attention_dropout: float = 0.1  # dropout on attention probabilities
     visual_feat_dim: int = 2048  # D of the region features the detector produces
+    feature_norm: bool = False  # standardise region features per dimension (statistics fitted on training regions, saved as buffers)
     image_hidden_size: int = 0  # image-stream width (two-stream; 0 = hidden_size)
     image_num_heads: int = 0  # image-stream heads (0 = num_heads)
     image_intermediate_size: int = 0  # image-stream FFN width (0 = intermediate_size)
@@ -110,6 +111,8 @@ class HeadConfig:
     classifier: str = "mlp"  # vqa/nlvr2/image_qa: "mlp" (Linear-GELU-LN-Linear, LXMERT/ViLBERT) or "linear"
     nlvr2_mode: str = "pair"  # nlvr2: "pair" (two passes, concatenated pooled) or "joint" (one pass, both images)
     mrc_loss: str = "ce"  # mrc: "ce" against the detector's top class or "kl" to its distribution
+    vqa_loss: str = "bce"  # vqa: "bce" on soft scores (bottom-up attention, LXMERT) or "ce": softmax cross-entropy
+    #                        against the normalised soft scores (learns single-answer datasets much faster)
 
     def __post_init__(self) -> None:
         if self.kind not in HEAD_KINDS:
@@ -119,6 +122,7 @@ class HeadConfig:
             "classifier": (self.classifier, ("mlp", "linear")),
             "nlvr2_mode": (self.nlvr2_mode, ("pair", "joint")),
             "mrc_loss": (self.mrc_loss, ("ce", "kl")),
+            "vqa_loss": (self.vqa_loss, ("bce", "ce")),
         }
         for name, (value, allowed) in checks.items():
             if value not in allowed:

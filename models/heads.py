@@ -84,6 +84,8 @@ class VQAHead(Head):
         return self.cls(self.dropout(h))  # (B, A)
 
     def loss(self, logits, labels, inputs):
+        if self.head.vqa_loss == "ce":
+            return soft_target_cross_entropy(logits, labels.to(logits.dtype))
         return vqa_soft_score_loss(logits, labels.to(logits.dtype))
 
 

@@ -157,6 +157,45 @@ class TransformerLayer(nn.Module):
         return self.ffn(x), probs
 
 
+class FeatureNorm(nn.Module):
+    """(x - mean) / std per feature dimension: the detector's raw region features span very different scales
+    per dimension, and a fresh visual projection learns from them far more slowly than from standardised ones.
+    The statistics are fitted once on the training regions (`fit`) and saved with the weights as buffers."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(dim))
+        self.register_buffer("std", torch.ones(dim))
+
+    @torch.no_grad()
+    def fit(self, features, mask, eps: float = 1e-3, chunk: int = 4096) -> None:
+        """features (M, N, D), mask (M, N) with 1 = real region (numpy or torch): statistics of the real regions,
+        accumulated in float64 over chunks of images (a large table never becomes one float64 copy)."""
+        total, sq, count = torch.zeros(self.mean.shape[0], dtype=torch.float64), 0.0, 0
+        for s in range(0, len(features), chunk):
+            f = torch.as_tensor(features[s : s + chunk])
+            if f.shape[-1] != self.mean.shape[0]:
+                raise ValueError(f"features have width {f.shape[-1]}, the encoder expects {self.mean.shape[0]}")
+            rows = f[torch.as_tensor(mask[s : s + chunk]).bool()].double()  # (R, D)
+            total, sq, count = total + rows.sum(0), sq + (rows * rows).sum(0), count + rows.shape[0]
+        if count < 2:
+            raise ValueError("feature statistics need at least 2 real regions")
+        mean = total / count
+        var = (sq - count * mean * mean) / (count - 1)
+        self.mean.copy_(mean.float())
+        self.std.copy_((var.clamp(min=0).sqrt() + eps).float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean.to(x.dtype)) / self.std.to(x.dtype)
+
+
+def normalized_features(norm: FeatureNorm | None, region_features: torch.Tensor, image_feature: torch.Tensor | None):
+    """Region (and whole-image) features through the encoder's FeatureNorm, when it has one."""
+    if norm is None:
+        return region_features, image_feature
+    return norm(region_features), None if image_feature is None else norm(image_feature)
+
+
 class Pooler(nn.Module):
     """act(W h_first): the [CLS] (or [IMG]) summary vector; tanh as BERT, ReLU as ViLBERT's stream poolers."""
 

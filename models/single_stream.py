@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .config import EncoderConfig
-from .layers import Pooler, TextEmbeddings, TransformerLayer, additive_mask
+from .layers import FeatureNorm, Pooler, TextEmbeddings, TransformerLayer, additive_mask, normalized_features
 from .outputs import EncoderOutput
 from .spatial import sinusoidal_box_embedding
 
@@ -116,6 +116,7 @@ class SingleStreamEncoder(nn.Module):
             for _ in range(c.num_layers)
         )
         self.pooler = Pooler(c.hidden_size, c.hidden_size)
+        self.feature_norm = FeatureNorm(c.visual_feat_dim) if c.feature_norm else None
 
     def forward(
         self,
@@ -129,6 +130,7 @@ class SingleStreamEncoder(nn.Module):
         tag_ids: torch.Tensor | None = None,  # (B, N) word ids of detector tags, -1 = none (U-VisualBERT)
         output_attentions: bool = False,
     ) -> EncoderOutput:
+        region_features, image_feature = normalized_features(self.feature_norm, region_features, image_feature)
         x, mask = self.embeddings(input_ids, attention_mask, token_type_ids, region_features, region_boxes, region_mask, image_feature, tag_ids)
         bias = additive_mask(mask, x.dtype)
         attentions = []

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import EncoderConfig
-from .layers import CrossAttention, FeedForward, Pooler, SelfAttention, TextEmbeddings, TransformerLayer, additive_mask
+from .layers import CrossAttention, FeatureNorm, FeedForward, Pooler, SelfAttention, TextEmbeddings, TransformerLayer, additive_mask, normalized_features
 from .outputs import EncoderOutput
 from .single_stream import whole_image_feature
 from .spatial import spatial_5d
@@ -113,6 +113,7 @@ class LxmertEncoder(nn.Module):
         self.r_layers = nn.ModuleList(TransformerLayer(*args) for _ in range(c.num_image_layers))  # NR object layers
         self.x_layers = nn.ModuleList(LxmertCrossLayer(c) for _ in range(c.num_cross_layers))  # NX cross layers
         self.pooler = Pooler(c.hidden_size, c.hidden_size)
+        self.feature_norm = FeatureNorm(c.visual_feat_dim) if c.feature_norm else None
 
     def encode_text(self, input_ids, attention_mask, token_type_ids, output_attentions: bool = False) -> StreamStates:
         """Embeddings and the NL language layers."""
@@ -126,6 +127,7 @@ class LxmertEncoder(nn.Module):
 
     def encode_image(self, region_features, region_boxes, region_mask, image_feature=None) -> StreamStates:
         """Object embeddings and the NR object-relationship layers (LXMERT has no whole-image input)."""
+        region_features, _ = normalized_features(self.feature_norm, region_features, None)
         visn = self.visn_fc(region_features, region_boxes)  # (B, N, H)
         visn_bias = additive_mask(region_mask, visn.dtype)
         for layer in self.r_layers:
@@ -210,6 +212,7 @@ class VilbertEncoder(nn.Module):
         self.c_layer = nn.ModuleList(CoAttentionLayer(c) for _ in range(c.num_cross_layers))
         self.t_pooler = Pooler(c.hidden_size, c.coattention_width, activation="relu")
         self.v_pooler = Pooler(c.image_width, c.coattention_width, activation="relu")
+        self.feature_norm = FeatureNorm(c.visual_feat_dim) if c.feature_norm else None
 
     @property
     def text_only_layers(self) -> int:
@@ -234,6 +237,7 @@ class VilbertEncoder(nn.Module):
     def encode_image(self, region_features, region_boxes, region_mask, image_feature=None) -> StreamStates:
         """[IMG] (the whole image) then the regions, embedded; mask (B, 1+N) with [IMG] always real."""
         b = region_features.shape[0]
+        region_features, image_feature = normalized_features(self.feature_norm, region_features, image_feature)
         if image_feature is None:
             image_feature = whole_image_feature(region_features, region_mask)
         whole_box = region_boxes.new_tensor([0.0, 0.0, 1.0, 1.0]).expand(b, 1, 4)

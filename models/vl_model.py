@@ -58,5 +58,5 @@ class VLModel(nn.Module):
         prepared = head.prepare(inputs)
         enc = self.forward_features(prepared, output_attentions)
         logits = head.unprepare(self.forward_head(task, enc, prepared), inputs)
-        loss = head.loss(logits, labels, inputs) if labels is not None else None
+        loss = head.loss(logits.float(), labels, inputs) if labels is not None else None  # float32 under bf16 autocast too
         return ModelOutput(logits=logits, loss=loss, encoder=enc)

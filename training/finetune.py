@@ -32,6 +32,9 @@ class FinetuneConfig:
     detector_dir: Path = Path("detector")  # region features come from this detector
     preset: str = "visualbert"  # encoder preset
     size: str = "small"  # encoder size (small: text side from MiniLM)
+    vqa_loss: str = "bce"  # "bce" (soft scores, the VQA standard) or "ce" (softmax; single-answer data learns faster)
+    bf16: bool = False  # bfloat16 autocast for forward and backward (about 1.5x faster on CPUs with AVX512-BF16)
+    feature_norm: bool = True  # standardise region features with statistics of the training regions (models.layers.FeatureNorm)
     init_text: bool = True  # start the text side from the pretrained MiniLM-L6 (unless init_from is set)
     init_from: Path | None = None  # start the encoder (and same-named, same-shaped heads) from this checkpoint directory
     tasks: dict[str, float] = field(default_factory=lambda: {"vqa": 1.0, "refer": 1.0, "itm": 1.0, "nlvr2": 1.0})  # task -> sampling weight
@@ -56,19 +59,31 @@ class FinetuneConfig:
 
 def build_model(cfg: FinetuneConfig, feature_dim: int, num_answers: int) -> VLModel:
     heads = {
-        "vqa": HeadConfig(kind="vqa", num_labels=num_answers),
+        "vqa": HeadConfig(kind="vqa", num_labels=num_answers, vqa_loss=cfg.vqa_loss),
         "refer": HeadConfig(kind="refer"),
         "itm": HeadConfig(kind="itm"),
         "nlvr2": HeadConfig(kind="nlvr2", nlvr2_mode="pair"),
         "multiple_choice": HeadConfig(kind="multiple_choice"),
     }
-    model = create_model(cfg.preset, cfg.size, heads={t: heads[t] for t in cfg.tasks}, visual_feat_dim=feature_dim)
+    model = create_model(cfg.preset, cfg.size, heads={t: heads[t] for t in cfg.tasks}, visual_feat_dim=feature_dim,
+                         feature_norm=cfg.feature_norm)
     if cfg.init_from is not None:
         copied = init_from_checkpoint(model, cfg.init_from)
         log.info("encoder from %s; heads copied: %s", cfg.init_from, ", ".join(copied) or "none")
     elif cfg.init_text:
         init_text_from_minilm(model)
     return model
+
+
+def autocast(enabled: bool):
+    """bfloat16 autocast on CPU when enabled (weights, optimizer state and the loss stay float32)."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+
+
+def fit_feature_norm(model: VLModel, table) -> None:
+    """Fit the encoder's region-feature standardisation on the training regions (no-op without one)."""
+    if model.encoder.feature_norm is not None:
+        model.encoder.feature_norm.fit(table.features, table.mask)
 
 
 def init_from_checkpoint(model: VLModel, path: Path) -> list[str]:
@@ -133,6 +148,8 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
         raise ValueError(f"no training data for task(s) {', '.join(sorted(unknown))}")
     tokenizer = VLTokenizer.pretrained_minilm(max_length=cfg.max_length)
     model = build_model(cfg, data.feature_dim, len(data.answers))
+    if cfg.init_from is None:  # a pretrained encoder brings its own statistics
+        fit_feature_norm(model, data.train_table)
     opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -158,7 +175,8 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
         batch = [pool[int(i)] for i in rng.integers(0, len(pool), cfg.batch_size)]
         inputs, labels = collate(model.config.heads[task].kind, batch, data.train_table, tokenizer,
                                  model.config.heads[task], cfg.max_length)
-        loss = model(inputs, task, labels).loss
+        with autocast(cfg.bf16):
+            loss = model(inputs, task, labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)

@@ -33,7 +33,7 @@ from models.text_init import init_text_from_minilm
 from models.tokenizer import VLTokenizer
 
 from .evaluate import evaluate_tasks
-from .finetune import STATE, _jsonable, load_state, lr_scale, param_groups, save_state
+from .finetune import STATE, _jsonable, autocast, fit_feature_norm, load_state, lr_scale, param_groups, save_state
 from .objectives import (
     IGNORE, TokenIds, image_only_batch, image_qa_labels, itm_pairs, mask_regions, mask_tokens, pretraining_losses,
     region_class_labels, text_only_batch, with_images,
@@ -64,6 +64,8 @@ class PretrainConfig:
     detector_dir: Path = Path("detector")  # region features come from this detector (cached per fingerprint)
     preset: str = "visualbert"  # encoder preset
     size: str = "small"  # encoder size (small: text side from MiniLM)
+    bf16: bool = False  # bfloat16 autocast for forward and backward (about 1.5x faster on CPUs with AVX512-BF16)
+    feature_norm: bool = True  # standardise region features with statistics of the training regions (models.layers.FeatureNorm)
     init_text: bool = True  # start the text side from the pretrained MiniLM-L6
     objectives: tuple[str, ...] = ()  # empty = the preset's paper objectives (DEFAULT_OBJECTIVES)
     visual_feat_dim: int | None = None  # encoder region-feature width; None = the detector's (anything else is an error)
@@ -169,7 +171,7 @@ def pretraining_heads(objectives: tuple[str, ...], num_classes: int, num_answers
 
 def build_model(cfg: PretrainConfig, feature_dim: int, num_classes: int, num_answers: int) -> VLModel:
     heads = pretraining_heads(cfg.objectives, num_classes, num_answers)
-    model = create_model(cfg.preset, cfg.size, heads=heads, visual_feat_dim=feature_dim)
+    model = create_model(cfg.preset, cfg.size, heads=heads, visual_feat_dim=feature_dim, feature_norm=cfg.feature_norm)
     if cfg.init_text:
         init_text_from_minilm(model)
     return model
@@ -274,6 +276,7 @@ def pretrain(cfg: PretrainConfig, data: TaskData | None = None, progress: bool =
     check_data(cfg, data, detector)
     tokenizer = VLTokenizer.pretrained_minilm(max_length=cfg.max_length)
     model = build_model(cfg, detector.feature_dim, len(data.objects), len(data.answers))
+    fit_feature_norm(model, data.train_table)
     batches = BatchBuilder(cfg, data, tokenizer)
     opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr)
     out = Path(cfg.out)
@@ -294,7 +297,8 @@ def pretrain(cfg: PretrainConfig, data: TaskData | None = None, progress: bool =
         # forward / backward
         model.train()
         batch = batches(step, rng)
-        losses = pretraining_losses(model, batch.inputs, batch.targets)
+        with autocast(cfg.bf16):
+            losses = pretraining_losses(model, batch.inputs, batch.targets)
         opt.zero_grad(set_to_none=True)
         losses["total"].backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
