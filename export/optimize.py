@@ -1,4 +1,4 @@
-"""Graph rewrites after export: onnxruntime's transformer optimizer (fusions) and int8 dynamic quantization."""
+"""Graph rewrites after export: onnxruntime's transformer optimizer (fusions), int8 dynamic quantization and fp16."""
 from __future__ import annotations
 
 import logging
@@ -43,3 +43,19 @@ def quantize_graph(src: Path, dst: Path) -> None:
     with quiet():
         quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"],
                          extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+
+
+def float16_graph(src: Path, dst: Path, keep_fp32_ops: tuple[str, ...] = ()) -> None:
+    """fp16 weights and arithmetic, graph inputs and outputs kept fp32 (the runtime contract does not change).
+
+    onnxruntime's transformers tooling types the graph by symbolic shape inference first, so the fused contrib
+    operators of --optimize convert too. `keep_fp32_ops`: operator types left in fp32 besides its default list.
+    """
+    import onnx
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    with quiet():
+        model = OnnxModel(onnx.load(str(src)))
+        model.convert_float_to_float16(keep_io_types=True, op_block_list=[*DEFAULT_OP_BLOCK_LIST, *keep_fp32_ops])
+        model.save_model_to_file(str(dst))

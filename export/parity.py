@@ -22,8 +22,15 @@ MIN_AGREEMENT = 0.995  # share of examples whose top-1 (answer, box, match, choi
 # the synthetic batches (82% of the held-out set) while losing 0.36 points. The accuracy change itself
 # (allowed: 0.5 points) needs labelled data: benchmarks/exported_accuracy.py measures it.
 MIN_INT8_AGREEMENT = 0.5
+# fp16 (ONNX graphs for the CUDA execution provider, TensorRT engines): fp16 rounds every activation to ~3
+# significant digits, so logits move by ~1e-3 relative; a broken conversion moves them by far more.
+FP16_MAX_ABS_DIFF = 5e-2
+FP16_MIN_AGREEMENT = 0.99
 # (batch, text length, regions) of the shape-checking batches; none equals the export sizes
 SHAPES = ((1, 5, 3), (3, 13, 10), (5, 21, 4), (7, 9, 17))
+TEXT_CYCLE, REGION_CYCLE = (8, 24), (4, 33)  # later batches: text 8 + (i*5) % 24, regions 4 + (i*7) % 33
+MEASURED_TEXT = TEXT_CYCLE[0] + TEXT_CYCLE[1] - 1  # the longest text of any parity batch (31)
+MEASURED_REGIONS = REGION_CYCLE[0] + REGION_CYCLE[1] - 1  # the most regions of any parity batch (36)
 
 
 @dataclass
@@ -47,15 +54,21 @@ def torch_logits(model: VLModel, task: str, feed: dict[str, np.ndarray]) -> np.n
         return model(to_torch(feed), task).logits.float().numpy()
 
 
-def parity_batches(model: VLModel, task: str, examples: int, seed: int = 0):
-    """(feed, torch logits) batches: the SHAPES, then batches of 32 up to `examples` examples in all."""
+def parity_shapes(examples: int) -> list[tuple[int, int, int]]:
+    """(batch, text length, regions) of the parity batches: the SHAPES, then batches of 32 up to `examples`."""
     shapes = list(SHAPES)
     total = sum(s[0] for s in shapes)
     while total < examples:
         b = min(32, examples - total)
-        shapes.append((b, 8 + (len(shapes) * 5) % 24, 4 + (len(shapes) * 7) % 33))
+        i = len(shapes)
+        shapes.append((b, TEXT_CYCLE[0] + (i * 5) % TEXT_CYCLE[1], REGION_CYCLE[0] + (i * 7) % REGION_CYCLE[1]))
         total += b
-    for i, (b, t, n) in enumerate(shapes):
+    return shapes
+
+
+def parity_batches(model: VLModel, task: str, examples: int, seed: int = 0):
+    """(shape, feed, torch logits) of each of the parity_shapes(examples) batches."""
+    for i, (b, t, n) in enumerate(parity_shapes(examples)):
         feed = synthetic_batch(model.config, task, batch=b, text_len=t, regions=n, seed=seed + i)
         yield (b, t, n), feed, torch_logits(model, task, feed)
 

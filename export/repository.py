@@ -1,9 +1,11 @@
 """Model repository: a checkpoint directory exported to ONNX, verified by its manifest.
 
-Layout: graphs/<task>.onnx (one graph per task head, the variant to serve), config.json, labels.json and the
-tokenizer files copied from the checkpoint, parity.json (measured against torch), manifest.json (kind
-"onnx-repository"; sha256 of every file, opset, versions, each graph's inputs and outputs, the source
-checkpoint and the detector it expects). An export whose graphs miss the parity bounds writes nothing.
+Layout: graphs/<task>.onnx (one graph per task head, the variant to serve on CPU), graphs/<task>.fp16.onnx
+(with fp16: the variant for the CUDA and TensorRT execution providers), engines/<task>.plan (--format tensorrt:
+standalone TensorRT engines), config.json, labels.json and the tokenizer files copied from the checkpoint,
+parity.json (measured against torch), manifest.json (kind "onnx-repository"; sha256 of every file, opset,
+versions, each graph's inputs, outputs and precision, the engines' TensorRT version, GPU and profiles, the
+source checkpoint and the detector it expects). An export whose graphs miss the parity bounds writes nothing.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import json
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -25,14 +27,17 @@ from models.checkpoint import (CONFIG, LABELS, MANIFEST, WEIGHTS, CheckpointErro
                                write_manifest)
 from models.tokenizer import TOKENIZER_FILES, VLTokenizer
 
+from . import engines
 from .encoder import DEFAULT_OPSET, GraphSpec, export_task, exportable_tasks, graph_feed
 from .fused import fused_attention
-from .optimize import optimize_graph, quantize_graph
-from .parity import MAX_ABS_DIFF, MIN_AGREEMENT, MIN_INT8_AGREEMENT, measure
+from .optimize import float16_graph, optimize_graph, quantize_graph
+from .parity import (FP16_MAX_ABS_DIFF, FP16_MIN_AGREEMENT, MAX_ABS_DIFF, MEASURED_REGIONS, MEASURED_TEXT,
+                     MIN_AGREEMENT, MIN_INT8_AGREEMENT, Parity, measure)
 
 KIND = "onnx-repository"
 PARITY = "parity.json"
 GRAPHS = "graphs"
+ENGINES = "engines"
 FORMATS = ("onnx", "tensorrt")
 
 
@@ -58,8 +63,26 @@ class Repository:
     graphs: dict[str, GraphSpec]  # task -> inputs / outputs of its graph
     parity: dict[str, Any] = field(default_factory=dict)
 
-    def graph_path(self, task: str) -> Path:
-        return self.path / self.manifest["graphs"][task]["file"]
+    def graph_path(self, task: str, fp16: bool = False) -> Path:
+        """`task`'s graph: the one served on CPU (fp32 or int8), or its fp16 variant (KeyError when not exported)."""
+        entry = self.manifest["graphs"][task]
+        if not fp16:
+            return self.path / entry["file"]
+        if "fp16" not in entry:
+            raise KeyError(f"the repository has no fp16 graph of {task!r} (export it with --fp16)")
+        return self.path / entry["fp16"]["file"]
+
+    def has_fp16(self, task: str) -> bool:
+        return "fp16" in self.manifest["graphs"][task]
+
+    @property
+    def engines(self) -> dict[str, Any]:
+        """The standalone TensorRT engines (--format tensorrt): TensorRT version, GPU, ranges, per-task files and
+        profiles; {} when the repository has none."""
+        return self.manifest.get("engines") or {}
+
+    def engine_path(self, task: str) -> Path:
+        return self.path / self.engines["graphs"][task]["file"]
 
     @property
     def tasks(self) -> dict[str, str]:
@@ -174,35 +197,142 @@ def _check_detector(report: dict, max_diff: float) -> str | None:
     return None
 
 
-def _export_graph(model, task: str, graphs: Path, opset: int, exporter: str, optimize: bool, quantize: str | None,
-                  examples: int, threads: int, bounds: tuple[float, float, float]) -> tuple[GraphSpec, dict, list]:
-    """graphs/<task>.onnx (fp32, optimized or int8, each variant measured against torch) -> (spec, parity, failures)."""
-    max_abs_diff, min_agreement, int8_min_agreement = bounds
-    fp32 = graphs / f"{task}.fp32.onnx"
+@dataclass(frozen=True)
+class Bounds:
+    """How close to torch each kind of graph must be (max abs logit difference, share of equal top-1s)."""
+
+    max_abs_diff: float = MAX_ABS_DIFF  # fp32 and optimized graphs
+    min_agreement: float = MIN_AGREEMENT
+    int8_min_agreement: float = MIN_INT8_AGREEMENT  # int8: agreement only (a guard against broken quantization)
+    fp16_max_abs_diff: float = FP16_MAX_ABS_DIFF  # fp16 graphs and TensorRT engines
+    fp16_min_agreement: float = FP16_MIN_AGREEMENT
+
+
+def fp16_providers() -> list[str]:
+    """Where an fp16 graph's parity is measured: the CUDA execution provider when this onnxruntime has one."""
+    import onnxruntime as ort
+
+    cuda = "CUDAExecutionProvider"
+    return [cuda, "CPUExecutionProvider"] if cuda in ort.get_available_providers() else ["CPUExecutionProvider"]
+
+
+def _measure_fp16(model, spec: GraphSpec, path: Path, examples: int, threads: int) -> tuple[Parity | None, dict]:
+    """Parity of an fp16 graph on CUDA if there is one, else on onnxruntime's CPU provider when it can run the
+    graph -> (parity or None, report fields saying where it ran or why it did not)."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NoKernel
+
+    providers = fp16_providers()
+    try:
+        sess = session(path, threads, providers)
+    except NoKernel as exc:  # an fp16 kernel the CPU provider lacks; any other failure is the graph's and fails
+        if providers[0] != "CPUExecutionProvider":
+            raise
+        reason = str(exc).strip().splitlines()[0]
+        return None, {"fp16_parity": f"not measured: onnxruntime's CPU execution provider cannot run the fp16 graph "
+                                     f"({reason}); it is measured where the CUDA execution provider is"}
+    return measure(model, spec, runner(sess), examples), {"fp16_measured_on": providers[0]}
+
+
+def _export_graph(model, task: str, graphs: Path, work: Path, opset: int, exporter: str, optimize: bool,
+                  quantize: str | None, fp16: bool, examples: int, threads: int,
+                  bounds: Bounds) -> tuple[GraphSpec, dict, dict, list]:
+    """graphs/<task>.onnx (fp32, optimized or int8) and, with fp16, graphs/<task>.fp16.onnx, each variant measured
+    against torch; intermediate graphs go to `work` -> (spec, parity report, manifest entry, failures)."""
+    fp32 = work / f"{task}.fp32.onnx"
     spec = export_task(model, task, fp32, opset=opset, exporter=exporter)
     report = {"fp32": measure(model, spec, runner(session(fp32, threads)), examples)}
-    failures = [_check(task, "fp32", report["fp32"], max_abs_diff, min_agreement)]
+    failures = [_check(task, "fp32", report["fp32"], bounds.max_abs_diff, bounds.min_agreement)]
     served, extra = fp32, {}
     if optimize:  # attention exported as fused operators, then onnxruntime's other fusions
-        with_attention, optimized = graphs / f"{task}.attention.onnx", graphs / f"{task}.opt.onnx"
+        with_attention, optimized = work / f"{task}.attention.onnx", work / f"{task}.opt.onnx"
         with fused_attention(model):
             export_task(model, task, with_attention, opset=opset, exporter="torchscript")
         extra["fused_operators"] = optimize_graph(with_attention, optimized, model.config.encoder)
         report["optimized"] = measure(model, spec, runner(session(optimized, threads)), examples)
-        failures.append(_check(task, "optimized", report["optimized"], max_abs_diff, min_agreement))
+        failures.append(_check(task, "optimized", report["optimized"], bounds.max_abs_diff, bounds.min_agreement))
         served = optimized
+    full_precision = served  # the fp32 graph (optimized or not) the fp16 one is converted from
     if quantize == "int8":
-        int8 = graphs / f"{task}.int8.onnx"
+        int8 = work / f"{task}.int8.onnx"
         quantize_graph(served, int8)
         report["int8"] = measure(model, spec, runner(session(int8, threads)), examples)
-        failures.append(_check(task, "int8", report["int8"], None, int8_min_agreement))
+        failures.append(_check(task, "int8", report["int8"], None, bounds.int8_min_agreement))
         extra["int8_agreement_change_points"] = round(100 * (report["int8"].agreement - report["fp32"].agreement), 3)
         served = int8
-    served.replace(graphs / f"{task}.onnx")
-    for stale in graphs.glob(f"{task}.*.onnx"):
-        stale.unlink()
+    shutil.copyfile(served, graphs / f"{task}.onnx")
     variant = "int8" if quantize else ("optimized" if optimize else "fp32")
-    return spec, {"served": variant, **{k: v.to_dict() for k, v in report.items()}, **extra}, failures
+    entry = {"file": f"{GRAPHS}/{task}.onnx", "variant": variant, "precision": "int8" if quantize else "fp32"}
+    if fp16:
+        half = graphs / f"{task}.fp16.onnx"
+        float16_graph(full_precision, half)
+        parity, where = _measure_fp16(model, spec, half, examples, threads)
+        extra.update(where)
+        if parity is not None:
+            report["fp16"] = parity
+            failures.append(_check(task, "fp16", parity, bounds.fp16_max_abs_diff, bounds.fp16_min_agreement))
+        entry["fp16"] = {"file": f"{GRAPHS}/{task}.fp16.onnx", "precision": "fp16",
+                         "from": "optimized" if optimize else "fp32", "io": "fp32"}
+    return spec, {"served": variant, **{k: v.to_dict() for k, v in report.items()}, **extra}, entry, failures
+
+
+def _split_rows(run: Callable[[dict[str, np.ndarray]], np.ndarray], max_rows: int):
+    """`run` over a feed cut into batches of at most `max_rows` rows (an engine's largest batch)."""
+    def split(feed: dict[str, np.ndarray]) -> np.ndarray:
+        rows = len(next(iter(feed.values())))
+        return np.concatenate([run({k: v[i:i + max_rows] for k, v in feed.items()}) for i in range(0, rows, max_rows)])
+    return split
+
+
+def _build_engines(model, specs: dict[str, GraphSpec], work: Path, out: Path, ranges: engines.Ranges, examples: int,
+                   bounds: Bounds, log: Callable[[str], None]) -> tuple[dict, dict, list]:
+    """engines/<task>.plan from each task's plain graph (work/<task>.fp32.onnx: standard operators only), each run
+    on this GPU against torch -> (manifest fields, parity report, failures). Needs TensorRT and a CUDA GPU."""
+    env = engines.environment()
+    (out / ENGINES).mkdir()
+    entries, report, failures = {}, {}, []
+    for task, spec in specs.items():
+        source, built_from = work / f"{task}.fp32.onnx", "fp32 graph, BuilderFlag.FP16"
+        if env["typing"] == "strong":  # TensorRT 11+: the graph's types are the engine's
+            source, built_from = work / f"{task}.trt.fp16.onnx", "fp16 graph (LayerNormalization fp32), strongly typed"
+            float16_graph(work / f"{task}.fp32.onnx", source, keep_fp32_ops=engines.KEEP_FP32_OPS)
+        profiles = engines.engine_profiles(spec, ranges)
+        log(f"building the TensorRT engine of {task} ({len(profiles)} optimisation profiles)")
+        plan = out / ENGINES / f"{task}.plan"
+        try:
+            plan.write_bytes(engines.build_engine(source, profiles))
+        except engines.EngineBuildError as exc:
+            raise ExportError(str(exc)) from None
+        engine = engines.TensorrtEngine(plan)
+        try:
+            parity = measure(model, spec, _split_rows(engine.run, ranges.max_batch), examples)
+        finally:
+            engine.close()
+        report[task] = parity.to_dict()
+        failures.append(_check(task, "tensorrt", parity, bounds.fp16_max_abs_diff, bounds.fp16_min_agreement))
+        entries[task] = {"file": f"{ENGINES}/{task}.plan", "precision": "fp16", "built_from": built_from,
+                         "profiles": engines.profiles_to_json(profiles)}
+        log(f"  {task} engine: max|diff| {parity.max_abs_diff:.2e} top-1 {parity.agreement:.2%}")
+    return {**env, "precision": "fp16", "ranges": asdict(ranges), "graphs": entries}, report, failures
+
+
+def _check_options(fmt: str, quantize: str | None, opset: int, ranges: engines.Ranges) -> None:
+    """ExportError for options this export cannot honour here, before any work."""
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if fmt == "tensorrt":
+        reason = engines.unavailable("cuda")
+        if reason:
+            raise ExportError(f"--format tensorrt builds TensorRT engines on a CUDA GPU, but {reason}; "
+                              "export --format onnx here (VLSERVE_RUNTIME=tensorrt then builds engines at start-up "
+                              "through onnxruntime's TensorRT execution provider)")
+        if ranges.max_batch < 1 or ranges.max_text < MEASURED_TEXT or ranges.max_regions < MEASURED_REGIONS:
+            raise ExportError(f"engine ranges need --max-batch >= 1, --max-text >= {MEASURED_TEXT} and --max-regions "
+                              f">= {MEASURED_REGIONS} (the parity batches reach those sizes), got {asdict(ranges)}")
+    if quantize not in (None, "int8"):
+        raise ExportError(f"unknown quantization {quantize!r}; the only one is int8")
+    if opset > supported_opset():
+        raise ExportError(f"opset {opset} is newer than onnxruntime {versions()['onnxruntime']} supports "
+                          f"(up to {supported_opset()})")
 
 
 def export_repository(
@@ -211,6 +341,7 @@ def export_repository(
     fmt: str = "onnx",
     optimize: bool = False,
     quantize: str | None = None,
+    fp16: bool = False,
     opset: int = DEFAULT_OPSET,
     exporter: str = "torchscript",
     examples: int = 1000,
@@ -218,6 +349,9 @@ def export_repository(
     max_abs_diff: float = MAX_ABS_DIFF,
     min_agreement: float = MIN_AGREEMENT,
     int8_min_agreement: float = MIN_INT8_AGREEMENT,
+    fp16_max_abs_diff: float = FP16_MAX_ABS_DIFF,
+    fp16_min_agreement: float = FP16_MIN_AGREEMENT,
+    engine_ranges: engines.Ranges = engines.Ranges(),
     detector_dir: str | Path | None = None,
     log: Callable[[str], None] = lambda message: None,
 ) -> Repository:
@@ -225,23 +359,16 @@ def export_repository(
 
     fp32 graphs (and optimized ones) must stay within `max_abs_diff` of torch and agree on the top-1 of at
     least `min_agreement` of `examples` examples; int8 graphs must agree on `int8_min_agreement` (a guard
-    against broken quantization; their accuracy change needs labels: benchmarks/exported_accuracy.py). With `detector_dir` (the detector the checkpoint expects) the detector is
+    against broken quantization; their accuracy change needs labels: benchmarks/exported_accuracy.py). With
+    `fp16`, each task also gets an fp16 graph (for the CUDA / TensorRT execution providers; inputs and outputs
+    stay fp32) within the fp16 bounds, measured on CUDA when onnxruntime has it, else on CPU where the CPU
+    provider can run it. fmt "tensorrt" also builds fp16 TensorRT engines over `engine_ranges` on this machine's
+    GPU, within the fp16 bounds. With `detector_dir` (the detector the checkpoint expects) the detector is
     exported too and must give the torch detector's regions (features within `max_abs_diff`, boxes within
     DETECTOR_BOX_PX pixels). Raises ExportError, leaving `out_dir` untouched, when any graph misses.
     """
-    if fmt not in FORMATS:
-        raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if fmt == "tensorrt":
-        raise ExportError("--format tensorrt builds engines with the tensorrt package on a CUDA GPU; "
-                          + ("torch sees no CUDA device here" if not torch.cuda.is_available() else
-                             "engine building is not implemented yet: export --format onnx and serve with "
-                             "VLSERVE_RUNTIME=onnxruntime, which builds TensorRT engines through its TensorRT "
-                             "execution provider"))
-    if quantize not in (None, "int8"):
-        raise ExportError(f"unknown quantization {quantize!r}; the only one is int8")
-    if opset > supported_opset():
-        raise ExportError(f"opset {opset} is newer than onnxruntime {versions()['onnxruntime']} supports "
-                          f"(up to {supported_opset()})")
+    _check_options(fmt, quantize, opset, engine_ranges)
+    bounds = Bounds(max_abs_diff, min_agreement, int8_min_agreement, fp16_max_abs_diff, fp16_min_agreement)
     model_dir, out = Path(model_dir), Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out} exists and is not an empty directory; choose a new --out")
@@ -254,44 +381,58 @@ def export_repository(
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    work = tmp / ".work"  # intermediate graphs, removed before the repository is moved into place
     try:
         (tmp / GRAPHS).mkdir()
-        graphs, parity, failures = {}, {}, []
+        work.mkdir()
+        graphs, specs, parity, failures = {}, {}, {}, []
         for task, kind in tasks.items():
             log(f"exporting {task} ({kind})")
-            spec, parity[task], failed = _export_graph(
-                model, task, tmp / GRAPHS, opset, exporter, optimize, quantize, examples, threads,
-                (max_abs_diff, min_agreement, int8_min_agreement))
+            specs[task], parity[task], entry, failed = _export_graph(
+                model, task, tmp / GRAPHS, work, opset, exporter, optimize, quantize, fp16, examples, threads, bounds)
             failures += failed
-            graphs[task] = {"file": f"{GRAPHS}/{task}.onnx", "variant": parity[task]["served"], **spec.to_dict()}
+            graphs[task] = {**entry, **specs[task].to_dict()}
+            measured = {k: v for k, v in parity[task].items() if k in ("fp32", "optimized", "int8", "fp16")}
             log(f"  {task}: " + ", ".join(f"{k} max|diff| {v['max_abs_diff']:.2e} top-1 {v['agreement']:.2%}"
-                                          for k, v in parity[task].items() if k in ("fp32", "optimized", "int8")))
-        detector_fields, detector_report = {}, {}
+                                          for k, v in measured.items()))
+        detector_fields, extra_reports = {}, {}
         if detector_dir is not None:
             report, detector_fields = _export_detector(Path(detector_dir), tmp, checkpoint.manifest, opset, threads)
-            detector_report = {"detector": report}
+            extra_reports["detector"] = report
             failures.append(_check_detector(report, max_abs_diff))
             log(f"  detector: boxes max|diff| {report['boxes_px']:.2e} px, features {report['features']:.2e}")
         failures = [f for f in failures if f]
         if failures:
             raise ParityError("parity check failed: " + "; ".join(failures))
+        engine_fields = {}
+        if fmt == "tensorrt":
+            engine_fields, extra_reports["engines"], failed = _build_engines(
+                model, specs, work, tmp, engine_ranges, examples, bounds, log)
+            failures = [f for f in failed if f]
+            if failures:
+                raise ParityError("parity check failed: " + "; ".join(failures))
+        shutil.rmtree(work)
 
         for name in (CONFIG, LABELS, *TOKENIZER_FILES):
             shutil.copyfile(model_dir / name, tmp / name)
-        bounds = {"max_abs_diff": max_abs_diff, "min_agreement": min_agreement,
-                  "int8_min_agreement": int8_min_agreement if quantize else None}
-        (tmp / PARITY).write_text(json.dumps({"bounds": bounds, "graphs": parity, **detector_report}, indent=2))
+        recorded = {"max_abs_diff": max_abs_diff, "min_agreement": min_agreement,
+                    "int8_min_agreement": int8_min_agreement if quantize else None,
+                    "fp16_max_abs_diff": fp16_max_abs_diff if fp16 or engine_fields else None,
+                    "fp16_min_agreement": fp16_min_agreement if fp16 or engine_fields else None}
+        (tmp / PARITY).write_text(json.dumps({"bounds": recorded, "graphs": parity, **extra_reports}, indent=2))
         source = checkpoint.manifest
-        files = [CONFIG, LABELS, *TOKENIZER_FILES, PARITY, *(g["file"] for g in graphs.values()),
+        files = [CONFIG, LABELS, *TOKENIZER_FILES, PARITY, *graph_files(graphs, engine_fields),
                  *(detector_fields.get(k) for k in ("graph", "config", "labels") if detector_fields)]
-        write_manifest(tmp, files, {
+        fields = {
             "kind": KIND,
+            "format": fmt,
             "preset": config.encoder.preset,
             "size": config.encoder.size,
             "visual_feat_dim": config.encoder.visual_feat_dim,
             "opset": opset,
             "exporter": exporter,
             "precision": "int8" if quantize else "fp32",
+            "fp16": fp16,
             "optimized": optimize,
             "versions": versions(),
             "detector": {**(source.get("detector") or {}), **detector_fields},
@@ -301,7 +442,10 @@ def export_repository(
                 "weights_sha256": (source.get("files") or {}).get(WEIGHTS, ""),
             },
             "graphs": graphs,
-        })
+        }
+        if engine_fields:
+            fields["engines"] = engine_fields
+        write_manifest(tmp, files, fields)
         if out.exists():
             out.rmdir()
         tmp.replace(out)
@@ -309,6 +453,12 @@ def export_repository(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return load_repository(out)
+
+
+def graph_files(graphs: dict[str, dict], engine_fields: dict) -> list[str]:
+    """Every graph and engine file a manifest's "graphs" and "engines" entries name."""
+    files = [g["file"] for g in graphs.values()] + [g["fp16"]["file"] for g in graphs.values() if "fp16" in g]
+    return files + [e["file"] for e in (engine_fields.get("graphs") or {}).values()]
 
 
 # ---- loading -------------------------------------------------------------------------------------------
@@ -322,8 +472,9 @@ def is_repository(path: str | Path) -> bool:
 
 
 def load_repository(path: str | Path) -> Repository:
-    """Verify a repository's manifest (every file present with its sha256, an opset onnxruntime runs) and
-    read its config, tokenizer, labels and graph specs. RepositoryError names the file or field at fault."""
+    """Verify a repository's manifest (every file present with its sha256, every graph and engine among them, an
+    opset onnxruntime runs) and read its config, tokenizer, labels and graph specs. RepositoryError names the
+    file or field at fault."""
     path = Path(path)
     try:
         manifest = verify_manifest(path)
@@ -347,5 +498,12 @@ def load_repository(path: str | Path) -> Repository:
     for task, spec in graphs.items():
         if task not in config.heads:
             raise RepositoryError(f"{path / MANIFEST}: graph {task!r} has no head in {CONFIG}")
+    try:
+        named = graph_files(manifest["graphs"], manifest.get("engines") or {})
+    except (KeyError, TypeError) as exc:
+        raise RepositoryError(f"{path / MANIFEST}: invalid graph or engine entry ({exc})") from None
+    unverified = [name for name in named if name not in manifest["files"]]
+    if unverified:  # a file the manifest serves but does not hash would escape verification
+        raise RepositoryError(f"{path / MANIFEST}: {unverified[0]} is served but has no sha256 in the manifest")
     return Repository(path=path, manifest=manifest, config=config, tokenizer=VLTokenizer.from_dir(path),
                       labels=labels, graphs=graphs, parity=parity)

@@ -2,7 +2,8 @@
 
 Execution providers: CPU for device "cpu"; for "cuda[:N]" TensorRT (engines cached in a directory) then CUDA,
 whichever of them this onnxruntime build has (onnxruntime.get_available_providers()), CPU last for the
-operators they do not take.
+operators they do not take. Graphs: a task's fp16 graph (`vlserve export --fp16`) where a CUDA or TensorRT
+provider runs it, its fp32 (or int8) graph otherwise.
 """
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from .base import Runtime
 if TYPE_CHECKING:
     from ..settings import Settings
 
-__all__ = ["OnnxRuntime", "choose_providers", "create", "exported_detector"]
+__all__ = ["OnnxRuntime", "choose_graph", "choose_providers", "create", "exported_detector"]
 
 TENSORRT, CUDA, CPU = "TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"
+GPU_PROVIDERS = (TENSORRT, CUDA)  # providers that run fp16 arithmetic natively (CPU would cast most of it back)
 
 
 def default_engine_cache() -> Path:
@@ -51,6 +53,13 @@ def choose_providers(device: str, available: list[str], engine_cache_dir: Path |
     return [*chosen, CPU]
 
 
+def choose_graph(repository: Repository, task: str, providers: list[Any]) -> Path:
+    """`task`'s fp16 graph when a CUDA or TensorRT provider is among `providers` and the repository has one;
+    its CPU graph (fp32 or int8) otherwise."""
+    names = {p[0] if isinstance(p, tuple) else p for p in providers}
+    return repository.graph_path(task, fp16=bool(names & set(GPU_PROVIDERS)) and repository.has_fp16(task))
+
+
 class OnnxRuntime(Runtime):
     name = "onnxruntime"
 
@@ -63,9 +72,10 @@ class OnnxRuntime(Runtime):
         self.repository = repository
         self.providers = choose_providers(device, onnxruntime.get_available_providers(), engine_cache_dir)
         self.tasks = repository.tasks
+        self.graph_files = {task: choose_graph(repository, task, self.providers) for task in self.tasks}
         # no spinning: the detector's session and the encoder's run side by side on the same cores
-        self.sessions = {task: session(repository.graph_path(task), threads, self.providers, spin=False)
-                         for task in self.tasks}
+        self.sessions = {task: session(path, threads, self.providers, spin=False)
+                         for task, path in self.graph_files.items()}
 
     def run(self, task: str, batch: dict[str, np.ndarray]) -> np.ndarray:
         self.check_batch(task, batch)

@@ -81,12 +81,17 @@ def test_load_repository_reads_config_tokenizer_labels_and_specs(repository):
     assert repo.graph_path("vqa").is_file()
 
 
-def test_a_tampered_graph_is_one_error_naming_it(copy):
-    with open(copy / "graphs/refer.onnx", "r+b") as f:
-        f.seek(200)
+def flip_byte(path, offset: int = 200) -> None:
+    """Change one bit of a file in place (a tampered or corrupt repository file)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
         byte = f.read(1)
-        f.seek(200)
+        f.seek(offset)
         f.write(bytes([byte[0] ^ 1]))
+
+
+def test_a_tampered_graph_is_one_error_naming_it(copy):
+    flip_byte(copy / "graphs/refer.onnx")
     with pytest.raises(RepositoryError, match=r"file graphs/refer\.onnx does not match its sha256"):
         load_repository(copy)
 
