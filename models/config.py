@@ -107,7 +107,8 @@ class EncoderConfig:
 class HeadConfig:
     kind: str  # one of HEAD_KINDS
     num_labels: int = 0  # answers (vqa, image_qa), object classes (mrc); ignored where fixed
-    pool: str = "pooled"  # vqa: "pooled" (CLS / fused) or "answer_slot" (the [MASK] before the final [SEP])
+    pool: str = "pooled"  # vqa: "pooled" (CLS / fused), "answer_slot" (the [MASK] before the final [SEP]) or
+    #                       "regions" (pooled + question-guided attention pooling of the regions)
     classifier: str = "mlp"  # vqa/nlvr2/image_qa: "mlp" (Linear-GELU-LN-Linear, LXMERT/ViLBERT) or "linear"
     nlvr2_mode: str = "pair"  # nlvr2: "pair" (two passes, concatenated pooled) or "joint" (one pass, both images)
     mrc_loss: str = "ce"  # mrc: "ce" against the detector's top class or "kl" to its distribution
@@ -118,7 +119,7 @@ class HeadConfig:
         if self.kind not in HEAD_KINDS:
             raise ValueError(f"unknown head kind {self.kind!r}; choose one of {', '.join(HEAD_KINDS)}")
         checks = {
-            "pool": (self.pool, ("pooled", "answer_slot")),
+            "pool": (self.pool, ("pooled", "answer_slot", "regions")),
             "classifier": (self.classifier, ("mlp", "linear")),
             "nlvr2_mode": (self.nlvr2_mode, ("pair", "joint")),
             "mrc_loss": (self.mrc_loss, ("ce", "kl")),

@@ -67,17 +67,27 @@ class Head(nn.Module):
 
 
 class VQAHead(Head):
-    """Answer scores (B, A) from the pooled vector or from the [MASK] answer slot before the final [SEP]."""
+    """Answer scores (B, A) from the pooled vector, from the [MASK] answer slot before the final [SEP], or
+    ("regions") from the pooled vector joined with a question-guided attention pooling of the contextual regions
+    (the top-down attention of bottom-up/top-down VQA): a direct path from the answer to the regions."""
 
     def __init__(self, head: HeadConfig, enc: EncoderConfig):
         super().__init__(head, enc)
-        width = enc.pooled_size if head.pool == "pooled" else enc.hidden_size
+        width = {"pooled": enc.pooled_size, "answer_slot": enc.hidden_size, "regions": enc.pooled_size + enc.image_width}[head.pool]
+        if head.pool == "regions":
+            self.region_query = nn.Linear(enc.pooled_size, enc.image_width)
         self.dropout = nn.Dropout(enc.dropout)
         self.cls = classifier(head.classifier, width, head.num_labels, enc.layer_norm_eps)
 
     def forward(self, enc: EncoderOutput, inputs: VLInputs) -> torch.Tensor:
         if self.head.pool == "pooled":
             h = enc.pooled  # (B, P)
+        elif self.head.pool == "regions":
+            query = self.region_query(enc.pooled)  # (B, Hv)
+            scores = torch.einsum("bnh,bh->bn", enc.image, query) / enc.image.shape[-1] ** 0.5  # (B, N)
+            scores = scores.masked_fill(inputs.region_mask == 0, torch.finfo(scores.dtype).min)
+            pooled_regions = torch.einsum("bn,bnh->bh", scores.softmax(-1), enc.image)  # (B, Hv)
+            h = torch.cat([enc.pooled, pooled_regions], dim=-1)  # (B, P + Hv)
         else:
             slot = (inputs.attention_mask.sum(1) - 2).long()  # (B,) index of [MASK] before the last [SEP]
             h = enc.text[torch.arange(slot.shape[0], device=slot.device), slot]  # (B, H)

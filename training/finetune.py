@@ -32,6 +32,7 @@ class FinetuneConfig:
     detector_dir: Path = Path("detector")  # region features come from this detector
     preset: str = "visualbert"  # encoder preset
     size: str = "small"  # encoder size (small: text side from MiniLM)
+    vqa_pool: str = "pooled"  # "pooled" (CLS), "answer_slot" (VL-BERT's [MASK]) or "regions" (pooled + attention over regions)
     vqa_loss: str = "bce"  # "bce" (soft scores, the VQA standard) or "ce" (softmax; single-answer data learns faster)
     bf16: bool = False  # bfloat16 autocast for forward and backward (about 1.5x faster on CPUs with AVX512-BF16)
     feature_norm: bool = True  # standardise region features with statistics of the training regions (models.layers.FeatureNorm)
@@ -59,7 +60,7 @@ class FinetuneConfig:
 
 def build_model(cfg: FinetuneConfig, feature_dim: int, num_answers: int) -> VLModel:
     heads = {
-        "vqa": HeadConfig(kind="vqa", num_labels=num_answers, vqa_loss=cfg.vqa_loss),
+        "vqa": HeadConfig(kind="vqa", num_labels=num_answers, vqa_loss=cfg.vqa_loss, pool=cfg.vqa_pool),
         "refer": HeadConfig(kind="refer"),
         "itm": HeadConfig(kind="itm"),
         "nlvr2": HeadConfig(kind="nlvr2", nlvr2_mode="pair"),

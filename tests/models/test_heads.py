@@ -166,3 +166,29 @@ def test_unknown_task_names_the_heads(make_model, make_batch):
     model = make_model("visualbert", "vqa", "itm")
     with pytest.raises(KeyError, match="vqa, itm"):
         model(make_batch(model.config.encoder), "refer")
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_vqa_region_pooling_reads_real_regions_only(preset):
+    """pool="regions": the answer also reads an attention pooling of the contextual regions; padding regions
+    get no weight, so changing a padded region's features leaves every real example's answer unchanged."""
+    from models import HeadConfig, VLInputs, create_model
+
+    torch.manual_seed(0)
+    model = create_model(preset, "tiny", heads={"vqa": HeadConfig(kind="vqa", num_labels=5, pool="regions")}, visual_feat_dim=8).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1000, 2000, (2, 6), generator=g)
+    feats, boxes = torch.randn(2, 4, 8, generator=g), torch.rand(2, 4, 4, generator=g).sort(-1).values
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    x = VLInputs(ids, torch.ones_like(ids), torch.zeros_like(ids), feats, boxes, mask)
+    changed = feats.clone()
+    changed[1, 2:] += 5.0
+    with torch.no_grad():
+        a = model(x, "vqa").logits
+        b = model(VLInputs(ids, torch.ones_like(ids), torch.zeros_like(ids), changed, boxes, mask), "vqa").logits
+        pooled_only = model.heads["vqa"].cls(torch.cat([model.forward_features(x).pooled, torch.zeros(2, model.config.encoder.image_width)], -1))
+    assert a.shape == (2, 5)
+    torch.testing.assert_close(a[1], b[1], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(a, pooled_only)  # the region pooling does reach the answer
+    with pytest.raises(ValueError, match="pool"):
+        HeadConfig(kind="vqa", num_labels=5, pool="mean")

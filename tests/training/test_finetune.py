@@ -83,6 +83,7 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(task_data, tmp_path):
         (["--tasks", "vqa:0"], "task weights must be positive"),
         (["--size", "tiny"], "--init-text needs size small"),
         (["--vqa-loss", "mse"], "--vqa-loss must be bce or ce"),
+        (["--vqa-pool", "mean"], "--vqa-pool must be pooled, answer_slot or regions"),
     ],
 )
 def test_bad_configs_fail_before_training(task_data, tmp_path, args, message):

@@ -58,6 +58,7 @@ def finetune(
     warmup: Annotated[int, typer.Option(min=0, help="linear warm-up steps, then linear decay to 0")] = 100,
     clip: Annotated[float, typer.Option(min=0.0, help="gradient norm clip")] = 1.0,
     vqa_loss: Annotated[str, typer.Option(help="bce (soft scores, the VQA standard) or ce (softmax; faster on single-answer data)")] = "bce",
+    vqa_pool: Annotated[str, typer.Option(help="pooled (CLS), answer_slot (VL-BERT's [MASK]) or regions (pooled + attention over regions)")] = "pooled",
     bf16: Annotated[bool, typer.Option(help="bfloat16 autocast (about 1.5x faster on CPUs with AVX512-BF16)")] = False,
     feature_norm: Annotated[bool, typer.Option(help="standardise region features with the training regions' statistics")] = True,
     seed: Annotated[int, typer.Option()] = 0,
@@ -71,7 +72,7 @@ def finetune(
         cfg = FinetuneConfig(out=out, detector_dir=detector, preset=preset, size=size, tasks=weights, steps=steps,
                              batch_size=batch_size, lr=lr, head_lr=head_lr, train_scenes=train_scenes,
                              eval_scenes=eval_scenes, easy_vqa=easy_vqa, init_text=init_text, init_from=init_from,
-                             eval_every=eval_every, warmup=warmup, clip=clip, vqa_loss=vqa_loss, bf16=bf16,
+                             eval_every=eval_every, warmup=warmup, clip=clip, vqa_loss=vqa_loss, vqa_pool=vqa_pool, bf16=bf16,
                              feature_norm=feature_norm, seed=seed, threads=threads)
         validate_finetune(cfg)
     except ValueError as exc:
@@ -137,6 +138,8 @@ def validate_finetune(cfg) -> None:
     encoder_config(cfg.preset, cfg.size)  # raises for an unknown preset or size
     if cfg.vqa_loss not in ("bce", "ce"):
         raise ValueError(f"--vqa-loss must be bce or ce, not {cfg.vqa_loss!r}")
+    if cfg.vqa_pool not in ("pooled", "answer_slot", "regions"):
+        raise ValueError(f"--vqa-pool must be pooled, answer_slot or regions, not {cfg.vqa_pool!r}")
     unknown = set(cfg.tasks) - set(TASKS)
     if unknown:
         raise ValueError(f"head not supported by fine-tuning: {', '.join(sorted(unknown))} (choose {', '.join(TASKS)})")
