@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install test serve zoo zoo-full bench clean
+.PHONY: install test serve zoo zoo-full bench results clean
 
 # torch first (pins read from pyproject.toml), so no dependency pulls another torch build.
 # redis-server comes from Debian: the tests start their own on a free loopback port.
@@ -28,6 +28,10 @@ zoo-full: install
 bench: install
 	$(PYTHON) benchmarks/encoder.py
 	$(PYTHON) benchmarks/detector.py
+
+# The presets table of docs/RESULTS.md (benchmarks/results/presets.json): needs the demo detector (`make zoo`).
+results: install
+	$(PYTHON) benchmarks/presets.py
 
 clean:
 	rm -rf build *.egg-info .pytest_cache
