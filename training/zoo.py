@@ -76,7 +76,7 @@ Built by `vlserve zoo build --profile {name}` in {total_seconds / 60:.1f} min on
 
 ## Detector
 EfficientNet-Lite0 (ImageNet) + FPN Faster R-CNN, trained {p.detector_steps} steps (batch 8) on shapes-world scenes
-(3 shapes; attributes: 8 colours, 2 sizes) in {det_seconds / 60:.1f} min. Validation: {json.dumps(det["val"])}.
+(3 shapes; attributes: 8 colours, 2 sizes) in {det.get("train_seconds", det_seconds) / 60:.1f} min. Validation: {json.dumps(det["val"])}.
 Fingerprint `{det["fingerprint"]}`.
 
 ## Encoder
