@@ -1,0 +1,104 @@
+"""Training-step time of a small encoder under the levers that decide how many examples the demo's 10-minute budget
+holds: bf16 autocast, a frozen word-embedding table (no dense AdamW update of 30522 x H every step), foreach
+AdamW, and the region count. One process, contenders taking turns, median of several timed steps each.
+
+    python benchmarks/train_step.py [--preset u-visualbert] [--batch 32] [--text 16] [--runs 5] [--no-write]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from encoder import cpu_name, write_section  # noqa: E402
+
+from models import HeadConfig, VLInputs, create_model  # noqa: E402
+
+HEADING = "## Training step: the levers of the demo's time budget"
+# name -> (bf16, freeze word embeddings, foreach AdamW, regions)
+CONTENDERS = {
+    "fp32, 16 regions (today's finetune)": (False, False, False, 16),
+    "fp32, frozen word embeddings": (False, True, False, 16),
+    "fp32, foreach AdamW": (False, False, True, 16),
+    "bf16": (True, False, False, 16),
+    "bf16 + frozen + foreach": (True, True, True, 16),
+    "bf16 + frozen + foreach, 8 regions": (True, True, True, 8),
+}
+
+
+def contender(preset: str, batch: int, text: int, bf16: bool, freeze: bool, foreach: bool, regions: int):
+    torch.manual_seed(0)
+    model = create_model(preset, "small", heads={"vqa": HeadConfig(kind="vqa", num_labels=30, vqa_loss="ce")},
+                         visual_feat_dim=512, feature_norm=True)
+    model.train()
+    if freeze:
+        model.encoder.embeddings.word_embeddings.weight.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=foreach)
+    g = torch.Generator().manual_seed(0)
+    inputs = VLInputs(torch.randint(1000, 2000, (batch, text), generator=g), torch.ones(batch, text, dtype=torch.long),
+                      torch.zeros(batch, text, dtype=torch.long), torch.randn(batch, regions, 512, generator=g),
+                      torch.rand(batch, regions, 4, generator=g).sort(-1).values, torch.ones(batch, regions, dtype=torch.long))
+    labels = torch.zeros(batch, 30)
+    labels[:, 3] = 1.0
+
+    def step() -> float:
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(inputs, "vqa", labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return time.perf_counter() - start
+
+    return step
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="u-visualbert")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--text", type=int, default=16, help="text tokens")
+    p.add_argument("--runs", type=int, default=5, help="timed steps per contender (after 2 warm-up steps)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    steps = {name: contender(args.preset, args.batch, args.text, *levers) for name, levers in CONTENDERS.items()}
+    for step in steps.values():
+        for _ in range(2):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.runs):  # taking turns, so a busy moment hits every contender
+        for name, step in steps.items():
+            times[name].append(step())
+    base = statistics.median(times[next(iter(CONTENDERS))])
+    rows = [f"| {name} | {statistics.median(t) * 1000:.0f} | **{base / statistics.median(t):.2f}x** | "
+            f"{args.batch / statistics.median(t):.0f} |" for name, t in times.items()]
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    section = "\n".join([
+        f"Command: `python benchmarks/train_step.py --preset {args.preset} --batch {args.batch} --text {args.text} --runs {args.runs}` · "
+        f"{datetime.date.today()} · {cpu_name()}, {args.threads} threads, load average after the runs {load} · torch {torch.__version__}.",
+        "",
+        f"One training step (forward, backward, AdamW) of `{args.preset}` small (hidden 384, 6 layers) with a VQA head, "
+        f"batch {args.batch}, {args.text} text tokens, random inputs; median of {args.runs} steps per contender, taking turns.",
+        "",
+        "| contender | ms per step | speed-up | examples/s |",
+        "|---|---|---|---|",
+        *rows,
+    ])
+    print(section)
+    if not args.no_write:
+        write_section(ROOT / "docs" / "BENCHMARKS.md", f"{HEADING}\n\n{section}", HEADING)
+
+
+if __name__ == "__main__":
+    main()
