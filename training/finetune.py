@@ -34,6 +34,7 @@ class FinetuneConfig:
     size: str = "small"  # encoder size (small: text side from MiniLM)
     vqa_pool: str = "pooled"  # "pooled" (CLS), "answer_slot" (VL-BERT's [MASK]) or "regions" (pooled + attention over regions)
     vqa_loss: str = "bce"  # "bce" (soft scores, the VQA standard) or "ce" (softmax; single-answer data learns faster)
+    freeze_word_embeddings: bool = False  # keep the (pretrained) word table fixed: no dense AdamW update of 30522 x H per step
     bf16: bool = False  # bfloat16 autocast for forward and backward (about 1.5x faster on CPUs with AVX512-BF16)
     feature_norm: bool = True  # standardise region features with statistics of the training regions (models.layers.FeatureNorm)
     init_text: bool = True  # start the text side from the pretrained MiniLM-L6 (unless init_from is set)
@@ -151,6 +152,8 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
     model = build_model(cfg, data.feature_dim, len(data.answers))
     if cfg.init_from is None:  # a pretrained encoder brings its own statistics
         fit_feature_norm(model, data.train_table)
+    if cfg.freeze_word_embeddings:  # before the optimizer: param_groups skips frozen parameters
+        model.encoder.embeddings.word_embeddings.weight.requires_grad_(False)
     opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

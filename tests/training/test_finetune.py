@@ -160,3 +160,15 @@ def test_init_from_is_checked_before_training(task_data, source_checkpoint, tmp_
                                       "--size", "tiny", "--init-from", str(source_checkpoint)])
     assert result.exit_code == 2 and "--init-from: " in result.stderr and "expected 'visualbert'" in result.stderr, result.output
     assert not (tmp_path / "x").exists()
+
+
+def test_frozen_word_embeddings_stay_fixed_while_the_rest_learns(task_data, tmp_path):
+    detector, data = task_data
+    torch.manual_seed(0)
+    initial = build_model(tiny(tmp_path / "f", detector), data.feature_dim, len(data.answers))
+    before = initial.encoder.embeddings.word_embeddings.weight.clone()
+    train(tiny(tmp_path / "f", detector, steps=20, freeze_word_embeddings=True, seed=0), data=data, progress=False)
+    after = load_checkpoint(tmp_path / "f").model
+    torch.testing.assert_close(after.encoder.embeddings.word_embeddings.weight, before, rtol=0, atol=0)
+    moved = [n for n, p in after.named_parameters() if "word_embeddings" not in n and not torch.equal(p, dict(initial.named_parameters())[n])]
+    assert len(moved) > 0.8 * (len(list(after.parameters())) - 1)  # the rest trains (a few tensors get no gradient in 20 steps)
