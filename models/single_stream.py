@@ -45,7 +45,8 @@ class VisualBertEmbeddings(TextEmbeddings):
 
 
 class UVisualBertEmbeddings(VisualBertEmbeddings):
-    """U-VisualBERT: VisualBERT's regions plus box geometry and the detector tag, embedded with the word table."""
+    """U-VisualBERT: VisualBERT's regions plus box geometry and the detector tags (tag_ids (B, N) one word per region,
+    or (B, N, T) several: class and attribute words), embedded with the word table and summed."""
 
     def __init__(self, config: EncoderConfig):
         super().__init__(config)
@@ -54,8 +55,9 @@ class UVisualBertEmbeddings(VisualBertEmbeddings):
     def visual(self, region_features, region_boxes, image_feature, tag_ids) -> torch.Tensor:
         vis = super().visual(region_features, region_boxes, image_feature, tag_ids) + self.box_projection(region_boxes)
         if tag_ids is not None:
-            has_tag = (tag_ids >= 0).unsqueeze(-1)  # (B, N, 1); -1 = region without a tag
-            vis = vis + self.word_embeddings(tag_ids.clamp(min=0)) * has_tag
+            tags = tag_ids if tag_ids.dim() == region_boxes.dim() else tag_ids.unsqueeze(-1)  # (B, N, T) words per region
+            has_tag = (tags >= 0).unsqueeze(-1)  # (B, N, T, 1); -1 = no tag in that slot
+            vis = vis + (self.word_embeddings(tags.clamp(min=0)) * has_tag).sum(2)
         return vis  # (B, N, H)
 
 

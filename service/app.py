@@ -134,25 +134,26 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
     metrics: Metrics = app.state.metrics
     async with AsyncExitStack() as stack:
+        # One thread runs every model call (load, warm-up, detector, encoder): torch's OpenMP pool belongs to the
+        # thread that calls it, and a second calling thread brings a second pool that competes for the same cores.
+        # Measured on 2 cores: once two threads had called the demo encoder, every call took 1.55x as long.
+        inference = ThreadPoolExecutor(1, thread_name_prefix="vlserve-inference")
+        stack.callback(inference.shutdown, wait=False, cancel_futures=True)
+        loop = asyncio.get_running_loop()
         try:
-            loaded = await asyncio.to_thread(load_models, settings)
-            runtime = create_runtime(settings, loaded.checkpoint)
+            loaded = await loop.run_in_executor(inference, load_models, settings)
+            runtime = await loop.run_in_executor(inference, create_runtime, settings, loaded.checkpoint)
         except (StartupError, ValueError) as exc:
             app.state.startup_error = str(exc)  # `vlserve serve` prints it as one line
             raise StartupError(str(exc)) from None
         stack.callback(runtime.close)
         store = create_store(settings, loaded.fingerprint)
         stack.push_async_callback(store.close)
-        # one thread each: the detector and the encoder run side by side, never two batches of one
-        detector_pool = ThreadPoolExecutor(1, thread_name_prefix="vlserve-detector")
-        encoder_pool = ThreadPoolExecutor(1, thread_name_prefix="vlserve-encoder")
-        stack.callback(detector_pool.shutdown, wait=False, cancel_futures=True)
-        stack.callback(encoder_pool.shutdown, wait=False, cancel_futures=True)
 
         regions = RegionService(
             loaded.detector, loaded.fingerprint, store,
             BatcherConfig(settings.detector_max_batch_size, settings.detector_max_wait_ms, settings.max_queue),
-            settings.max_pixels, detector_pool, on_batch=metrics.on_batch("detector"))
+            settings.max_pixels, inference, on_batch=metrics.on_batch("detector"))
         config = model_config(loaded.checkpoint)
         specs = task_specs(runtime.tasks, {t: {"pool": h.pool} for t, h in config.heads.items()}, loaded.checkpoint.labels)
         model = model_info(loaded, runtime.name)
@@ -163,7 +164,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         def encoder_batcher(spec: TaskSpec) -> Batcher:
             split = streams is not None and spec.kind == "itm"
             fn = fused_batch_fn(runtime, spec.task, streams) if split else batch_fn(runtime, spec.task)
-            return Batcher(spec.task, fn, encoder_batching, encoder_pool, on_batch=metrics.on_batch(spec.task),
+            return Batcher(spec.task, fn, encoder_batching, inference, on_batch=metrics.on_batch(spec.task),
                            in_flight=encoder_busy)
 
         batchers = {spec.task: encoder_batcher(spec) for spec in specs.values()}
@@ -176,7 +177,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         for batcher in batchers.values():
             await batcher.start()
             stack.push_async_callback(batcher.stop, settings.shutdown_timeout_s)
-        await asyncio.to_thread(warm_up, loaded, pipeline, runtime)
+        await loop.run_in_executor(inference, warm_up, loaded, pipeline, runtime)
 
         app.state.services = Services(pipeline=pipeline, model=model)
         app.state.ready = True

@@ -268,3 +268,33 @@ def test_concurrent_requests_for_one_new_image_run_the_detector_once(client, mak
     assert all(r.status_code == 200 for r in answers)
     assert len({r.json()["image_id"] for r in answers}) == 1
     assert regions_of(client).detector_runs == runs + 1
+
+
+def test_every_model_call_runs_on_one_inference_thread(make_settings, make_png, monkeypatch):
+    """torch's OpenMP pool belongs to the calling thread: loading, warm-up, the detector and every task's encoder
+    batches all run on the one `vlserve-inference` thread, so no second pool competes for the cores."""
+    import threading
+
+    from models.detector.model import RegionDetector
+    from service.runtime.torch_runtime import TorchRuntime
+
+    threads: set[str] = set()
+
+    def spy(cls, name):
+        original = getattr(cls, name)
+
+        def wrapper(self, *args, **kwargs):
+            threads.add(threading.current_thread().name)
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, wrapper)
+
+    spy(RegionDetector, "extract")
+    spy(TorchRuntime, "run")
+    with TestClient(create_app(make_settings())) as c:
+        body = {"image": base64.b64encode(make_png(seed=3)).decode(), "question": "what colour is it?"}
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: c.post("/vqa", json=body), range(8)))
+        assert all(r.status_code == 200 for r in answers)
+        assert c.post("/refer", json={"image": body["image"], "expression": "the circle"}).status_code == 200
+    assert len(threads) == 1 and next(iter(threads)).startswith("vlserve-inference"), threads
