@@ -186,3 +186,23 @@ def test_same_seed_same_init(preset, make_model):
 def test_bad_config_is_a_clear_value_error(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_u_visualbert_sums_several_tag_words_per_region(make_model, make_batch):
+    """tag_ids (B, N) and (B, N, 1) are the same input; a (B, N, T) slot of -1 adds nothing; a second real word
+    per region (e.g. an attribute beside the class) adds its word embedding to that region only."""
+    model = make_model("u-visualbert", "vqa").eval()
+    inputs = make_batch(model.config.encoder)
+    tags = inputs.tag_ids
+    assert tags is not None and tags.dim() == 2
+    with torch.no_grad():
+        flat = model(inputs, "vqa").logits
+        one = model(inputs.replace(tag_ids=tags.unsqueeze(-1)), "vqa").logits
+        padded = model(inputs.replace(tag_ids=torch.stack([tags, torch.full_like(tags, -1)], -1)), "vqa").logits
+        emb = model.encoder.embeddings
+        two = torch.stack([tags, torch.full_like(tags, 2000)], -1)
+        vis_one = emb.visual(inputs.region_features, inputs.region_boxes, None, tags)
+        vis_two = emb.visual(inputs.region_features, inputs.region_boxes, None, two)
+    torch.testing.assert_close(one, flat)
+    torch.testing.assert_close(padded, flat)
+    torch.testing.assert_close(vis_two - vis_one, emb.word_embeddings.weight[2000].expand_as(vis_one))
