@@ -166,6 +166,7 @@ def test_optimized_and_int8_graphs_record_their_parity(checkpoint, tmp_path):
         assert 0.5 <= report["int8"]["agreement"] <= 1 and "int8_agreement_change_points" in report, task
     ops = {n.op_type for n in onnx.load(str(repo.graph_path("vqa"))).graph.node}
     assert {"DynamicQuantizeLinear", "MatMulInteger"} & ops
+    assert "QAttention" in ops and "Attention" not in ops, ops  # the fused self-attention's QKV GEMM is int8 too
 
 
 def test_int8_past_its_agreement_bound_fails_loudly(checkpoint, tmp_path):
