@@ -155,7 +155,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             BatcherConfig(settings.detector_max_batch_size, settings.detector_max_wait_ms, settings.max_queue),
             settings.max_pixels, inference, on_batch=metrics.on_batch("detector"))
         config = model_config(loaded.checkpoint)
-        specs = task_specs(runtime.tasks, {t: {"pool": h.pool} for t, h in config.heads.items()}, loaded.checkpoint.labels)
+        specs = task_specs(runtime.tasks, {t: {"pool": h.pool, "vqa_loss": h.vqa_loss} for t, h in config.heads.items()}, loaded.checkpoint.labels)
         model = model_info(loaded, runtime.name)
         streams = stream_cache(settings, runtime, specs, model)
         encoder_batching = BatcherConfig(settings.max_batch_size, settings.max_wait_ms, settings.max_queue)

@@ -46,10 +46,11 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(-1, keepdims=True)
 
 
-def top_answers(logits: np.ndarray, names: Sequence[str], k: int) -> list[tuple[str, float]]:
-    """(answer, sigmoid score) of the k best answers of a soft-score VQA head, best first."""
+def top_answers(logits: np.ndarray, names: Sequence[str], k: int, softmax_scores: bool = False) -> list[tuple[str, float]]:
+    """(answer, score) of the k best answers, best first: a sigmoid per answer for a soft-score (BCE) VQA head,
+    the softmax over the answers for a head trained with cross-entropy (vqa_loss "ce")."""
     order = np.argsort(-logits, kind="stable")[:k]
-    scores = sigmoid(logits.astype(np.float64))
+    scores = (softmax if softmax_scores else sigmoid)(logits.astype(np.float64))
     return [(names[i], float(scores[i])) for i in order]
 
 
@@ -116,6 +117,7 @@ class TaskSpec:
     kind: str  # head kind (vqa, refer, itm, nlvr2)
     answer_slot: bool = False  # VQA read from the [MASK] slot: the text layout needs one
     labels: tuple[str, ...] = ()  # VQA answer names
+    softmax_scores: bool = False  # VQA head trained with cross-entropy: answer scores are a softmax, not sigmoids
 
 
 @dataclass(frozen=True)
@@ -134,7 +136,8 @@ def task_specs(tasks: dict[str, str], head_options: dict[str, dict[str, Any]], l
             continue
         names = tuple((labels.get("heads") or {}).get(task) or ())
         options = head_options.get(task, {})
-        specs[kind] = TaskSpec(task, kind, answer_slot=options.get("pool") == "answer_slot", labels=names)
+        specs[kind] = TaskSpec(task, kind, answer_slot=options.get("pool") == "answer_slot", labels=names,
+                               softmax_scores=options.get("vqa_loss") == "ce")
     return specs
 
 
@@ -279,7 +282,7 @@ class Pipeline:
         image_id, rf = await self.image(data, image_id, timer)
         (logits,) = await self.run(spec, [{**text, **region_arrays([rf])}], timer)
         names = spec.labels or tuple(f"answer_{i}" for i in range(logits.shape[-1]))
-        answers = top_answers(logits, names, top_k)
+        answers = top_answers(logits, names, top_k, spec.softmax_scores)
         return {"image_id": image_id, "answers": [{"answer": a, "score": s} for a, s in answers]}
 
     async def refer(self, data: bytes | None, image_id: str | None, expression: str, timer: Timer) -> dict[str, Any]:

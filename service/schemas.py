@@ -167,7 +167,7 @@ class TaskResponse(BaseModel):
 
 class Answer(BaseModel):
     answer: str
-    score: float = Field(description="sigmoid of the answer logit (soft-score VQA head)")
+    score: float = Field(description="sigmoid of the answer logit (soft-score VQA head), or the softmax over the answers (head trained with cross-entropy)")
 
 
 class VQAResponse(TaskResponse):

@@ -154,7 +154,7 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
         fit_feature_norm(model, data.train_table)
     if cfg.freeze_word_embeddings:  # before the optimizer: param_groups skips frozen parameters
         model.encoder.embeddings.word_embeddings.weight.requires_grad_(False)
-    opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr)
+    opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, foreach=True)  # one fused update, not one per tensor
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     step, losses = (load_state(out / STATE, model, opt, rng) if (out / STATE).exists() else (0, []))

@@ -278,7 +278,7 @@ def pretrain(cfg: PretrainConfig, data: TaskData | None = None, progress: bool =
     model = build_model(cfg, detector.feature_dim, len(data.objects), len(data.answers))
     fit_feature_norm(model, data.train_table)
     batches = BatchBuilder(cfg, data, tokenizer)
-    opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr)
+    opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, foreach=True)  # one fused update, not one per tensor
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     # records: one {objective: loss, "total": loss} per step; resumed with the state

@@ -23,11 +23,20 @@ class Profile:
     proposals: int = 150  # RPN proposals per image at inference
     preset: str = "visualbert"
     size: str = "small"
+    vqa_pool: str = "pooled"  # FinetuneConfig.vqa_pool
+    vqa_loss: str = "bce"  # FinetuneConfig.vqa_loss
+    lr: float = 1e-4  # encoder peak learning rate
+    bf16: bool = False  # bfloat16 autocast (AVX512-BF16 CPUs: about 1.6x per step)
+    freeze_word_embeddings: bool = False  # no dense AdamW update of the 30522-row word table (1.24x per step)
 
 
 PROFILES = {
-    "demo": Profile(detector_steps=200, train_scenes=3_000, eval_scenes=500, finetune_steps=800, batch_size=32,
-                    easy_vqa_images=2_000, num_boxes=16, proposals=100),
+    # The measured levers of docs/BENCHMARKS.md ("Training step") and docs/RESULTS.md: 8 regions (shapes scenes
+    # hold at most 6 objects), bf16, a frozen word table, region attention pooling for VQA, softmax VQA loss,
+    # box geometry (u-visualbert) for the relation questions.
+    "demo": Profile(detector_steps=200, train_scenes=3_000, eval_scenes=500, finetune_steps=900, batch_size=32,
+                    easy_vqa_images=2_000, num_boxes=8, proposals=100, preset="u-visualbert", vqa_pool="regions",
+                    vqa_loss="ce", lr=2e-4, bf16=True, freeze_word_embeddings=True),
     "full": Profile(detector_steps=800, train_scenes=20_000, eval_scenes=2_000, finetune_steps=6_000, batch_size=48),
 }
 
@@ -59,7 +68,8 @@ def build_zoo(profile: str = "demo", root: Path | None = None, force: bool = Fal
     det_seconds = time.perf_counter() - started
     cfg = FinetuneConfig(out=enc_dir, detector_dir=det_dir, preset=p.preset, size=p.size, train_scenes=p.train_scenes,
                          eval_scenes=p.eval_scenes, steps=p.finetune_steps, batch_size=p.batch_size,
-                         easy_vqa_images=p.easy_vqa_images,
+                         easy_vqa_images=p.easy_vqa_images, vqa_pool=p.vqa_pool, vqa_loss=p.vqa_loss, lr=p.lr,
+                         bf16=p.bf16, freeze_word_embeddings=p.freeze_word_embeddings,
                          eval_every=max(1, p.finetune_steps // 3), threads=threads)
     metrics = train(cfg, progress=progress)
     card = model_card(profile, p, det_dir, metrics, det_seconds, time.perf_counter() - started)
@@ -70,6 +80,7 @@ def build_zoo(profile: str = "demo", root: Path | None = None, force: bool = Fal
 def model_card(name: str, p: Profile, det_dir: Path, metrics: dict, det_seconds: float, total_seconds: float) -> str:
     det = json.loads((det_dir / "metrics.json").read_text())
     rows = "\n".join(f"| {k} | {v} |" for k, v in metrics["final"].items())
+    vqa_objective = "softmax cross-entropy" if p.vqa_loss == "ce" else "soft-score BCE"
     return f"""# vlserve model set `{name}`
 
 Built by `vlserve zoo build --profile {name}` in {total_seconds / 60:.1f} min on this machine.
@@ -81,10 +92,12 @@ Fingerprint `{det["fingerprint"]}`.
 
 ## Encoder
 `{p.preset}` size `{p.size}` (hidden 384, text side from the pretrained MiniLM-L6), one shared encoder with heads
-vqa, refer, itm, nlvr2, trained together for {p.finetune_steps} steps (batch {p.batch_size}) on {p.train_scenes}
-shapes-world scenes (VQA, referring expressions, captions with hard and random negatives, NLVR2 pairs) plus the
-easy-VQA training questions; objectives: soft-score BCE (VQA), IoU>=0.5 soft-target cross-entropy (refer),
-cross-entropy (ITM, NLVR2). No pretraining stage in this profile. Training time {metrics["train_seconds"] / 60:.1f} min.
+vqa, refer, itm, nlvr2, trained together for {p.finetune_steps} steps (batch {p.batch_size}, encoder lr {p.lr:g}) on
+{p.train_scenes} shapes-world scenes (VQA, referring expressions, captions with hard and random negatives, NLVR2
+pairs) plus the easy-VQA training questions, {p.num_boxes} regions per image; objectives: {vqa_objective} (VQA,
+read from {p.vqa_pool}), IoU>=0.5 soft-target cross-entropy (refer), cross-entropy (ITM, NLVR2).
+{"bfloat16 autocast" if p.bf16 else "float32"}{", word embeddings frozen" if p.freeze_word_embeddings else ""}.
+No pretraining stage in this profile. Training time {metrics["train_seconds"] / 60:.1f} min.
 
 | metric (val / easy-VQA test) | value |
 |---|---|

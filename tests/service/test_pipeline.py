@@ -17,6 +17,14 @@ def test_top_answers_are_sigmoid_scores_best_first():
     assert got[0][1] == pytest.approx(1 / (1 + np.exp(-2.0))) and got[2][1] == pytest.approx(0.5)
 
 
+def test_top_answers_of_a_cross_entropy_head_are_softmax_probabilities():
+    logits = np.array([0.0, 2.0, -1.0, 1.0], np.float32)
+    got = top_answers(logits, ["a", "b", "c", "d"], 4, softmax_scores=True)
+    probs = np.exp(logits) / np.exp(logits).sum()
+    assert [a for a, _ in got] == ["b", "d", "a", "c"]
+    assert [p for _, p in got] == pytest.approx(sorted(probs, reverse=True)) and sum(p for _, p in got) == pytest.approx(1)
+
+
 def test_ranked_regions_ignore_padding():
     logits = np.array([1.0, 3.0, 2.0, -1e4, -1e4], np.float32)  # two padded regions
     got = ranked_regions(logits, num_boxes=3, k=5)
@@ -45,6 +53,8 @@ def test_task_specs_pick_the_first_head_of_each_served_kind():
     assert set(specs) == {"vqa", "itm"}
     assert specs["vqa"].task == "gqa" and specs["vqa"].answer_slot and specs["vqa"].labels == ("yes", "no")
     assert specs["itm"].task == "itm" and not specs["itm"].answer_slot
+    assert not specs["vqa"].softmax_scores
+    assert task_specs({"vqa": "vqa"}, {"vqa": {"vqa_loss": "ce"}}, {})["vqa"].softmax_scores
 
 
 @pytest.mark.parametrize("text", [
