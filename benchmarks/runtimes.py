@@ -4,7 +4,7 @@ BERT-base visualbert (H768, 12 layers, 2048-d regions) with a VQA head (3129 ans
 transformers' VisualBertModel through our key map (benchmarks/encoder.py build_models), 20 text tokens +
 36 regions, batch 1 and 32, CPU fp32, every contender with the same number of threads. The checkpoint is
 exported with `export_repository(optimize=True)` (fused Attention, skip-LayerNorm, GELU), and its served
-graph quantized to int8 (dynamic: MatMul, Gemm, Attention). Contenders take turns; medians after warm-up. GFLOP/s counts
+graph quantized to int8 (dynamic, per-channel weights: MatMul, Gemm, Attention). Contenders take turns; medians after warm-up. GFLOP/s counts
 the encoder's matmuls and is compared with onnxruntime's own fp32 MatMul peak on this machine. Then the
 detector: torch RegionDetector.extract vs its exported graph, 128x128 and 480x640 images. The markdown
 section is printed and written into docs/BENCHMARKS.md under its own heading, leaving other sections alone.
@@ -159,7 +159,7 @@ def main() -> None:
         "tokens + 36 regions, no padding, weights from transformers' VisualBertModel (random) through our key map. "
         "transformers eager runs the encoder only (no head: < 0.2% of the FLOPs). vlserve torch is the service's "
         "TorchRuntime (oneDNN pre-packed linears). onnxruntime fp32 optimized is the graph `vlserve export --optimize` "
-        f"writes (fused operators: {fused_ops}); int8 is that graph after dynamic quantization (QInt8 MatMul/Gemm/Attention "
+        f"writes (fused operators: {fused_ops}); int8 is that graph after dynamic quantization (QInt8 per-channel MatMul/Gemm/Attention "
         f"weights). Median of {runs} runs per contender, taking turns, after 2 warm-up runs. GFLOP counts the "
         "encoder's matmuls (2 per multiply-add); the peak is onnxruntime's own fp32 MatMul (n = 4096, best of 6, before and after the runs): "
         f"{peak_text}.",

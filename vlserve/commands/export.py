@@ -14,7 +14,7 @@ def export(
     out: Annotated[Path, typer.Option(help="repository directory to create (must not exist or be empty)")],
     fmt: Annotated[str, typer.Option("--format", help="onnx, or tensorrt (also fp16 TensorRT engines; needs the tensorrt package and a CUDA GPU)")] = "onnx",
     optimize: Annotated[bool, typer.Option("--optimize", help="onnxruntime transformer fusions (attention, skip-LayerNorm, GELU)")] = False,
-    quantize: Annotated[str | None, typer.Option(help="int8: dynamic quantization of MatMul/Gemm weights and the fused self-attention")] = None,
+    quantize: Annotated[str | None, typer.Option(help="int8: dynamic quantization (per-channel weights) of MatMul/Gemm and the fused self-attention")] = None,
     fp16: Annotated[bool, typer.Option("--fp16", help="also fp16 graphs (fp32 inputs/outputs) for the CUDA and TensorRT execution providers")] = False,
     opset: Annotated[int, typer.Option(help="ONNX opset of the graphs")] = 17,
     exporter: Annotated[str, typer.Option(help="torchscript (default) or dynamo")] = "torchscript",

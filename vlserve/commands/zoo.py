@@ -1,6 +1,7 @@
 """`vlserve zoo build`: build a model set (detector + multi-task encoder + model card) into the cache."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -12,7 +13,9 @@ app = typer.Typer(help="Build the model sets the service runs on.", no_args_is_h
 @app.command("build")
 def build(
     profile: Annotated[str, typer.Option(help="demo (CPU, minutes) or full (up to an hour)")] = "demo",
-    root: Annotated[Path | None, typer.Option(help="cache root (default $VLSERVE_CACHE or ~/.cache/vlserve)")] = None,
+    root: Annotated[Path | None, typer.Option(help="cache root of everything the build writes: shapes-world data, "
+                                              "region features, the model set (default $VLSERVE_CACHE or "
+                                              "~/.cache/vlserve)")] = None,
     force: Annotated[bool, typer.Option(help="rebuild even if it exists")] = False,
     threads: Annotated[int, typer.Option(min=1)] = 2,
 ) -> None:
@@ -22,5 +25,7 @@ def build(
     if profile not in PROFILES:
         typer.echo(f"error: unknown profile {profile!r}; choose one of {', '.join(PROFILES)}", err=True)
         raise typer.Exit(2)
+    if root is not None:  # data and feature caches read the cache root from the environment
+        os.environ["VLSERVE_CACHE"] = str(root)
     path = build_zoo(profile, root, force=force, threads=threads)
     typer.echo(str(path))
