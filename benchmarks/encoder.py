@@ -85,6 +85,30 @@ def gemm_peak_onnxruntime(n: int = 4096, threads: int = 2, repeats: int = 6) -> 
     return 2 * n**3 / min(timed(lambda: sess.run(None, feeds)) for _ in range(repeats)) / 1e9
 
 
+def int8_gemm_peak_onnxruntime(n: int = 4096, threads: int = 2, repeats: int = 6) -> float | None:
+    """Best int8 GOP/s of onnxruntime's MatMulInteger (uint8 activations x int8 constant weights, what dynamic
+    quantization runs), or None when onnxruntime or onnx is not installed."""
+    try:
+        import numpy as np
+        import onnxruntime as ort
+        from onnx import TensorProto, helper, numpy_helper
+    except ImportError:
+        return None
+    weights = numpy_helper.from_array(np.random.randint(-127, 128, (n, n), dtype=np.int8), "B")
+    graph = helper.make_graph(
+        [helper.make_node("MatMulInteger", ["A", "B"], ["C"])], "matmul_integer",
+        [helper.make_tensor_value_info("A", TensorProto.UINT8, [n, n])],
+        [helper.make_tensor_value_info("C", TensorProto.INT32, [n, n])], initializer=[weights],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    feeds = {"A": np.random.randint(0, 256, (n, n), dtype=np.uint8)}
+    sess.run(None, feeds)  # warm-up
+    return 2 * n**3 / min(timed(lambda: sess.run(None, feeds)) for _ in range(repeats)) / 1e9
+
+
 @torch.no_grad()
 def build_models() -> tuple[VLModel, torch.nn.Module]:
     """transformers' VisualBertModel with random weights, and ours with the same weights through our key map."""
