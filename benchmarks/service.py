@@ -10,7 +10,7 @@ on one padded example, in-process) for the service-overhead target at 1 client. 
 and written into docs/BENCHMARKS.md under its own heading, leaving other sections alone.
 
     python benchmarks/service.py [--model-dir CKPT --detector-dir DET] [--size tiny|small] [--clients 1 8 32]
-                                 [--seconds 10] [--threads 2] [--no-write]
+                                 [--seconds 10] [--repeats 3] [--threads 2] [--no-write]
     python benchmarks/service.py --baseline-server --model-dir CKPT --detector-dir DET --port P   (contender c)
 
 Without --model-dir a random-weight model of --size is built in a temporary folder (the demo model does not
@@ -261,6 +261,12 @@ async def load(url: str, pictures: list[str], clients: int, seconds: float, warm
             "p50": pct(0.50), "p99": pct(0.99)}
 
 
+def median_cell(runs: list[dict]) -> dict:
+    """One cell from several rounds: the median of each measure, the sum of errors."""
+    return {"clients": runs[0]["clients"], "requests": sum(r["requests"] for r in runs), "errors": sum(r["errors"] for r in runs),
+            **{k: statistics.median(r[k] for r in runs) for k in ("throughput", "p50", "p99")}}
+
+
 async def register(url: str, pictures: list[str]) -> None:
     """Warm vlserve's feature store: every image's regions computed once before the timed runs."""
     import httpx
@@ -314,7 +320,8 @@ def section(rows: dict[str, list[dict]], bare_ms: float, batch32_ms: float, args
         f"Model: {size}. Loopback HTTP, POST /vqa with inline base64 PNGs (320x240), {args.images} distinct images "
         f"round-robin (repeated images), closed-loop clients in one asyncio process on the same machine (raw HTTP/1.1 on "
         "kept-alive sockets, request bytes built once), "
-        f"{args.seconds:g} s measured after {args.warmup:g} s of warm-up per cell. vlserve's feature store is "
+        f"{args.seconds:g} s measured after {args.warmup:g} s of warm-up per cell; all servers run side by side and take turns "
+        f"in {args.repeats} rounds, and each cell is the median of its rounds. vlserve's feature store is "
         "in-process and warmed with POST /images first; the per-request pipeline decodes, detects and encodes "
         "every request alone.", "",
         "| contender | clients | req/s | p50 ms | p99 ms | errors |",
@@ -350,6 +357,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--seconds", type=float, default=10.0, help="measured time per contender and client count")
     parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured load before each measurement")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; each cell reports the median of its rounds")
     parser.add_argument("--images", type=int, default=8, help="distinct images sent round-robin")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each server")
     parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS))
@@ -374,22 +382,27 @@ def main() -> None:
             size = f"visualbert {args.size}, random weights, one VQA head; detector at {args.size} size"
         pictures = images(args.images)
         bare_ms, batch32_ms = bare_model_ms(args.model_dir, args.detector_dir, pictures[0], args.threads)
-        rows: dict[str, list[dict]] = {}
-        for name in args.contenders:
-            proc, url = start_server(name, args.model_dir, args.detector_dir, args.threads)
-            try:
+        servers = {name: start_server(name, args.model_dir, args.detector_dir, args.threads) for name in args.contenders}
+        try:
+            for name, (proc, url) in servers.items():
                 asyncio.run(wait_ready(proc, url))
                 if CONTENDERS[name] is not None:
                     asyncio.run(register(url, pictures))
-                rows[name] = []
+            # Rounds in which every contender takes its turn at every client count: drift of the shared machine
+            # over the run hits all contenders alike; each cell reports the median of its rounds.
+            cells: dict[tuple[str, int], list[dict]] = {}
+            for r in range(args.repeats):
                 for clients in args.clients:
-                    cell = asyncio.run(load(url, pictures, clients, args.seconds, args.warmup))
-                    print(f"{name:24s} {clients:3d} clients: {cell['throughput']:7.1f} req/s  p50 {cell['p50']:8.1f} ms  "
-                          f"p99 {cell['p99']:8.1f} ms  errors {cell['errors']}", file=sys.stderr)
-                    rows[name].append(cell)
-            finally:
+                    for name, (_, url) in servers.items():
+                        cell = asyncio.run(load(url, pictures, clients, args.seconds, args.warmup))
+                        cells.setdefault((name, clients), []).append(cell)
+                        print(f"round {r + 1} {name:24s} {clients:3d} clients: {cell['throughput']:7.1f} req/s  "
+                              f"p50 {cell['p50']:8.1f} ms  p99 {cell['p99']:8.1f} ms  errors {cell['errors']}", file=sys.stderr)
+        finally:
+            for proc, _ in servers.values():
                 proc.terminate()
                 proc.wait(60)
+        rows = {name: [median_cell(cells[(name, c)]) for c in args.clients] for name in servers}
     text = section(rows, bare_ms, batch32_ms, args, size)
     print(text)
     if not args.no_write and set(rows) == set(CONTENDERS):
