@@ -48,7 +48,7 @@ ap.add_argument("--eval", type=int, default=600)
 ap.add_argument("--warmup", type=int, default=50)
 ap.add_argument("--filter", default="")
 ap.add_argument("--vis-scale", type=float, default=1.0)
-ap.add_argument("--cache", type=Path, default=Path.home() / ".cache/vlserve/runs/demo_recipe_attributes.npz")
+ap.add_argument("--cache", type=Path, default=None, help="attribute cache (default: per detector fingerprint)")
 ap.add_argument("--fp32", action="store_true")
 args = ap.parse_args()
 torch.manual_seed(0); torch.set_num_threads(2)
@@ -59,9 +59,9 @@ print("data", time.time() - t0, flush=True)
 tok = VLTokenizer.pretrained_minilm(max_length=40)
 
 # ---- tags: re-run the detector keeping all attribute probabilities (cached)
-cache = args.cache
+cache = args.cache or Path.home() / ".cache/vlserve/runs" / f"demo_recipe_attributes-{data.fingerprint}.npz"
 cache.parent.mkdir(parents=True, exist_ok=True)
-if not cache.exists():
+if args.tags != "none" and not cache.exists():
     det, _ = load_detector(DET)
     stash = []
     orig = detmodel.RegionDetector._regions
@@ -88,7 +88,7 @@ if not cache.exists():
                              run([load_image(ez_te.image_paths[i]) for i in ids_te])])
     print("attr extraction", time.time() - t1, flush=True)
     np.savez(cache, train=A_train, eval=A_eval)
-A = np.load(cache)
+A = np.load(cache) if args.tags != "none" else None
 labels = json.loads((DET / "labels.json").read_text())
 obj_w = np.array([tok.word_id(w) for w in labels["objects"]]); attr_w = np.array([tok.word_id(w) for w in labels["attributes"]])
 def tag_table(table, probs):
@@ -100,12 +100,15 @@ def tag_table(table, probs):
         tags[..., 1] = np.where(real, attr_w[probs[:, :n, :8].argmax(-1)], -1)
         tags[..., 2] = np.where(real, attr_w[8 + probs[:, :n, 8:].argmax(-1)], -1)
     return tags
-assert A["train"].shape[0] == len(data.train_table), (A["train"].shape, len(data.train_table))
-T_train = tag_table(data.train_table, A["train"]); T_eval = tag_table(data.eval_table, A["eval"])
+if A is not None:
+    assert A["train"].shape[0] == len(data.train_table), (A["train"].shape, len(data.train_table))
+    T_train = tag_table(data.train_table, A["train"]); T_eval = tag_table(data.eval_table, A["eval"])
+else:
+    T_train = T_eval = np.full((1, 1, 1), -1)  # unused: --tags none
 R = args.regions
 for t in (data.train_table, data.eval_table):
     t.features, t.boxes, t.pixel_boxes, t.mask, t.obj_ids = (t.features[:, :R], t.boxes[:, :R], t.pixel_boxes[:, :R], t.mask[:, :R], t.obj_ids[:, :R])
-T_train, T_eval = T_train[:, :R], T_eval[:, :R]
+T_train, T_eval = T_train[:, :R], T_eval[:, :R]  # no-op for the unused placeholder
 if args.filter:
     data.train["vqa"] = [e for e in data.train["vqa"] if e.text.lower().startswith(args.filter)]
     print("filtered", len(data.train["vqa"]))
