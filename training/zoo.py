@@ -34,7 +34,7 @@ PROFILES = {
     # The measured levers of docs/BENCHMARKS.md ("Training step") and docs/RESULTS.md: 8 regions (shapes scenes
     # hold at most 6 objects), bf16, a frozen word table, region attention pooling for VQA, softmax VQA loss,
     # box geometry (u-visualbert) for the relation questions.
-    "demo": Profile(detector_steps=200, train_scenes=3_000, eval_scenes=500, finetune_steps=900, batch_size=32,
+    "demo": Profile(detector_steps=200, train_scenes=3_000, eval_scenes=500, finetune_steps=1_500, batch_size=32,
                     easy_vqa_images=2_000, num_boxes=8, proposals=100, preset="u-visualbert", vqa_pool="regions",
                     vqa_loss="ce", lr=2e-4, bf16=True, freeze_word_embeddings=True),
     "full": Profile(detector_steps=800, train_scenes=20_000, eval_scenes=2_000, finetune_steps=6_000, batch_size=48),
