@@ -140,7 +140,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(name: str, model_dir: Path, detector_dir: Path, threads: int) -> tuple[subprocess.Popen, str]:
+def start_server(name: str, model_dir: Path, detector_dir: Path, threads: int, precision: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     if CONTENDERS[name] is None:
@@ -149,7 +149,7 @@ def start_server(name: str, model_dir: Path, detector_dir: Path, threads: int) -
     else:
         cmd = [sys.executable, "-m", "vlserve.cli", "serve", "--model-dir", str(model_dir), "--detector-dir",
                str(detector_dir), "--port", str(port), "--threads", str(threads), "--log-level", "warning",
-               "--max-queue", "1024", *CONTENDERS[name]]
+               "--max-queue", "1024", "--precision", precision, *CONTENDERS[name]]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     return proc, f"http://127.0.0.1:{port}"
 
@@ -277,7 +277,8 @@ async def register(url: str, pictures: list[str]) -> None:
             r.raise_for_status()
 
 
-def bare_model_ms(model_dir: Path, detector_dir: Path, picture: str, threads: int, runs: int = 50) -> tuple[float, float]:
+def bare_model_ms(model_dir: Path, detector_dir: Path, picture: str, threads: int, precision: str,
+                  runs: int = 50) -> tuple[float, float, str]:
     """Median ms per example of the runtime call alone, at batch 1 (what the service adds at 1 client is measured
     against it) and at batch 32 (the compute floor of a full batch: batching cannot beat 1-client / 32-batch)."""
     import torch
@@ -293,7 +294,7 @@ def bare_model_ms(model_dir: Path, detector_dir: Path, picture: str, threads: in
     detector, _ = load_detector(detector_dir)
     (rf,) = detector.extract([decode_image(base64.b64decode(picture))])
     ckpt = load_checkpoint(model_dir)
-    runtime = TorchRuntime(ckpt, threads=threads)
+    runtime = TorchRuntime(ckpt, threads=threads, precision=precision)
     text = {k: v[0] for k, v in ckpt.tokenizer.encode([QUESTION]).items()}
     item = {**text, **region_arrays([rf.to_float16()])}
     def per_example_ms(batch_size: int, runs: int) -> float:
@@ -305,19 +306,20 @@ def bare_model_ms(model_dir: Path, detector_dir: Path, picture: str, threads: in
                 times.append(time.perf_counter() - t0)
         return 1000 * statistics.median(times) / batch_size
 
-    return per_example_ms(1, runs), per_example_ms(32, max(5, runs // 5))
+    return per_example_ms(1, runs), per_example_ms(32, max(5, runs // 5)), runtime.precision
 
 
 # ---- report ----------------------------------------------------------------------------------------------
 
-def section(rows: dict[str, list[dict]], bare_ms: float, batch32_ms: float, args, size: str) -> str:
+def section(rows: dict[str, list[dict]], bare_ms: float, batch32_ms: float, args, size: str, precision: str) -> str:
     load_avg = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     lines = [
         HEADING, "",
         f"Command: `python benchmarks/service.py {' '.join(sys.argv[1:])}` · {datetime.date.today()} · "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch threads per server, "
         f"load average after the runs {load_avg}.", "",
-        f"Model: {size}. Loopback HTTP, POST /vqa with inline base64 PNGs (320x240), {args.images} distinct images "
+        f"Model: {size}; vlserve's torch runtime in {precision} (`--precision {args.precision}`), the per-request "
+        "pipeline in float32 eager as the transformers demos. Loopback HTTP, POST /vqa with inline base64 PNGs (320x240), {args.images} distinct images "
         f"round-robin (repeated images), closed-loop clients in one asyncio process on the same machine (raw HTTP/1.1 on "
         "kept-alive sockets, request bytes built once), "
         f"{args.seconds:g} s measured after {args.warmup:g} s of warm-up per cell; all servers run side by side and take turns "
@@ -360,6 +362,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds; each cell reports the median of its rounds")
     parser.add_argument("--images", type=int, default=8, help="distinct images sent round-robin")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each server")
+    parser.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+                        help="vlserve's torch runtime arithmetic (VLSERVE_PRECISION), also for the bare-model figures")
     parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS))
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     parser.add_argument("--baseline-server", action="store_true", help=argparse.SUPPRESS)
@@ -381,8 +385,10 @@ def main() -> None:
             args.model_dir, args.detector_dir = build_model(Path(tmp), args.size)
             size = f"visualbert {args.size}, random weights, one VQA head; detector at {args.size} size"
         pictures = images(args.images)
-        bare_ms, batch32_ms = bare_model_ms(args.model_dir, args.detector_dir, pictures[0], args.threads)
-        servers = {name: start_server(name, args.model_dir, args.detector_dir, args.threads) for name in args.contenders}
+        bare_ms, batch32_ms, precision = bare_model_ms(args.model_dir, args.detector_dir, pictures[0], args.threads,
+                                                       args.precision)
+        servers = {name: start_server(name, args.model_dir, args.detector_dir, args.threads, args.precision)
+                   for name in args.contenders}
         try:
             for name, (proc, url) in servers.items():
                 asyncio.run(wait_ready(proc, url))
@@ -403,7 +409,7 @@ def main() -> None:
                 proc.terminate()
                 proc.wait(60)
         rows = {name: [median_cell(cells[(name, c)]) for c in args.clients] for name in servers}
-    text = section(rows, bare_ms, batch32_ms, args, size)
+    text = section(rows, bare_ms, batch32_ms, args, size, precision)
     print(text)
     if not args.no_write and set(rows) == set(CONTENDERS):
         from benchmarks.detector import write_section

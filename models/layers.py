@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -27,16 +28,21 @@ def _weight_version(weight: torch.Tensor) -> int | None:
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and keys) whose CPU fp32 inference uses a oneDNN pre-packed weight.
+    """nn.Linear (same parameters and keys) whose CPU inference uses a oneDNN pre-packed weight.
 
     Plain nn.Linear (MKL sgemm) packs the weight inside every call; with few rows (batch 1: 56 tokens) that
     is a large share of the work, and the pre-packed oneDNN GEMM ran 1.2-1.4x faster here (docs/BENCHMARKS.md).
-    The packed copy is made on the first no-grad call and re-made whenever the weight changes. Autograd,
-    other devices and dtypes, tracing, compiling and ONNX export take the plain F.linear path.
+    The packed copy is made on the first no-grad call and re-made whenever the weight or `gemm_dtype` changes.
+    Autograd, other devices and dtypes, tracing, compiling and ONNX export take the plain F.linear path.
     `activation="gelu"` fuses exact GELU into the GEMM.
+
+    `gemm_dtype` (see `set_cpu_gemm_dtype`) = torch.bfloat16 runs that GEMM in bfloat16 on a bfloat16 packed
+    weight, float32 in and out, as autocast does in training: LayerNorm, softmax and the residual stream stay
+    float32. On CPUs with native bfloat16 dot products (AVX512-BF16, AMX) it is the fast path for large batches.
     """
 
-    _packed: tuple[tuple, torch.Tensor] | None = None
+    _packed: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
+    gemm_dtype: torch.dtype = torch.float32
 
     def _fast_path(self, x: torch.Tensor) -> bool:
         return (
@@ -47,21 +53,47 @@ class Linear(nn.Linear):
                      or torch.onnx.is_in_onnx_export())
         )
 
-    def packed_weight(self) -> torch.Tensor:
-        key = (self.weight.data_ptr(), _weight_version(self.weight))
+    def packed_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(packed weight, bias) in `gemm_dtype`, re-made when the weight or the dtype changed."""
+        key = (self.weight.data_ptr(), _weight_version(self.weight), self.gemm_dtype)
         if self._packed is None or self._packed[0] != key:
-            self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(self.weight.detach()))
-        return self._packed[1]
+            weight = self.weight.detach().to(self.gemm_dtype)
+            bias = None if self.bias is None else self.bias.detach().to(self.gemm_dtype)
+            self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(weight), bias)
+        return self._packed[1], self._packed[2]
 
     def forward(self, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
         if self._fast_path(x):
             algorithm = "none" if activation == "gelu" else ""  # "none": exact (erf) GELU, as F.gelu
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, activation, [], algorithm)
+            weight, bias = self.packed_weight()
+            y = torch.ops.mkldnn._linear_pointwise(x.to(self.gemm_dtype), weight, bias, activation, [], algorithm)
+            return y.to(x.dtype)  # no-ops in float32
         y = F.linear(x, self.weight, self.bias)
         return F.gelu(y) if activation == "gelu" else y
 
     def __getstate__(self):
         return {**self.__dict__, "_packed": None}  # the packed copy is a cache: never pickled or deep-copied
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 dot products natively (AVX512-BF16 or AMX-BF16); elsewhere oneDNN
+    emulates them and a bfloat16 GEMM is slower than float32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: no way to tell cheaply, so never assume it
+        return False
+    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+
+
+def set_cpu_gemm_dtype(model: nn.Module, dtype: torch.dtype) -> int:
+    """Run every `Linear` of `model` in `dtype` (float32 or bfloat16) on the CPU inference fast path; returns how
+    many layers it set. Weights stay float32 (training, export and checkpoints are unaffected)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"CPU GEMM dtype must be float32 or bfloat16, got {dtype}")
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    for layer in layers:
+        layer.gemm_dtype = dtype
+    return len(layers)
 
 
 def attend(

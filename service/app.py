@@ -105,12 +105,12 @@ def load_models(settings: Settings) -> Loaded:
     return Loaded(detector, fingerprint, checkpoint)
 
 
-def model_info(loaded: Loaded, runtime_name: str) -> ModelInfo:
+def model_info(loaded: Loaded, runtime_name: str, precision: str = "fp32") -> ModelInfo:
     enc = model_config(loaded.checkpoint).encoder
     manifest = loaded.checkpoint.manifest
     weights = (manifest.get("files") or {}).get("model.safetensors") or (manifest.get("source") or {}).get("weights_sha256", "")
     return ModelInfo(preset=enc.preset, size=enc.size, checkpoint=weights[:12], detector=loaded.fingerprint,
-                     runtime=runtime_name)
+                     runtime=runtime_name, precision=precision)
 
 
 def stream_cache(settings: Settings, runtime, specs: dict[str, TaskSpec], model: ModelInfo) -> StreamCache | None:
@@ -156,7 +156,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             settings.max_pixels, inference, on_batch=metrics.on_batch("detector"))
         config = model_config(loaded.checkpoint)
         specs = task_specs(runtime.tasks, {t: {"pool": h.pool, "vqa_loss": h.vqa_loss} for t, h in config.heads.items()}, loaded.checkpoint.labels)
-        model = model_info(loaded, runtime.name)
+        model = model_info(loaded, runtime.name, runtime.precision)
         streams = stream_cache(settings, runtime, specs, model)
         encoder_batching = BatcherConfig(settings.max_batch_size, settings.max_wait_ms, settings.max_queue)
         encoder_busy = InFlight()  # the task batchers share one runtime: a batch goes at once only when it is idle

@@ -144,6 +144,7 @@ class ModelInfo(BaseModel):
     checkpoint: str = Field(description="first 12 hex digits of the weights' sha256", examples=["9c1f0e2d4b7a"])
     detector: str = Field(description="detector fingerprint (the feature-cache namespace)", examples=["5d0c2e11aa9f3b04"])
     runtime: str = Field(examples=["torch"])
+    precision: str = Field("fp32", description="the encoder's arithmetic: fp32, bf16, fp16 or int8", examples=["bf16"])
 
 
 class Timings(BaseModel):

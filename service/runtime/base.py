@@ -39,6 +39,7 @@ class Runtime(ABC):
 
     name: str  # backend name: "torch", "onnxruntime", "tensorrt"
     tasks: dict[str, str]  # task name -> head kind ("vqa", "refer", "itm", "nlvr2", ...) from the checkpoint config
+    precision: str = "fp32"  # the arithmetic the encoder runs in: "fp32", "bf16", "fp16" or "int8"
 
     @abstractmethod
     def run(self, task: str, batch: dict[str, np.ndarray]) -> np.ndarray:

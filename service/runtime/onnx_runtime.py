@@ -73,6 +73,8 @@ class OnnxRuntime(Runtime):
         self.providers = choose_providers(device, onnxruntime.get_available_providers(), engine_cache_dir)
         self.tasks = repository.tasks
         self.graph_files = {task: choose_graph(repository, task, self.providers) for task in self.tasks}
+        fp16 = any(path.name.endswith(".fp16.onnx") for path in self.graph_files.values())
+        self.precision = "fp16" if fp16 else str(repository.manifest.get("precision", "fp32"))
         # no spinning: the detector's session and the encoder's run side by side on the same cores
         self.sessions = {task: session(path, threads, self.providers, spin=False)
                          for task, path in self.graph_files.items()}

@@ -43,6 +43,7 @@ class TensorrtRuntime(OnnxRuntime):
     """onnxruntime's TensorRT execution provider, fp16, engines built at start-up and cached."""
 
     name = "tensorrt"
+    precision = "fp16"
 
     def __init__(self, repository: Repository, device: str = "cuda", threads: int = 2, engine_cache_dir: Path | None = None,
                  max_batch: int = 32, max_text: int = 64) -> None:
@@ -86,6 +87,7 @@ class EngineRuntime(Runtime):
     """The repository's standalone TensorRT engines, one per task, on one CUDA device."""
 
     name = "tensorrt"
+    precision = "fp16"  # engines are built with the FP16 flag (export.engines)
 
     def __init__(self, repository: Repository, device: str = "cuda", max_batch: int = 32, max_text: int = 64) -> None:
         reason = unavailable(device)

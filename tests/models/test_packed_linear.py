@@ -70,3 +70,43 @@ def test_switch_off(monkeypatch):
     with torch.no_grad():
         assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
     assert lin._packed is None
+
+
+@pytest.mark.parametrize("activation", ["none", "gelu"])
+def test_bf16_gemm_is_float32_in_and_out_and_close_to_float32(activation):
+    lin, x = linear()
+    with torch.no_grad():
+        ref = lin(x, activation=activation)
+        assert layers.set_cpu_gemm_dtype(lin, torch.bfloat16) == 1
+        out = lin(x, activation=activation)
+    assert lin._packed[1].dtype == torch.bfloat16  # the packed copy is bfloat16, the parameter stays float32
+    assert out.dtype == torch.float32 and lin.weight.dtype == torch.float32
+    assert not torch.equal(out, ref)  # it really ran in bfloat16 (8 mantissa bits)
+    torch.testing.assert_close(out, ref, atol=3e-2, rtol=2e-2)
+
+
+def test_gemm_dtype_switch_repacks_and_training_is_unaffected():
+    lin, x = linear()
+    with torch.no_grad():
+        layers.set_cpu_gemm_dtype(lin, torch.bfloat16)
+        lin(x)
+        layers.set_cpu_gemm_dtype(lin, torch.float32)
+        back = lin(x)
+    assert lin._packed[1].dtype == torch.float32
+    torch.testing.assert_close(back, F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+    layers.set_cpu_gemm_dtype(lin, torch.bfloat16)
+    y = lin(x)  # grad mode: the plain float32 path, exact
+    assert torch.equal(y, F.linear(x, lin.weight, lin.bias))
+
+
+def test_gemm_dtype_is_set_on_every_linear_and_checked():
+    model = torch.nn.Sequential(Linear(4, 4), torch.nn.Sequential(Linear(4, 4)), torch.nn.Linear(4, 4))
+    assert layers.set_cpu_gemm_dtype(model, torch.bfloat16) == 2
+    assert [m.gemm_dtype for m in model.modules() if isinstance(m, Linear)] == [torch.bfloat16] * 2
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        layers.set_cpu_gemm_dtype(model, torch.float16)
+
+
+def test_native_bf16_detection_reads_the_cpu_flags():
+    flags = open("/proc/cpuinfo").read().split() if layers.Path("/proc/cpuinfo").exists() else []
+    assert layers.cpu_has_native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)

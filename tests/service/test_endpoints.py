@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from fastapi.testclient import TestClient
 
+from models.layers import cpu_has_native_bf16
 from service.app import DEMO_MISSING, StartupError, create_app
 
 VQA_ANSWERS = ["red", "blue", "circle", "rectangle", "two"]  # the tiny checkpoint's answer names (conftest)
@@ -58,6 +59,7 @@ def test_health_ready_and_model_info(client):
     model = ready["model"]
     assert model["preset"] == "visualbert" and model["size"] == "tiny" and model["runtime"] == "torch"
     assert len(model["checkpoint"]) == 12 and model["detector"] == regions_of(client).fingerprint
+    assert model["precision"] == ("bf16" if cpu_has_native_bf16() else "fp32")  # the default, VLSERVE_PRECISION=auto
 
 
 def test_vqa_inline_then_by_id_skips_the_detector(client, make_png):
@@ -235,6 +237,34 @@ def test_an_image_without_regions_gets_clear_answers(preset, tmp_path, make_dete
                               ("/nlvr2", {"images": [{"image_id": image_id}] * 2, "statement": "same"})):
             r = c.post(path, json=request)
             assert r.status_code == 200 and "nan" not in r.text.lower(), r.text
+
+
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="bf16 on the CPU needs native bfloat16 dot products (AVX512-BF16 "
+                    "or AMX); this CPU has none")
+def test_bf16_and_fp32_services_give_the_same_answers(make_settings, image_png):
+    body = {"image": b64(image_png), "question": "what color is the rectangle?", "top_k": 5}
+    out = {}
+    for precision in ("fp32", "bf16"):
+        with TestClient(create_app(make_settings(precision=precision))) as c:
+            assert c.get("/readyz").json()["model"]["precision"] == precision
+            r = c.post("/vqa", json=body)
+            assert r.status_code == 200 and r.json()["model"]["precision"] == precision
+            out[precision] = {a["answer"]: a["score"] for a in r.json()["answers"]}
+            box = c.post("/refer", json={"image_id": r.json()["image_id"], "expression": "the red one"}).json()["box"]
+            out[precision + " box"] = box
+    assert set(out["bf16"]) == set(out["fp32"])
+    assert out["bf16"] == pytest.approx(out["fp32"], abs=0.02)
+    assert out["bf16 box"] == out["fp32 box"]
+
+
+def test_start_up_refuses_bf16_where_it_is_not_fast(make_settings, monkeypatch):
+    from models import layers
+
+    monkeypatch.setattr(layers, "PACK_CPU_WEIGHTS", False)  # as VLSERVE_PACK_CPU_WEIGHTS=0
+    app = create_app(make_settings(precision="bf16"))
+    with pytest.raises(StartupError, match="precision 'bf16' on cpu"):
+        with TestClient(app):
+            pass
 
 
 def test_not_ready_until_the_lifespan_has_warmed_up(make_settings, problem):

@@ -99,7 +99,7 @@ def assert_same_answers(onnx: dict, ref: dict) -> None:
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_endpoint_answers_as_the_torch_runtime(preset, repositories, make_settings, image_png, make_png):
     ckpt, repo = repositories[preset]
-    with TestClient(create_app(make_settings(model_dir=ckpt))) as c:
+    with TestClient(create_app(make_settings(model_dir=ckpt, precision="fp32"))) as c:  # what parity is measured against
         ref = answers(c, image_png, make_png)
     with TestClient(create_app(make_settings(model_dir=repo, runtime="onnxruntime"))) as c:
         model = c.get("/readyz").json()["model"]
@@ -114,7 +114,7 @@ def test_a_repository_with_the_detector_serves_it_and_answers_as_torch(repositor
     exported = load_repository(repo)
     assert exported.detector_path == repo / "detector/detector.onnx" and "detector/detector.onnx" in exported.manifest["files"]
     assert exported.parity["detector"]["features"] <= 1e-4 and exported.parity["detector"]["same_classes"] == 1.0
-    with TestClient(create_app(make_settings(model_dir=ckpt))) as c:
+    with TestClient(create_app(make_settings(model_dir=ckpt, precision="fp32"))) as c:  # what parity is measured against
         ref = answers(c, image_png, make_png)
         torch_fingerprint = c.get("/readyz").json()["model"]["detector"]
     with TestClient(create_app(make_settings(model_dir=repo, runtime="onnxruntime"))) as c:
@@ -186,7 +186,7 @@ def test_providers_follow_the_device_and_the_build(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: TensorRT/CUDA execution providers")
 def test_gpu_providers_answer_as_the_torch_runtime(repositories, make_settings, image_png, make_png, tmp_path):
     ckpt, repo = repositories["visualbert"]
-    with TestClient(create_app(make_settings(model_dir=ckpt))) as c:
+    with TestClient(create_app(make_settings(model_dir=ckpt, precision="fp32"))) as c:  # what parity is measured against
         ref = answers(c, image_png, make_png)
     with TestClient(create_app(make_settings(model_dir=repo, runtime="onnxruntime", device="cuda",
                                              engine_cache_dir=tmp_path / "trt"))) as c:

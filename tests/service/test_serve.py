@@ -63,6 +63,9 @@ def test_engine_cache_dir_option_is_documented_and_reaches_the_settings(clean_en
     monkeypatch.setenv("VLSERVE_ENGINE_CACHE_DIR", str(tmp_path / "from-env"))
     assert serve(*models).exit_code == 0
     assert [s.engine_cache_dir for s in started] == [tmp_path / "engines", tmp_path / "from-env"]
+    assert "--precision" in help_text and "bfloat16" in help_text
+    assert serve(*models, "--precision", "fp32").exit_code == 0 and started[-1].precision == "fp32"
+    assert started[0].precision == "auto"
 
 
 def test_invalid_settings_exit_2_naming_each_field(clean_env, tmp_path):

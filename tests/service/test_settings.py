@@ -65,6 +65,7 @@ def test_api_keys_as_a_list_and_empty_redis_url_means_off(monkeypatch):
     ("port", 70000, "less than or equal to 65535"),
     ("runtime", "tensorflow", "'torch', 'onnxruntime' or 'tensorrt'"),
     ("device", "gpu", "not a device"),
+    ("precision", "fp16", "'auto', 'fp32' or 'bf16'"),
     ("redis_url", "http://cache:6379", "not a Redis URL"),
     ("model_dir", "/no/such/dir", "directory not found"),
     ("detector_dir", "/no/such/dir", "directory not found"),

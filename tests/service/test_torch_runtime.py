@@ -106,6 +106,43 @@ def test_unavailable_runtimes_and_devices_fail_clearly(saved):
         TorchRuntime(checkpoint, threads=0)
 
 
+def test_precision_resolution(monkeypatch):
+    from models import layers
+    from service.runtime.torch_runtime import resolve_precision
+
+    cpu = torch.device("cpu")
+    assert resolve_precision("fp32", cpu) == "fp32"
+    assert resolve_precision("auto", cpu) == ("bf16" if layers.cpu_has_native_bf16() else "fp32")
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        resolve_precision("fp8", cpu)
+    monkeypatch.setattr(layers, "PACK_CPU_WEIGHTS", False)  # the bf16 CPU path needs the packed weights
+    assert resolve_precision("auto", cpu) == "fp32"
+    with pytest.raises(ValueError, match="precision 'bf16' on cpu: .*VLSERVE_PACK_CPU_WEIGHTS=0"):
+        resolve_precision("bf16", cpu)
+
+
+@pytest.mark.skipif(not __import__("models.layers").layers.cpu_has_native_bf16(),
+                    reason="bf16 on the CPU needs native bfloat16 dot products (AVX512-BF16 or AMX); this CPU has none")
+@pytest.mark.parametrize("task", list(HEADS))
+def test_bf16_runtime_is_close_to_fp32_and_batches_consistently(saved, tokenizer, task):
+    from models import layers
+
+    _, checkpoint = saved
+    reqs = requests(tokenizer, task)
+    batch = pad_and_stack(reqs)
+    ref = TorchRuntime(checkpoint, threads=1).run(task, batch)
+    bf16 = TorchRuntime(checkpoint, threads=1, precision="bf16")  # runs the checkpoint's model in bf16 from now on
+    assert bf16.precision == "bf16"
+    out = bf16.run(task, batch)
+    assert out.dtype == np.float32 and not np.array_equal(out, ref)  # it really ran in bfloat16
+    np.testing.assert_allclose(out, ref, atol=0.1, rtol=0.05)
+    for req, row in zip(reqs, split_rows(out, len(reqs))):
+        alone = bf16.run(task, pad_and_stack([req]))[0]
+        n = int(req["region_mask"].sum()) if task == "refer" else None
+        np.testing.assert_allclose(row[:n], alone[:n], atol=0.1, rtol=0.05)
+    layers.set_cpu_gemm_dtype(checkpoint.model, torch.float32)  # float32 again for the other tests
+
+
 # --- collate helpers --------------------------------------------------------------------------------
 
 
