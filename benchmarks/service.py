@@ -319,7 +319,8 @@ def section(rows: dict[str, list[dict]], bare_ms: float, batch32_ms: float, args
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch threads per server, "
         f"load average after the runs {load_avg}.", "",
         f"Model: {size}; vlserve's torch runtime in {precision} (`--precision {args.precision}`), the per-request "
-        "pipeline in float32 eager as the transformers demos. Loopback HTTP, POST /vqa with inline base64 PNGs (320x240), {args.images} distinct images "
+        "pipeline in float32 eager as the transformers demos. "
+        f"Loopback HTTP, POST /vqa with inline base64 PNGs (320x240), {args.images} distinct images "
         f"round-robin (repeated images), closed-loop clients in one asyncio process on the same machine (raw HTTP/1.1 on "
         "kept-alive sockets, request bytes built once), "
         f"{args.seconds:g} s measured after {args.warmup:g} s of warm-up per cell; all servers run side by side and take turns "

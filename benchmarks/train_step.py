@@ -1,6 +1,7 @@
 """Training-step time of a small encoder under the levers that decide how many examples the demo's 10-minute budget
 holds: bf16 autocast, a frozen word-embedding table (no dense AdamW update of 30522 x H every step), foreach
-AdamW, and the region count. One process, contenders taking turns, median of several timed steps each.
+AdamW, the region count, and dropout (CPU dropout draws a random mask per element, and attention dropout keeps
+scaled_dot_product_attention off its fused kernel). One process, contenders taking turns, median of several timed steps each.
 
     python benchmarks/train_step.py [--preset u-visualbert] [--batch 32] [--text 16] [--runs 5] [--no-write]
 """
@@ -24,21 +25,22 @@ from encoder import cpu_name, write_section  # noqa: E402
 from models import HeadConfig, VLInputs, create_model  # noqa: E402
 
 HEADING = "## Training step: the levers of the demo's time budget"
-# name -> (bf16, freeze word embeddings, foreach AdamW, regions)
+# name -> (bf16, freeze word embeddings, foreach AdamW, regions, dropout)
 CONTENDERS = {
-    "fp32, 16 regions (today's finetune)": (False, False, False, 16),
-    "fp32, frozen word embeddings": (False, True, False, 16),
-    "fp32, foreach AdamW": (False, False, True, 16),
-    "bf16": (True, False, False, 16),
-    "bf16 + frozen + foreach": (True, True, True, 16),
-    "bf16 + frozen + foreach, 8 regions": (True, True, True, 8),
+    "fp32, 16 regions": (False, False, False, 16, 0.1),
+    "fp32, frozen word embeddings": (False, True, False, 16, 0.1),
+    "fp32, foreach AdamW": (False, False, True, 16, 0.1),
+    "bf16": (True, False, False, 16, 0.1),
+    "bf16 + frozen + foreach": (True, True, True, 16, 0.1),
+    "bf16 + frozen + foreach, 8 regions": (True, True, True, 8, 0.1),
+    "bf16 + frozen + foreach, 8 regions, no dropout": (True, True, True, 8, 0.0),
 }
 
 
-def contender(preset: str, batch: int, text: int, bf16: bool, freeze: bool, foreach: bool, regions: int):
+def contender(preset: str, batch: int, text: int, bf16: bool, freeze: bool, foreach: bool, regions: int, dropout: float):
     torch.manual_seed(0)
     model = create_model(preset, "small", heads={"vqa": HeadConfig(kind="vqa", num_labels=30, vqa_loss="ce")},
-                         visual_feat_dim=512, feature_norm=True)
+                         visual_feat_dim=512, feature_norm=True, dropout=dropout, attention_dropout=dropout)
     model.train()
     if freeze:
         model.encoder.embeddings.word_embeddings.weight.requires_grad_(False)

@@ -47,7 +47,8 @@ class Linear(nn.Linear):
     def _fast_path(self, x: torch.Tensor) -> bool:
         return (
             PACK_CPU_WEIGHTS and _ONEDNN_LINEAR and not torch.is_grad_enabled()
-            and x.device.type == "cpu" and x.dtype == torch.float32 and x.layout == torch.strided and x.numel() > 0
+            and x.device.type == "cpu" and x.dtype in (torch.float32, self.gemm_dtype) and x.layout == torch.strided
+            and x.numel() > 0
             and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32
             and not (torch.jit.is_tracing() or torch.jit.is_scripting() or torch.compiler.is_compiling()
                      or torch.onnx.is_in_onnx_export())
@@ -62,12 +63,14 @@ class Linear(nn.Linear):
             self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(weight), bias)
         return self._packed[1], self._packed[2]
 
-    def forward(self, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, activation: str = "none", gemm_out: bool = False) -> torch.Tensor:
+        """`gemm_out`: on the fast path, return the GEMM's dtype (bfloat16 under `gemm_dtype`) instead of float32,
+        for a caller that feeds it straight into another GEMM or attention (no round trip through float32)."""
         if self._fast_path(x):
             algorithm = "none" if activation == "gelu" else ""  # "none": exact (erf) GELU, as F.gelu
             weight, bias = self.packed_weight()
             y = torch.ops.mkldnn._linear_pointwise(x.to(self.gemm_dtype), weight, bias, activation, [], algorithm)
-            return y.to(x.dtype)  # no-ops in float32
+            return y if gemm_out else y.float()  # no-ops in float32
         y = F.linear(x, self.weight, self.bias)
         return F.gelu(y) if activation == "gelu" else y
 
@@ -100,6 +103,8 @@ def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float, need_probs: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scaled dot-product attention over (B, heads, S, d); returns probabilities only when asked."""
+    if mask is not None and mask.dtype != q.dtype:  # bfloat16 q/k/v from a bf16 GEMM (inference)
+        mask = mask.to(q.dtype)
     if not need_probs:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout), None
     scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5  # (B, h, Sq, Sk)
@@ -132,7 +137,7 @@ class SelfAttention(nn.Module):
         self.LayerNorm = nn.LayerNorm(width, eps=eps)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, need_probs: bool = False):
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, S, H)
+        q, k, v = self.qkv(x, gemm_out=True).chunk(3, dim=-1)  # 3 x (B, S, H); bfloat16 under a bf16 gemm_dtype
         p = self.attention_dropout if self.training else 0.0
         ctx, probs = attend(split_heads(q, self.heads), split_heads(k, self.heads), split_heads(v, self.heads), mask, p, need_probs)
         return self.LayerNorm(x + self.dropout(self.dense(merge_heads(ctx)))), probs
@@ -173,7 +178,7 @@ class FeedForward(nn.Module):
         self.LayerNorm = nn.LayerNorm(width, eps=eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(x + self.dropout(self.fc2(self.fc1(x, activation="gelu"))))
+        return self.LayerNorm(x + self.dropout(self.fc2(self.fc1(x, activation="gelu", gemm_out=True))))
 
 
 class TransformerLayer(nn.Module):

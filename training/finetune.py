@@ -36,6 +36,7 @@ class FinetuneConfig:
     vqa_loss: str = "bce"  # "bce" (soft scores, the VQA standard) or "ce" (softmax; single-answer data learns faster)
     freeze_word_embeddings: bool = False  # keep the (pretrained) word table fixed: no dense AdamW update of 30522 x H per step
     bf16: bool = False  # bfloat16 autocast for forward and backward (about 1.5x faster on CPUs with AVX512-BF16)
+    dropout: float | None = None  # hidden and attention dropout; None = the preset's (0.1)
     feature_norm: bool = True  # standardise region features with statistics of the training regions (models.layers.FeatureNorm)
     init_text: bool = True  # start the text side from the pretrained MiniLM-L6 (unless init_from is set)
     init_from: Path | None = None  # start the encoder (and same-named, same-shaped heads) from this checkpoint directory
@@ -67,8 +68,9 @@ def build_model(cfg: FinetuneConfig, feature_dim: int, num_answers: int) -> VLMo
         "nlvr2": HeadConfig(kind="nlvr2", nlvr2_mode="pair"),
         "multiple_choice": HeadConfig(kind="multiple_choice"),
     }
+    dropout = {} if cfg.dropout is None else {"dropout": cfg.dropout, "attention_dropout": cfg.dropout}
     model = create_model(cfg.preset, cfg.size, heads={t: heads[t] for t in cfg.tasks}, visual_feat_dim=feature_dim,
-                         feature_norm=cfg.feature_norm)
+                         feature_norm=cfg.feature_norm, **dropout)
     if cfg.init_from is not None:
         copied = init_from_checkpoint(model, cfg.init_from)
         log.info("encoder from %s; heads copied: %s", cfg.init_from, ", ".join(copied) or "none")

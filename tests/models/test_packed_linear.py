@@ -110,3 +110,19 @@ def test_gemm_dtype_is_set_on_every_linear_and_checked():
 def test_native_bf16_detection_reads_the_cpu_flags():
     flags = open("/proc/cpuinfo").read().split() if layers.Path("/proc/cpuinfo").exists() else []
     assert layers.cpu_has_native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
+
+
+def test_gemm_out_keeps_bf16_between_gemms():
+    lin, x = linear()
+    nxt = Linear(40, 8)
+    with torch.no_grad():
+        ref = nxt(lin(x, activation="gelu"))
+        layers.set_cpu_gemm_dtype(torch.nn.ModuleList([lin, nxt]), torch.bfloat16)
+        hidden = lin(x, activation="gelu", gemm_out=True)
+        out = nxt(hidden)  # a bfloat16 input takes the fast path too
+    assert hidden.dtype == torch.bfloat16 and out.dtype == torch.float32
+    assert nxt._packed is not None
+    torch.testing.assert_close(out, ref, atol=3e-2, rtol=2e-2)
+    with torch.no_grad():  # float32 GEMMs: gemm_out changes nothing
+        layers.set_cpu_gemm_dtype(torch.nn.ModuleList([lin, nxt]), torch.float32)
+        assert lin(x, gemm_out=True).dtype == torch.float32

@@ -250,11 +250,14 @@ def test_bf16_and_fp32_services_give_the_same_answers(make_settings, image_png):
             r = c.post("/vqa", json=body)
             assert r.status_code == 200 and r.json()["model"]["precision"] == precision
             out[precision] = {a["answer"]: a["score"] for a in r.json()["answers"]}
-            box = c.post("/refer", json={"image_id": r.json()["image_id"], "expression": "the red one"}).json()["box"]
-            out[precision + " box"] = box
+            refer = c.post("/refer", json={"image_id": r.json()["image_id"], "expression": "the red one"}).json()
+            out[precision + " regions"] = {reg["index"]: reg["score"] for reg in [refer["region"], *refer["runner_up"]]}
+    # random tiny weights: answers and regions can be near-ties, so compare the scores, not only the order
     assert set(out["bf16"]) == set(out["fp32"])
     assert out["bf16"] == pytest.approx(out["fp32"], abs=0.02)
-    assert out["bf16 box"] == out["fp32 box"]
+    common = set(out["bf16 regions"]) & set(out["fp32 regions"])
+    assert len(common) >= 2
+    assert {i: out["bf16 regions"][i] for i in common} == pytest.approx({i: out["fp32 regions"][i] for i in common}, abs=0.02)
 
 
 def test_start_up_refuses_bf16_where_it_is_not_fast(make_settings, monkeypatch):

@@ -84,6 +84,7 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(task_data, tmp_path):
         (["--size", "tiny"], "--init-text needs size small"),
         (["--vqa-loss", "mse"], "--vqa-loss must be bce or ce"),
         (["--vqa-pool", "mean"], "--vqa-pool must be pooled, answer_slot or regions"),
+        (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
     ],
 )
 def test_bad_configs_fail_before_training(task_data, tmp_path, args, message):
@@ -172,3 +173,12 @@ def test_frozen_word_embeddings_stay_fixed_while_the_rest_learns(task_data, tmp_
     torch.testing.assert_close(after.encoder.embeddings.word_embeddings.weight, before, rtol=0, atol=0)
     moved = [n for n, p in after.named_parameters() if "word_embeddings" not in n and not torch.equal(p, dict(initial.named_parameters())[n])]
     assert len(moved) > 0.8 * (len(list(after.parameters())) - 1)  # the rest trains (a few tensors get no gradient in 20 steps)
+
+
+def test_dropout_option_reaches_the_encoder_config(tmp_path):
+    from training.finetune import build_model
+
+    for dropout, expected in ((None, 0.1), (0.0, 0.0)):
+        model = build_model(tiny(tmp_path, tmp_path, dropout=dropout), feature_dim=16, num_answers=4)
+        enc = model.config.encoder
+        assert (enc.dropout, enc.attention_dropout) == (expected, expected)
