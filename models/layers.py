@@ -37,8 +37,9 @@ class Linear(nn.Linear):
     `activation="gelu"` fuses exact GELU into the GEMM.
 
     `gemm_dtype` (see `set_cpu_gemm_dtype`) = torch.bfloat16 runs that GEMM in bfloat16 on a bfloat16 packed
-    weight, float32 in and out, as autocast does in training: LayerNorm, softmax and the residual stream stay
-    float32. On CPUs with native bfloat16 dot products (AVX512-BF16, AMX) it is the fast path for large batches.
+    weight, float32 out (bfloat16 with `gemm_out`, for a GEMM or attention that follows), as autocast does in
+    training: LayerNorm and the residual stream stay float32. On CPUs with native bfloat16 dot products
+    (AVX512-BF16, AMX) it is the fast path for large batches.
     """
 
     _packed: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None

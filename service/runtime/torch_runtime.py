@@ -1,9 +1,10 @@
 """The reference runtime: the checkpoint's VLModel in eval mode under torch.inference_mode, float32 weights.
 
-Precision (`VLSERVE_PRECISION`): "fp32", or "bf16": the encoder's GEMMs in bfloat16 with float32 LayerNorm,
-softmax and residuals, as training's autocast (on the CPU through `models.layers.set_cpu_gemm_dtype`'s packed
+Precision (`VLSERVE_PRECISION`): "fp32", or "bf16": the encoder's GEMMs and attention in bfloat16 with float32
+LayerNorm and residuals, as training's autocast (on the CPU through `models.layers.set_cpu_gemm_dtype`'s packed
 bfloat16 weights, on CUDA under autocast). "auto" picks bf16 where the hardware computes it natively. On these
-2-core AVX512-BF16 machines it makes batch 32 1.6x faster and leaves batch 1 as it was (docs/BENCHMARKS.md).
+2-core AVX512-BF16 machines the demo encoder runs batch 32 about 1.9x and batch 1 about 1.4x faster, within 0.06
+accuracy points (docs/BENCHMARKS.md).
 
 For two-stream encoders (ViLBERT, LXMERT) it also runs each stream alone and the fusion layers over cached
 states (`splits_streams`): the service's retrieval then encodes every image and every text once.

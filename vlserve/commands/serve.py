@@ -20,9 +20,9 @@ def serve(
     runtime: Annotated[str | None, _opt("inference backend: torch, onnxruntime or tensorrt (default torch)", "Models")] = None,
     device: Annotated[str | None, _opt("cpu, cuda or cuda:N (default cpu)", "Models")] = None,
     threads: Annotated[int | None, _opt("intra-op threads of the runtime (default 2)", "Models")] = None,
-    precision: Annotated[str | None, _opt("torch runtime arithmetic: fp32, bf16 (GEMMs in bfloat16, float32 LayerNorm and "
-                                          "softmax), or auto = bf16 where the CPU/GPU has native bfloat16 (default auto)",
-                                          "Models")] = None,
+    precision: Annotated[str | None, _opt("torch runtime arithmetic: fp32, bf16 (GEMMs and attention in bfloat16, "
+                                          "float32 LayerNorm and residuals), or auto = bf16 where the CPU/GPU has "
+                                          "native bfloat16 (default auto)", "Models")] = None,
     engine_cache_dir: Annotated[Path | None, _opt("TensorRT engine cache on a GPU (env VLSERVE_ENGINE_CACHE_DIR; runtime tensorrt, "
                                                   "or onnxruntime with its TensorRT provider): engines built once are reused "
                                                   "across restarts (default $XDG_CACHE_HOME/vlserve/tensorrt, else "
