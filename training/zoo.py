@@ -28,15 +28,17 @@ class Profile:
     lr: float = 1e-4  # encoder peak learning rate
     bf16: bool = False  # bfloat16 autocast (AVX512-BF16 CPUs: about 1.6x per step)
     freeze_word_embeddings: bool = False  # no dense AdamW update of the 30522-row word table (1.24x per step)
+    dropout: float | None = None  # encoder hidden and attention dropout; None = the preset's 0.1
 
 
 PROFILES = {
     # The measured levers of docs/BENCHMARKS.md ("Training step") and docs/RESULTS.md: 8 regions (shapes scenes
     # hold at most 6 objects), bf16, a frozen word table, region attention pooling for VQA, softmax VQA loss,
-    # box geometry (u-visualbert) for the relation questions.
+    # box geometry (u-visualbert) for the relation questions, no dropout (1,500 steps underfit: without it every
+    # task gained 2.5-6 points, docs/RESULTS.md).
     "demo": Profile(detector_steps=200, train_scenes=3_000, eval_scenes=500, finetune_steps=1_500, batch_size=32,
                     easy_vqa_images=2_000, num_boxes=8, proposals=100, preset="u-visualbert", vqa_pool="regions",
-                    vqa_loss="ce", lr=2e-4, bf16=True, freeze_word_embeddings=True),
+                    vqa_loss="ce", lr=2e-4, bf16=True, freeze_word_embeddings=True, dropout=0.0),
     "full": Profile(detector_steps=800, train_scenes=20_000, eval_scenes=2_000, finetune_steps=6_000, batch_size=48),
 }
 
@@ -66,15 +68,19 @@ def build_zoo(profile: str = "demo", root: Path | None = None, force: bool = Fal
                                            detector={"num_boxes": p.num_boxes, "rpn_post_nms_top_n": p.proposals}),
                        progress=progress)
     det_seconds = time.perf_counter() - started
-    cfg = FinetuneConfig(out=enc_dir, detector_dir=det_dir, preset=p.preset, size=p.size, train_scenes=p.train_scenes,
-                         eval_scenes=p.eval_scenes, steps=p.finetune_steps, batch_size=p.batch_size,
-                         easy_vqa_images=p.easy_vqa_images, vqa_pool=p.vqa_pool, vqa_loss=p.vqa_loss, lr=p.lr,
-                         bf16=p.bf16, freeze_word_embeddings=p.freeze_word_embeddings,
-                         eval_every=max(1, p.finetune_steps // 3), threads=threads)
-    metrics = train(cfg, progress=progress)
+    metrics = train(finetune_config(p, det_dir, enc_dir, threads), progress=progress)
     card = model_card(profile, p, det_dir, metrics, det_seconds, time.perf_counter() - started)
     (out / "MODEL_CARD.md").write_text(card)
     return out
+
+
+def finetune_config(p: Profile, det_dir: Path, enc_dir: Path, threads: int = 2) -> FinetuneConfig:
+    """The encoder stage of a profile."""
+    return FinetuneConfig(out=enc_dir, detector_dir=det_dir, preset=p.preset, size=p.size, train_scenes=p.train_scenes,
+                          eval_scenes=p.eval_scenes, steps=p.finetune_steps, batch_size=p.batch_size,
+                          easy_vqa_images=p.easy_vqa_images, vqa_pool=p.vqa_pool, vqa_loss=p.vqa_loss, lr=p.lr,
+                          bf16=p.bf16, freeze_word_embeddings=p.freeze_word_embeddings, dropout=p.dropout,
+                          eval_every=max(1, p.finetune_steps // 3), threads=threads)
 
 
 def model_card(name: str, p: Profile, det_dir: Path, metrics: dict, det_seconds: float, total_seconds: float) -> str:
@@ -96,7 +102,8 @@ vqa, refer, itm, nlvr2, trained together for {p.finetune_steps} steps (batch {p.
 {p.train_scenes} shapes-world scenes (VQA, referring expressions, captions with hard and random negatives, NLVR2
 pairs) plus the easy-VQA training questions, {p.num_boxes} regions per image; objectives: {vqa_objective} (VQA,
 read from {p.vqa_pool}), IoU>=0.5 soft-target cross-entropy (refer), cross-entropy (ITM, NLVR2).
-{"bfloat16 autocast" if p.bf16 else "float32"}{", word embeddings frozen" if p.freeze_word_embeddings else ""}.
+{"bfloat16 autocast" if p.bf16 else "float32"}{", word embeddings frozen" if p.freeze_word_embeddings else ""}, \
+dropout {0.1 if p.dropout is None else p.dropout:g}.
 No pretraining stage in this profile. Training time {metrics["train_seconds"] / 60:.1f} min.
 
 | metric (val / easy-VQA test) | value |

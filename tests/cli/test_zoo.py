@@ -29,3 +29,17 @@ def test_root_is_the_cache_root_of_the_whole_build(tmp_path, monkeypatch):
 def test_unknown_profile_exits_2():
     result = runner.invoke(app, ["zoo", "build", "--profile", "huge"])
     assert result.exit_code == 2 and "unknown profile 'huge'" in result.output
+
+
+def test_demo_profile_reaches_the_finetune_config_and_the_card(tmp_path):
+    import json
+
+    p = training.zoo.PROFILES["demo"]
+    cfg = training.zoo.finetune_config(p, tmp_path / "det", tmp_path / "enc")
+    assert (cfg.preset, cfg.steps, cfg.dropout, cfg.bf16, cfg.vqa_pool) == ("u-visualbert", p.finetune_steps, 0.0, True, "regions")
+    assert training.zoo.finetune_config(training.zoo.PROFILES["full"], tmp_path, tmp_path).dropout is None
+    (tmp_path / "det").mkdir()
+    (tmp_path / "det" / "metrics.json").write_text(json.dumps({"val": {"map50": 0.98}, "fingerprint": "f" * 16}))
+    card = training.zoo.model_card("demo", p, tmp_path / "det", {"final": {"vqa_acc": 0.75}, "train_seconds": 600},
+                                   det_seconds=180, total_seconds=900)
+    assert "dropout 0." in card and "| vqa_acc | 0.75 |" in card and "15.0 min" in card
