@@ -103,10 +103,13 @@ def set_cpu_gemm_dtype(model: nn.Module, dtype: torch.dtype) -> int:
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float, need_probs: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scaled dot-product attention over (B, heads, S, d); returns probabilities only when asked."""
+    """Scaled dot-product attention over (B, heads, S, d); returns probabilities only when asked.
+
+    Inference runs torch's fused kernel. Training on the CPU runs the plain matmul-softmax-matmul: at these
+    sequence lengths (20-60 tokens) the fused kernel's backward was 4x slower (benchmarks/train_step.py)."""
     if mask is not None and mask.dtype != q.dtype:  # bfloat16 q/k/v from a bf16 GEMM (inference)
         mask = mask.to(q.dtype)
-    if not need_probs:
+    if not need_probs and not (torch.is_grad_enabled() and q.device.type == "cpu"):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout), None
     scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5  # (B, h, Sq, Sk)
     if mask is not None:
