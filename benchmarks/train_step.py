@@ -1,7 +1,7 @@
 """Training-step time of a small encoder under the levers that decide how many examples the demo's 10-minute budget
 holds: bf16 autocast, a frozen word-embedding table (no dense AdamW update of 30522 x H every step), foreach
-AdamW, the region count, and dropout (CPU dropout draws a random mask per element, and attention dropout keeps
-scaled_dot_product_attention off its fused kernel). One process, contenders taking turns, median of several timed steps each.
+AdamW, the region count, and dropout (CPU dropout draws a random mask per element). One process, contenders taking
+turns, median of several timed steps each.
 
     python benchmarks/train_step.py [--preset u-visualbert] [--batch 32] [--text 16] [--runs 5] [--no-write]
 """

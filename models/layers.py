@@ -94,6 +94,8 @@ def set_cpu_gemm_dtype(model: nn.Module, dtype: torch.dtype) -> int:
     many layers it set. Weights stay float32 (training, export and checkpoints are unaffected)."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"CPU GEMM dtype must be float32 or bfloat16, got {dtype}")
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        raise ValueError("this CPU has no oneDNN bfloat16 GEMM (it needs AVX512); keep float32")
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     for layer in layers:
         layer.gemm_dtype = dtype
