@@ -8,6 +8,7 @@ batchers drained -> detector drained -> feature store (Redis) closed -> runtime 
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.metadata
 import logging
 from collections.abc import AsyncIterator
@@ -179,6 +180,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             stack.push_async_callback(batcher.stop, settings.shutdown_timeout_s)
         await loop.run_in_executor(inference, warm_up, loaded, pipeline, runtime)
 
+        # Start-up leaves ~400k long-lived objects (modules, tensors, tokenizer). A full garbage collection scans
+        # them all (170 ms with the demo model) while every request waits: at 32 clients it set the p99 latency
+        # (about 260 ms against a p50 of 75). Frozen, collections skip them.
+        gc.collect()
+        gc.freeze()
+        stack.callback(gc.unfreeze)
         app.state.services = Services(pipeline=pipeline, model=model)
         app.state.ready = True
         metrics.ready.set(1)

@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
-from fastapi import Depends, Query, Request
+from fastapi import Query, Request
 
 from ..errors import ProblemError
 from ..pipeline import Pipeline, Timer
@@ -35,15 +35,18 @@ def received_at(request: Request) -> float:
     return request.scope.get("state", {}).get("received_at") or time.perf_counter()
 
 
-# Dependencies are coroutines: FastAPI runs a plain function (or a class) dependency in a thread pool, a
-# thread hop per dependency per request.
-
-async def get_services(request: Request) -> Services:
+def services_of(request: Request) -> Services:
+    """The loaded services; 503 (problem+json, Retry-After) while loading, warming up or shutting down."""
     services = getattr(request.app.state, "services", None)
     if services is None or not request.app.state.ready:
         raise ProblemError(503, "the models are still loading and warming up, or the service is shutting down",
                            "not-ready", headers={"Retry-After": "1"})
     return services
+
+
+async def get_services(request: Request) -> Services:
+    """services_of as a dependency (a coroutine: FastAPI runs a plain function dependency in a thread pool)."""
+    return services_of(request)
 
 
 class Call:
@@ -65,9 +68,11 @@ class Call:
         return response(model=self.services.model, timings=timings, **result)
 
 
-async def open_call(request: Request, services: Annotated[Services, Depends(get_services)],
-                    timings: Annotated[bool, Query(description="add per-stage timings (ms) to the response")] = False) -> Call:
-    return Call(request, services, timings)
+# Task routes take `request: Request, timings: TimingsQuery = False` and call open_call in their body rather
+# than declaring the Call as a dependency: each level of FastAPI dependency solving cost about 40 us per
+# request, a tenth of the service's own per-request work (docs/BENCHMARKS.md, "Service: session 5").
+TimingsQuery = Annotated[bool, Query(description="add per-stage timings (ms) to the response")]
 
 
-CallDep = Annotated[Call, Depends(open_call)]
+def open_call(request: Request, timings: bool) -> Call:
+    return Call(request, services_of(request), timings)

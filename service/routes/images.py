@@ -7,7 +7,7 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
 from ..schemas import ImageInput, ImageResponse
-from .common import PROBLEMS, CallDep
+from .common import PROBLEMS, TimingsQuery, open_call
 
 router = APIRouter(tags=["images"])
 
@@ -41,8 +41,9 @@ async def image_bytes(request: Request) -> bytes:
         "multipart/form-data": {"schema": _UPLOAD_SCHEMA},
     }}},
 )
-async def register_image(request: Request, call: CallDep) -> ImageResponse:
+async def register_image(request: Request, timings: TimingsQuery = False) -> ImageResponse:
     """Compute (or find in the feature store) the image's regions; answer its `image_id` for later requests."""
+    call = open_call(request, timings)
     with call.timer.stage("decode"):
         data = await image_bytes(request)
     result = await call.pipeline.register(data, call.timer)

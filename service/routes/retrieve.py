@@ -1,15 +1,16 @@
 """POST /retrieve: rank known images for a text, or candidate texts for an image (image-text matching head)."""
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from ..schemas import RetrieveRequest, RetrieveResponse
-from .common import PROBLEMS, CallDep
+from .common import PROBLEMS, TimingsQuery, open_call
 
 router = APIRouter(tags=["tasks"])
 
 
 @router.post("/retrieve", response_model=RetrieveResponse, response_model_exclude_none=True, responses=PROBLEMS)
-async def retrieve(body: RetrieveRequest, call: CallDep) -> RetrieveResponse:
+async def retrieve(body: RetrieveRequest, request: Request, timings: TimingsQuery = False) -> RetrieveResponse:
     """`{text, image_ids}` ranks images the service knows; `{image | image_id, texts}` ranks captions. Best first."""
+    call = open_call(request, timings)
     if body.direction == "text_to_images":
         result = await call.pipeline.text_to_images(body.text, body.image_ids, body.top_k, call.timer)
     else:

@@ -334,3 +334,13 @@ def test_every_model_call_runs_on_one_inference_thread(make_settings, make_png, 
         assert all(r.status_code == 200 for r in answers)
         assert c.post("/refer", json={"image": body["image"], "expression": "the circle"}).status_code == 200
     assert len(threads) == 1 and next(iter(threads)).startswith("vlserve-inference"), threads
+
+
+def test_serving_freezes_start_up_objects_out_of_garbage_collection(make_settings):
+    import gc
+
+    before = gc.get_freeze_count()
+    with TestClient(create_app(make_settings())) as c:
+        assert c.get("/readyz").status_code == 200
+        assert gc.get_freeze_count() > before + 1000  # the loaded model's objects, skipped by every collection
+    assert gc.get_freeze_count() == 0  # shutdown hands them back: no process-wide state left behind
