@@ -9,7 +9,7 @@ from models import VLModel
 from models.tokenizer import VLTokenizer
 
 from .data.vl_tasks import Example, collate
-from .metrics import accuracy, refer_accuracy, vqa_soft_accuracy
+from .metrics import accuracy, answer_type, refer_accuracy, vqa_accuracy_by_type, vqa_soft_accuracy
 
 # eval set -> the kind of head it measures
 HEAD_OF = {"vqa": "vqa", "easy_vqa": "vqa", "refer": "refer", "itm": "itm", "nlvr2": "nlvr2", "mc": "multiple_choice"}
@@ -55,13 +55,14 @@ def vqa_scores(examples: list[Example], answers: list[str], head_answers: list[s
 def evaluate_tasks(model: VLModel, data, tokenizer: VLTokenizer, limit: int | None = None,
                    head_answers: dict[str, list[str]] | None = None) -> dict[str, float]:
     """`<eval set>_acc` for every eval set the model has a head of the right kind for (the first `limit` examples
-    of each). head_answers: a VQA head's answer list when it is not data.answers (a checkpoint's labels.json)."""
+    of each), and for VQA sets also per answer type (`vqa_acc_yes_no`, `vqa_acc_number`, `vqa_acc_other`). head_answers: a VQA head's answer list when it is not data.answers (a checkpoint's labels.json)."""
     results = {}
     for name, examples in data.eval.items():
         task = head_for(model, HEAD_OF[name]) if name in HEAD_OF else None
         if task is None or not examples:
             continue
         examples = examples[:limit] if limit else examples
+        by_type = {}
         logits = predictions(model, task, examples, data.eval_table, tokenizer)
         kind = model.config.heads[task].kind
         if kind == "refer":
@@ -70,7 +71,10 @@ def evaluate_tasks(model: VLModel, data, tokenizer: VLTokenizer, limit: int | No
         elif kind == "vqa":
             scores = vqa_scores(examples, data.answers, (head_answers or {}).get(task, data.answers))
             value = vqa_soft_accuracy(logits.argmax(-1), scores)
+            types = [answer_type(data.answers[e.label]) for e in examples]
+            by_type = vqa_accuracy_by_type(logits.argmax(-1), scores, types)
         else:
             value = accuracy(logits, torch.tensor([e.label for e in examples]))
         results[f"{name}_acc"] = round(value, 4)
+        results.update({f"{name}_acc_{t.replace('/', '_')}": round(v, 4) for t, v in by_type.items()})  # e.g. vqa_acc_yes_no
     return results

@@ -19,11 +19,13 @@ from models.tokenizer import VLTokenizer
 
 from .data.vl_tasks import collate
 from .evaluate import evaluate_tasks
+from .objectives import group_ranking_loss
 from .vl_data import TaskData, prepare_task_data
 
 log = logging.getLogger(__name__)
 STATE = "train_state.pt"  # resumable state, written beside the checkpoint files
 TASKS = ("vqa", "refer", "itm", "nlvr2", "multiple_choice")  # heads fine-tuning trains
+RANK_TASK = "itm_rank"  # retrieval groups trained with a listwise ranking loss through the itm head
 
 
 @dataclass
@@ -40,7 +42,7 @@ class FinetuneConfig:
     feature_norm: bool = True  # standardise region features with statistics of the training regions (models.layers.FeatureNorm)
     init_text: bool = True  # start the text side from the pretrained MiniLM-L6 (unless init_from is set)
     init_from: Path | None = None  # start the encoder (and same-named, same-shaped heads) from this checkpoint directory
-    tasks: dict[str, float] = field(default_factory=lambda: {"vqa": 1.0, "refer": 1.0, "itm": 1.0, "nlvr2": 1.0})  # task -> sampling weight
+    tasks: dict[str, float] = field(default_factory=lambda: {"vqa": 1.0, "refer": 1.0, "itm": 1.0, "nlvr2": 1.0})  # task -> sampling weight (itm_rank: ranking groups, trains the itm head)
     easy_vqa: bool = True  # add easy-VQA's training questions to the vqa task
     easy_vqa_images: int | None = None  # use only the first N easy-VQA training images (None = all 4,000)
     train_scenes: int = 20_000  # shapes-world training scenes used
@@ -68,9 +70,10 @@ def build_model(cfg: FinetuneConfig, feature_dim: int, num_answers: int) -> VLMo
         "nlvr2": HeadConfig(kind="nlvr2", nlvr2_mode="pair"),
         "multiple_choice": HeadConfig(kind="multiple_choice"),
     }
-    dropout = {} if cfg.dropout is None else {"dropout": cfg.dropout, "attention_dropout": cfg.dropout}
-    model = create_model(cfg.preset, cfg.size, heads={t: heads[t] for t in cfg.tasks}, visual_feat_dim=feature_dim,
-                         feature_norm=cfg.feature_norm, **dropout)
+    overrides = {} if cfg.dropout is None else {"dropout": cfg.dropout, "attention_dropout": cfg.dropout}
+    names = dict.fromkeys("itm" if t == RANK_TASK else t for t in cfg.tasks)
+    model = create_model(cfg.preset, cfg.size, heads={t: heads[t] for t in names}, visual_feat_dim=feature_dim,
+                         feature_norm=cfg.feature_norm, **overrides)
     if cfg.init_from is not None:
         copied = init_from_checkpoint(model, cfg.init_from)
         log.info("encoder from %s; heads copied: %s", cfg.init_from, ", ".join(copied) or "none")
@@ -178,11 +181,14 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
         model.train()
         task = tasks[int(rng.choice(len(tasks), p=weights / weights.sum()))]
         pool = data.train[task]
-        batch = [pool[int(i)] for i in rng.integers(0, len(pool), cfg.batch_size)]
-        inputs, labels = collate(model.config.heads[task].kind, batch, data.train_table, tokenizer,
-                                 model.config.heads[task], cfg.max_length)
+        ranking = task == RANK_TASK
+        head = "itm" if ranking else task
+        group = len(pool[0].rows) if ranking else 1  # itm_rank: images per caption; a step scores batch_size pairs
+        batch = [pool[int(i)] for i in rng.integers(0, len(pool), max(1, cfg.batch_size // group))]
+        inputs, labels = collate(RANK_TASK if ranking else model.config.heads[head].kind, batch, data.train_table, tokenizer,
+                                 model.config.heads[head], cfg.max_length)
         with autocast(cfg.bf16):
-            loss = model(inputs, task, labels).loss
+            loss = group_ranking_loss(model(inputs, head).logits, group, labels) if ranking else model(inputs, task, labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)

@@ -13,6 +13,25 @@ def vqa_soft_accuracy(pred_idx: torch.Tensor, scores: torch.Tensor) -> float:
     return scores.gather(-1, pred_idx.long().unsqueeze(-1)).float().mean().item()
 
 
+ANSWER_TYPES = ("yes/no", "number", "other")  # the official VQA evaluation's answer types
+
+
+def answer_type(answer: str) -> str:
+    """The VQA answer type of an answer: yes/no, number (digits) or other."""
+    return "yes/no" if answer in ("yes", "no") else "number" if answer.isdigit() else "other"
+
+
+def vqa_accuracy_by_type(pred_idx: torch.Tensor, scores: torch.Tensor, types: list[str]) -> dict[str, float]:
+    """vqa_soft_accuracy of the examples of each answer type present (types: one per example), as the official
+    VQA evaluation reports beside the overall number."""
+    out = {}
+    for t in ANSWER_TYPES:
+        rows = torch.tensor([i for i, u in enumerate(types) if u == t], dtype=torch.long)
+        if len(rows):
+            out[t] = vqa_soft_accuracy(pred_idx[rows], scores[rows])
+    return out
+
+
 def box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """IoU of x1,y1,x2,y2 boxes a (..., 4) and b (..., 4), broadcast: `box_iou(a[:, None], b[None])` is pairwise."""
     lt = torch.maximum(a[..., :2], b[..., :2])

@@ -251,3 +251,15 @@ def pretraining_losses(
     losses = {t: model.heads[t].loss(model.forward_head(t, enc, inputs).float(), targets[t], inputs) for t in tasks}  # float32 under autocast
     losses["total"] = sum(weights.get(t, 1.0) * loss for t, loss in losses.items())
     return losses
+
+
+def group_ranking_loss(match_logits: torch.Tensor, group_size: int, targets: torch.Tensor | None = None) -> torch.Tensor:
+    """Listwise ranking loss for retrieval: (G * K, 2) ITM [no match, match] logits of G captions, each scored
+    against K images (its own at index targets[g], 0 by default) -> cross-entropy of the softmax over each
+    group's match scores (match minus no-match logit, the score retrieval ranks by)."""
+    if match_logits.shape[0] % group_size:
+        raise ValueError(f"{match_logits.shape[0]} pairs do not split into groups of {group_size}")
+    scores = (match_logits[:, 1] - match_logits[:, 0]).float().view(-1, group_size)  # (G, K)
+    if targets is None:
+        targets = torch.zeros(scores.shape[0], dtype=torch.long, device=scores.device)
+    return F.cross_entropy(scores, targets)

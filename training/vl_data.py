@@ -16,7 +16,7 @@ from .data.region_table import RegionTable, extract_table
 from .data.shapes_cache import FORMAT_VERSION, ShapesConfig, ShapesSplit, cache_root, config_hash, load_split
 from .data.shapes_tasks import ANSWERS, TaskConfig
 from .data.shapes_world import WorldConfig
-from .data.vl_tasks import Example, easy_vqa_examples, retrieval_examples, shapes_examples
+from .data.vl_tasks import Example, easy_vqa_examples, ranking_examples, retrieval_examples, shapes_examples
 from .data.vl_tasks import easy_vqa_images as easy_vqa_image_ids
 
 Extract = Callable[[str, Callable[[int], np.ndarray], int], RegionTable]  # (cache name, load image i, count)
@@ -62,15 +62,18 @@ def shapes_config_from_dir(path: Path) -> tuple[ShapesConfig, Path]:
 
 
 def shapes_part(extract: Extract, split_name: str, scenes: int, data: ShapesConfig, seed: int, retrieval_pool: int = 0,
-                root: Path | None = None) -> tuple[RegionTable, dict[str, list[Example]]]:
+                root: Path | None = None, ranking: bool = False) -> tuple[RegionTable, dict[str, list[Example]]]:
     """Regions of the first max(scenes, retrieval_pool) scenes of a split; task examples of the first `scenes`
-    (NLVR2 pairs inside them) and, with retrieval_pool, one gold caption for each of the first pool scenes."""
+    (NLVR2 pairs inside them), with `ranking` the retrieval training groups (itm_rank) over them, and, with
+    retrieval_pool, one gold caption for each of the first pool scenes."""
     split = load_split(split_name, data, root)
     scenes, pool = min(scenes, len(split)), min(retrieval_pool, len(split))
     table = extract(f"shapes-{config_hash(data)}-{split_name}", lambda i: np.asarray(split.image(i)), max(scenes, pool))
     inside = lambda pair: all(int(pair[side].split("/")[1]) < scenes for side in ("left", "right"))  # noqa: E731
     examples = shapes_examples(ShapesSplit(split.directory, split.annotations[:scenes], list(filter(inside, split.nlvr2))),
                                ANSWERS, seed=seed)
+    if ranking:
+        examples["itm_rank"] = ranking_examples(ShapesSplit(split.directory, split.annotations[:scenes], []), seed=seed)
     if pool:
         examples["retrieval"] = retrieval_examples(ShapesSplit(split.directory, split.annotations[:pool], []))
     return table, examples
@@ -109,7 +112,7 @@ def prepare_task_data(detector_dir: Path, train_scenes: int, eval_scenes: int, e
                       shapes_root: Path | None = None) -> TaskData:
     """Extract (or load cached) regions for the data a run uses and build its task examples (eval on val)."""
     cfg, fingerprint, extract = _extractor(detector_dir, progress)
-    train_table, train = shapes_part(extract, "train", train_scenes, data, seed=0, root=shapes_root)
+    train_table, train = shapes_part(extract, "train", train_scenes, data, seed=0, root=shapes_root, ranking=True)
     eval_table, evals = shapes_part(extract, "val", eval_scenes, data, seed=1, retrieval_pool=eval_scenes, root=shapes_root)
     train_tables, eval_tables, evals = [train_table], [eval_table], as_eval_sets(evals)
     if easy_vqa:

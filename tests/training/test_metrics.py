@@ -9,6 +9,7 @@ from training.metrics import (
     accuracy, box_iou, confidence_baseline_accuracy, confidence_baseline_hits, gold_ranks, grounding_accuracy,
     grounding_hits, image_attention_fraction, recall_at_k, refer_accuracy, vqa_soft_accuracy,
 )
+from training.metrics import answer_type, vqa_accuracy_by_type
 
 
 def test_vqa_soft_accuracy_by_hand():
@@ -20,6 +21,16 @@ def test_vqa_soft_accuracy_by_hand():
     # predicted answers 0, 2, 1 score 1.0, 0.3 and 0.9: mean 2.2 / 3
     assert vqa_soft_accuracy(torch.tensor([0, 2, 1]), scores) == pytest.approx(2.2 / 3)
     assert vqa_soft_accuracy(torch.tensor([1, 1, 0]), scores) == 0.0
+
+
+def test_vqa_accuracy_by_answer_type_by_hand():
+    assert [answer_type(a) for a in ("yes", "no", "3", "0", "red", "three")] == ["yes/no"] * 2 + ["number"] * 2 + ["other"] * 2
+    # 4 questions over answers [yes, no, 2, red]; predictions: yes (right), yes (wrong), 2 (right), 2 (wrong: red)
+    scores = torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0], [0, 0, 1.0, 0], [0, 0, 0, 1.0]])
+    pred = torch.tensor([0, 0, 2, 2])
+    types = ["yes/no", "yes/no", "number", "other"]
+    assert vqa_accuracy_by_type(pred, scores, types) == {"yes/no": 0.5, "number": 1.0, "other": 0.0}
+    assert vqa_accuracy_by_type(pred[:2], scores[:2], types[:2]) == {"yes/no": 0.5}  # absent types are left out
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,8 @@
 """Pretraining objectives: masking rates and label construction as pure functions; every preset x objective overfits."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -300,3 +302,19 @@ def test_pretraining_losses_share_one_pass_and_weigh_the_total(make_model, make_
         pretraining_losses(model, inputs, targets, weights={"typo": 1.0})
     with pytest.raises(ValueError, match="no pretraining head"):
         pretraining_losses(model, inputs, {"vqa": make_labels(model.config.heads["vqa"], enc, inputs)})
+
+
+def test_group_ranking_loss_by_hand():
+    from training.objectives import group_ranking_loss
+
+    # 2 captions x 3 images; match score = logit[1] - logit[0]
+    logits = torch.tensor([[0.0, 2.0], [0.0, 0.0], [1.0, 0.0],  # scores 2, 0, -1
+                           [0.0, 0.0], [0.0, 1.0], [0.0, 1.0]])  # scores 0, 1, 1
+    scores = [[2.0, 0.0, -1.0], [0.0, 1.0, 1.0]]
+    expected = [-(s[0] - math.log(sum(math.exp(v) for v in s))) for s in scores]  # own image first
+    assert group_ranking_loss(logits, 3).item() == pytest.approx(sum(expected) / 2, rel=1e-6)
+    own = torch.tensor([0, 2])
+    expected[1] = -(scores[1][2] - math.log(sum(math.exp(v) for v in scores[1])))
+    assert group_ranking_loss(logits, 3, own).item() == pytest.approx(sum(expected) / 2, rel=1e-6)
+    with pytest.raises(ValueError, match="do not split into groups of 4"):
+        group_ranking_loss(logits, 4)

@@ -58,6 +58,41 @@ def retrieval_examples(split: ShapesSplit, row_offset: int = 0) -> list[Example]
     return [Example((i + row_offset,), ann["captions"][0], objects_key(ann)) for i, ann in enumerate(split.annotations)]
 
 
+def ranking_examples(split: ShapesSplit, group_size: int = 8, hard: int = 3, neighbours: int = 10, seed: int = 0,
+                     row_offset: int = 0) -> list[Example]:
+    """Retrieval training groups: each scene's listing caption (captions[0]) with its own image first, then
+    `hard` scenes drawn from the `neighbours` whose objects overlap its own most, then random scenes; never a
+    scene the caption is true of (the same objects_key). Rows are scene index + row_offset."""
+    keys = [objects_key(ann) for ann in split.annotations]
+    n = len(keys)
+    if n < group_size:
+        return []
+    vocab = {o: k for k, o in enumerate(sorted({o for key in keys for o in key}))}
+    counts = np.zeros((n, len(vocab)), dtype=np.int16)  # objects of each kind per scene
+    for i, key in enumerate(keys):
+        for o in key:
+            counts[i, vocab[o]] += 1
+    ids: dict[tuple, int] = {}
+    key_id = np.array([ids.setdefault(k, len(ids)) for k in keys])
+    sizes = counts.sum(1)
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        others = np.flatnonzero(key_id != key_id[i])  # scenes the caption is false of
+        if len(others) < group_size - 1:
+            continue
+        overlap = np.minimum(counts[i], counts[others]).sum(1) - np.abs(sizes[others] - sizes[i])  # shared objects minus size gap
+        near = min(neighbours, len(others))
+        close = others[np.argpartition(-overlap, near - 1)[:near]]
+        picked = [int(j) for j in rng.permutation(close)[:hard]]
+        while len(picked) < group_size - 1:
+            j = int(others[rng.integers(len(others))])
+            if j not in picked:
+                picked.append(j)
+        out.append(Example(tuple(r + row_offset for r in (i, *picked)), split.annotations[i]["captions"][0], 0))
+    return out
+
+
 def objects_key(annotation: dict) -> tuple[tuple[str, str, str], ...]:
     """The scene's objects as a sorted tuple of (size, color, shape): equal keys, same listing truth."""
     return tuple(sorted((o["size"], o["color"], o["shape"]) for o in annotation["objects"]))
@@ -96,6 +131,10 @@ def collate(
     max_length: int = 40,
 ) -> tuple[VLInputs, torch.Tensor]:
     """One padded batch of a task (head kind) and its labels in the head's format."""
+    if kind == "itm_rank":  # groups: every caption with each of its images, flattened; label = its own image
+        flat = [Example((row,), e.text, 0) for e in examples for row in e.rows]
+        inputs, _ = collate("itm", flat, table, tokenizer, head, max_length)
+        return inputs, torch.tensor([e.label for e in examples], dtype=torch.long)
     if kind == "multiple_choice":
         text = encode_choices(tokenizer, examples, max_length)
     else:

@@ -43,7 +43,8 @@ def finetune(
     detector: Annotated[Path, typer.Option(help="detector checkpoint directory (regions are extracted once and cached)")],
     preset: Annotated[str, typer.Option(help="visualbert, vl-bert, vilbert, lxmert or u-visualbert")] = "visualbert",
     size: Annotated[str, typer.Option(help="tiny, small or base")] = "small",
-    tasks: Annotated[str, typer.Option(help="comma-separated task:weight list over vqa, refer, itm, nlvr2, multiple_choice")] = "vqa:1,refer:1,itm:1,nlvr2:1",
+    tasks: Annotated[str, typer.Option(help="comma-separated task:weight list over vqa, refer, itm, nlvr2, multiple_choice and "
+                                           "itm_rank (retrieval groups: a listwise ranking loss through the itm head)")] = "vqa:1,refer:1,itm:1,nlvr2:1",
     steps: Annotated[int, typer.Option(min=1)] = 2000,
     batch_size: Annotated[int, typer.Option(min=1)] = 32,
     lr: Annotated[float, typer.Option(min=0.0, help="encoder peak learning rate")] = 1e-4,
@@ -137,16 +138,16 @@ def validate_finetune(cfg) -> None:
     from models.checkpoint import CheckpointError, load_checkpoint
     from models.detector.io import load_detector
     from models.registry import encoder_config
-    from training.finetune import TASKS
+    from training.finetune import RANK_TASK, TASKS
 
     encoder_config(cfg.preset, cfg.size)  # raises for an unknown preset or size
     if cfg.vqa_loss not in ("bce", "ce"):
         raise ValueError(f"--vqa-loss must be bce or ce, not {cfg.vqa_loss!r}")
     if cfg.vqa_pool not in ("pooled", "answer_slot", "regions"):
         raise ValueError(f"--vqa-pool must be pooled, answer_slot or regions, not {cfg.vqa_pool!r}")
-    unknown = set(cfg.tasks) - set(TASKS)
+    unknown = set(cfg.tasks) - {*TASKS, RANK_TASK}
     if unknown:
-        raise ValueError(f"head not supported by fine-tuning: {', '.join(sorted(unknown))} (choose {', '.join(TASKS)})")
+        raise ValueError(f"head not supported by fine-tuning: {', '.join(sorted(unknown))} (choose {', '.join((*TASKS, RANK_TASK))})")
     if cfg.dropout is not None and not 0.0 <= cfg.dropout < 1.0:
         raise ValueError(f"--dropout must be in [0, 1), not {cfg.dropout}")
     if any(w <= 0 for w in cfg.tasks.values()):
