@@ -55,7 +55,8 @@ def vqa_scores(examples: list[Example], answers: list[str], head_answers: list[s
 def evaluate_tasks(model: VLModel, data, tokenizer: VLTokenizer, limit: int | None = None,
                    head_answers: dict[str, list[str]] | None = None) -> dict[str, float]:
     """`<eval set>_acc` for every eval set the model has a head of the right kind for (the first `limit` examples
-    of each), and for VQA sets also per answer type (`vqa_acc_yes_no`, `vqa_acc_number`, `vqa_acc_other`). head_answers: a VQA head's answer list when it is not data.answers (a checkpoint's labels.json)."""
+    of each), and for VQA sets also per answer type (`vqa_acc_yes_no`, `vqa_acc_number`, `vqa_acc_other`).
+    head_answers: a VQA head's answer list when it is not data.answers (a checkpoint's labels.json)."""
     results = {}
     for name, examples in data.eval.items():
         task = head_for(model, HEAD_OF[name]) if name in HEAD_OF else None

@@ -149,7 +149,7 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
     torch.set_num_threads(cfg.threads)
     rng = np.random.default_rng(cfg.seed)
     data = data or prepare_task_data(cfg.detector_dir, cfg.train_scenes, cfg.eval_scenes, cfg.easy_vqa, progress,
-                                     easy_vqa_images=cfg.easy_vqa_images)
+                                     easy_vqa_images=cfg.easy_vqa_images, ranking=RANK_TASK in cfg.tasks)
     unknown = set(cfg.tasks) - set(data.train)
     if unknown:
         raise ValueError(f"no training data for task(s) {', '.join(sorted(unknown))}")
@@ -185,10 +185,13 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
         head = "itm" if ranking else task
         group = len(pool[0].rows) if ranking else 1  # itm_rank: images per caption; a step scores batch_size pairs
         batch = [pool[int(i)] for i in rng.integers(0, len(pool), max(1, cfg.batch_size // group))]
-        inputs, labels = collate(RANK_TASK if ranking else model.config.heads[head].kind, batch, data.train_table, tokenizer,
-                                 model.config.heads[head], cfg.max_length)
+        kind = RANK_TASK if ranking else model.config.heads[head].kind
+        inputs, labels = collate(kind, batch, data.train_table, tokenizer, model.config.heads[head], cfg.max_length)
         with autocast(cfg.bf16):
-            loss = group_ranking_loss(model(inputs, head).logits, group, labels) if ranking else model(inputs, task, labels).loss
+            if ranking:
+                loss = group_ranking_loss(model(inputs, head).logits, group, labels)
+            else:
+                loss = model(inputs, task, labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)

@@ -109,10 +109,11 @@ def _extractor(detector_dir: Path, progress: bool) -> tuple[DetectorConfig, str,
 
 def prepare_task_data(detector_dir: Path, train_scenes: int, eval_scenes: int, easy_vqa: bool = True,
                       progress: bool = True, data: ShapesConfig = ShapesConfig(), easy_vqa_images: int | None = None,
-                      shapes_root: Path | None = None) -> TaskData:
-    """Extract (or load cached) regions for the data a run uses and build its task examples (eval on val)."""
+                      shapes_root: Path | None = None, ranking: bool = False) -> TaskData:
+    """Extract (or load cached) regions for the data a run uses and build its task examples (eval on val);
+    with `ranking` also the itm_rank training groups."""
     cfg, fingerprint, extract = _extractor(detector_dir, progress)
-    train_table, train = shapes_part(extract, "train", train_scenes, data, seed=0, root=shapes_root, ranking=True)
+    train_table, train = shapes_part(extract, "train", train_scenes, data, seed=0, root=shapes_root, ranking=ranking)
     eval_table, evals = shapes_part(extract, "val", eval_scenes, data, seed=1, retrieval_pool=eval_scenes, root=shapes_root)
     train_tables, eval_tables, evals = [train_table], [eval_table], as_eval_sets(evals)
     if easy_vqa:

@@ -34,7 +34,7 @@ def task_data(tmp_path_factory):
         cfg = DetectorConfig(classes=["circle", "rectangle", "triangle"], attributes=["red"], min_size=64, max_size=128,
                              rpn_pre_nms_top_n=100, rpn_post_nms_top_n=30, num_boxes=8, feature_dim=16)
         save_detector(RegionDetector(cfg), root / "detector")
-        data = prepare_task_data(root / "detector", 160, 80, easy_vqa=False, progress=False, data=SHAPES)
+        data = prepare_task_data(root / "detector", 160, 80, easy_vqa=False, progress=False, data=SHAPES, ranking=True)
         yield root / "detector", data
     finally:
         if old is None:
@@ -191,6 +191,7 @@ def test_ranking_groups_hold_the_own_image_first_and_never_a_true_one(task_data)
     _, data = task_data
     groups = data.train["itm_rank"]
     assert len(groups) == 160 and "itm_rank" not in data.eval
+    assert "itm_rank" not in prepare_task_data(task_data[0], 160, 80, easy_vqa=False, progress=False, data=SHAPES).train
     shapes = load_split_annotations(task_data)
     for g, e in enumerate(groups):
         own, *others = e.rows
