@@ -96,22 +96,26 @@ def export_cli(checkpoint, tmp_path, *options: str):
     return CliRunner().invoke(app, ["export", str(checkpoint), "--out", str(tmp_path / "repo"), *options])
 
 
-@pytest.mark.skipif(GPU_REASON is None, reason="checks the refusal on machines without TensorRT or a CUDA GPU")
-def test_format_tensorrt_here_exits_2_with_one_clear_message(checkpoint, tmp_path):
+def without_tensorrt(monkeypatch) -> None:
+    """This process as on a machine without the tensorrt package (`import tensorrt` fails), GPU or not."""
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+
+
+def test_format_tensorrt_here_exits_2_with_one_clear_message(checkpoint, tmp_path, monkeypatch):
+    without_tensorrt(monkeypatch)
     result = export_cli(checkpoint, tmp_path, "--format", "tensorrt")
     assert result.exit_code == 2
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1
     assert lines[0].startswith("error: --format tensorrt builds TensorRT engines on a CUDA GPU, but ")
     assert "Traceback" not in result.output and "export --format onnx here" in lines[0]
-    if "tensorrt" not in sys.modules:
-        assert "the tensorrt Python package cannot be imported" in lines[0] and "pip install -e '.[gpu]'" in lines[0]
+    assert "the tensorrt Python package cannot be imported" in lines[0] and "pip install -e '.[gpu]'" in lines[0]
     assert not (tmp_path / "repo").exists()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on machines without a CUDA device")
 def test_format_tensorrt_with_the_package_but_no_cuda_device_exits_2(checkpoint, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__="11.4.0.106"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     result = export_cli(checkpoint, tmp_path, "--format", "tensorrt")
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "torch sees no CUDA device" in result.output and result.output.count("error:") == 1
@@ -256,9 +260,10 @@ def test_engines_are_checked_against_this_machine_and_the_service_limits(exporte
         check_engines(recorded, HERE, 32, 128)
 
 
-@pytest.mark.skipif(GPU_REASON is None, reason="checks the start-up refusal on machines without TensorRT or a GPU")
-def test_an_engine_repository_goes_to_the_engine_runtime_which_says_what_it_needs(exported):
-    with pytest.raises(ValueError, match=f"serves this repository's TensorRT engines, but {GPU_REASON[:30]}"):
+def test_an_engine_repository_goes_to_the_engine_runtime_which_says_what_it_needs(exported, monkeypatch):
+    without_tensorrt(monkeypatch)
+    reason = engines.unavailable()
+    with pytest.raises(ValueError, match=f"serves this repository's TensorRT engines, but {reason[:30]}"):
         create(types.SimpleNamespace(**SETTINGS), load_repository(exported[0].path))
 
 
