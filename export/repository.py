@@ -30,7 +30,7 @@ from models.tokenizer import TOKENIZER_FILES, VLTokenizer
 from . import engines
 from .encoder import DEFAULT_OPSET, GraphSpec, export_task, exportable_tasks, graph_feed
 from .fused import fused_attention
-from .optimize import float16_graph, optimize_graph, quantize_graph
+from .optimize import CPU_DISABLED_FUSIONS, float16_graph, optimize_graph, quantize_graph
 from .parity import (FP16_MAX_ABS_DIFF, FP16_MIN_AGREEMENT, MAX_ABS_DIFF, MEASURED_REGIONS, MEASURED_TEXT,
                      MIN_AGREEMENT, MIN_INT8_AGREEMENT, Parity, measure)
 
@@ -139,7 +139,10 @@ def session(path: Path, threads: int = 1, providers: list | None = None, spin: b
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3  # errors only
-    return ort.InferenceSession(str(path), options, providers=providers or ["CPUExecutionProvider"])
+    providers = providers or ["CPUExecutionProvider"]
+    cpu_only = all((p[0] if isinstance(p, tuple) else p) == "CPUExecutionProvider" for p in providers)
+    return ort.InferenceSession(str(path), options, providers=providers,
+                                disabled_optimizers=list(CPU_DISABLED_FUSIONS) if cpu_only else None)
 
 
 def runner(sess) -> Callable[[dict[str, np.ndarray]], np.ndarray]:

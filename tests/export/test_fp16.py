@@ -85,7 +85,7 @@ def test_fp16_from_the_optimized_graph_with_int8_for_cpu(checkpoint, tmp_path):
     vqa = repo.manifest["graphs"]["vqa"]
     assert vqa["precision"] == "int8" and vqa["fp16"]["from"] == "optimized"
     ops = {n.op_type for n in onnx.load(str(repo.graph_path("vqa", fp16=True))).graph.node}
-    assert {"Attention", "SkipLayerNormalization"} <= ops and "MatMulInteger" not in ops
+    assert {"Attention", "LayerNormalization"} <= ops and "MatMulInteger" not in ops
     for task, report in repo.parity["graphs"].items():
         assert report["fp16"]["max_abs_diff"] <= 5e-2 and report["fp16"]["agreement"] >= 0.9, task
 

@@ -162,7 +162,8 @@ def test_optimized_and_int8_graphs_record_their_parity(checkpoint, tmp_path):
         assert report["served"] == "int8"
         assert report["optimized"]["max_abs_diff"] <= 1e-4 and report["optimized"]["agreement"] == 1.0
         fused = report["fused_operators"]
-        assert fused.get("SkipLayerNormalization", 0) > 0 and fused.get("Attention", 0) > 0, fused
+        assert fused.get("LayerNormalization", 0) > 0 and fused.get("Attention", 0) > 0, fused
+        assert "SkipLayerNormalization" not in fused, fused  # slower than Add + LayerNormalization on CPU
         assert fused.get("MultiHeadAttention", 0) > 0, fused  # LXMERT's cross-modality attention
         assert 0.5 <= report["int8"]["agreement"] <= 1 and "int8_agreement_change_points" in report, task
     ops = {n.op_type for n in onnx.load(str(repo.graph_path("vqa"))).graph.node}
