@@ -86,6 +86,11 @@ def test_zero_shot_retrieval_from_an_itm_only_checkpoint(trained):
     report = json.loads(result.stdout)
     assert "itm_acc" in report and not (TASK_METRICS - {"itm_acc"}) & set(report)
     assert report["retrieval"]["queries"] == 12 and set(report["retrieval"]["text_to_image"]) == {"R@1", "R@5", "R@10"}
+    one_way = evaluate(root, "--scenes", 10, "--easy-vqa-images", 0, "--retrieval-pool", 12, "--retrieval-queries", 12,
+                       "--retrieval-directions", "text-to-image", checkpoint="pretrained")
+    assert one_way.exit_code == 0, one_way.output
+    retrieval = json.loads(one_way.stdout)["retrieval"]
+    assert retrieval["text_to_image"] == report["retrieval"]["text_to_image"] and "image_to_text" not in retrieval
 
 
 def test_bad_inputs_exit_2(trained, tmp_path):
@@ -103,6 +108,7 @@ def test_bad_inputs_exit_2(trained, tmp_path):
         (evaluate(root, detector=tmp_path / "other-detector"), "was trained on regions of detector"),
         (evaluate(root, checkpoint="pretrained", detector=tmp_path / "narrow-detector"), "reads 16-d region features"),
         (evaluate(root, "--split", "train"), "--split must be val or test"),
+        (evaluate(root, "--retrieval-directions", "sideways"), "--retrieval-directions must be one of"),
         (CliRunner().invoke(app, ["eval", "encoder", str(root / "encoder"), "--detector-dir", str(root / "detector"),
                                   "--shapes-dir", str(tmp_path)]), "not a shapes-world dataset directory"),
     ]

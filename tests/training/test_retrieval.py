@@ -42,6 +42,19 @@ def test_recall_at_k_both_ways_matches_the_hand_computed_ranks():
     assert sum(scorer.batches) == 2 * 4 * 4 and max(scorer.batches) == 3  # every pair, in batches of at most 3
 
 
+def test_one_direction_scores_half_the_pairs_and_agrees_with_both():
+    both = retrieval_recall(HandScorer(), pool=4, queries=None, keys=["a", "a", "b", "c"], ks=(1, 2))
+    for direction, other in (("text_to_image", "image_to_text"), ("image_to_text", "text_to_image")):
+        scorer = HandScorer()
+        one = retrieval_recall(scorer, pool=4, queries=None, keys=["a", "a", "b", "c"], ks=(1, 2), directions=(direction,))
+        assert sum(scorer.batches) == 4 * 4
+        assert one[direction] == both[direction] and one[f"{direction}_any_true"] == both[f"{direction}_any_true"]
+        assert other not in one and f"{other}_any_true" not in one
+        assert one["true_images_per_caption"] == both["true_images_per_caption"]
+    with pytest.raises(ValueError, match="retrieval directions"):
+        retrieval_recall(HandScorer(), pool=4, directions=("sideways",))
+
+
 def test_sampled_queries_rank_against_the_whole_pool():
     q = query_sample(4, 2, seed=3)
     assert len(q) == 2 and list(q) == sorted(set(q)) and list(query_sample(4, 2, seed=3)) == list(q)

@@ -49,6 +49,8 @@ def encoder(
     easy_vqa_images: Annotated[int, typer.Option(min=0, help="easy-VQA test images (0 = skip)")] = 1_000,
     retrieval_pool: Annotated[int, typer.Option(min=0, help="retrieval pool: the split's first scenes, one caption each (0 = skip)")] = 1_000,
     retrieval_queries: Annotated[int, typer.Option(min=1, help="queries per direction, each ranks the whole pool")] = 100,
+    retrieval_directions: Annotated[str, typer.Option(
+        help="both, text-to-image or image-to-text: one direction scores half the pairs")] = "both",
     shapes_dir: Annotated[Path | None, typer.Option(help="a built shapes-world dataset directory (default: the standard one)")] = None,
     threads: Annotated[int, typer.Option(min=1)] = 2,
 ) -> None:
@@ -61,7 +63,7 @@ def encoder(
     from models.checkpoint import CheckpointError, load_checkpoint
     from models.detector.io import load_detector
     from training.evaluate import evaluate_tasks, head_for
-    from training.retrieval import evaluate_retrieval
+    from training.retrieval import DIRECTIONS, evaluate_retrieval
     from training.vl_data import prepare_eval_data, shapes_config_from_dir
 
     def fail(message: str):
@@ -70,6 +72,9 @@ def encoder(
 
     if split not in ("val", "test"):
         fail(f"--split must be val or test, got {split!r}")
+    directions = {"both": DIRECTIONS, "text-to-image": ("text_to_image",), "image-to-text": ("image_to_text",)}
+    if retrieval_directions not in directions:
+        fail(f"--retrieval-directions must be one of {', '.join(directions)}, got {retrieval_directions!r}")
     torch.set_num_threads(threads)
     started = time.perf_counter()
     try:
@@ -97,7 +102,8 @@ def encoder(
               **evaluate_tasks(model, data, tokenizer, head_answers=checkpoint.labels.get("heads"))}
     if retrieval_pool:
         retrieval_started = time.perf_counter()
-        result["retrieval"] = evaluate_retrieval(model, data, tokenizer, retrieval_queries)
+        result["retrieval"] = evaluate_retrieval(model, data, tokenizer, retrieval_queries,
+                                                 directions=directions[retrieval_directions])
         result["retrieval"]["seconds"] = round(time.perf_counter() - retrieval_started, 1)
     result["seconds"] = round(time.perf_counter() - started, 1)
     typer.echo(json.dumps(result, indent=2))
