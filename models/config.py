@@ -108,7 +108,8 @@ class HeadConfig:
     kind: str  # one of HEAD_KINDS
     num_labels: int = 0  # answers (vqa, image_qa), object classes (mrc); ignored where fixed
     pool: str = "pooled"  # vqa: "pooled" (CLS / fused), "answer_slot" (the [MASK] before the final [SEP]) or
-    #                       "regions" (pooled + question-guided attention pooling of the regions)
+    #                       "regions" (pooled + question-guided attention pooling of the regions); itm and
+    #                       nlvr2 (each image): "pooled" or "regions"
     classifier: str = "mlp"  # vqa/nlvr2/image_qa: "mlp" (Linear-GELU-LN-Linear, LXMERT/ViLBERT) or "linear"
     nlvr2_mode: str = "pair"  # nlvr2: "pair" (two passes, concatenated pooled) or "joint" (one pass, both images)
     mrc_loss: str = "ce"  # mrc: "ce" against the detector's top class or "kl" to its distribution
@@ -128,6 +129,9 @@ class HeadConfig:
         for name, (value, allowed) in checks.items():
             if value not in allowed:
                 raise ValueError(f"head {self.kind}: {name}={value!r} is not one of {allowed}")
+        readers = {"answer_slot": ("vqa", "image_qa"), "regions": ("vqa", "image_qa", "itm", "nlvr2")}
+        if self.pool in readers and self.kind not in readers[self.pool]:
+            raise ValueError(f"head {self.kind}: pool={self.pool!r} is for {', '.join(readers[self.pool])} heads only")
         if self.kind in ("vqa", "image_qa", "mrc") and self.num_labels <= 0:
             raise ValueError(f"head {self.kind} needs num_labels > 0")
 

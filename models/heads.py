@@ -50,6 +50,21 @@ def vqa_soft_score_loss(logits: torch.Tensor, scores: torch.Tensor) -> torch.Ten
     return F.binary_cross_entropy_with_logits(logits, scores) * scores.shape[-1]
 
 
+def with_attended_regions(region_query: nn.Linear, enc: EncoderOutput, region_mask: torch.Tensor) -> torch.Tensor:
+    """The pooled vector joined with a pooled-vector-guided attention pooling of the contextual regions (B, P + Hv):
+    the top-down attention of bottom-up/top-down VQA, a direct path from a head to the regions."""
+    query = region_query(enc.pooled)  # (B, Hv)
+    scores = torch.einsum("bnh,bh->bn", enc.image, query) / enc.image.shape[-1] ** 0.5  # (B, N)
+    scores = scores.masked_fill(region_mask == 0, torch.finfo(scores.dtype).min)
+    pooled_regions = torch.einsum("bn,bnh->bh", scores.softmax(-1), enc.image)  # (B, Hv)
+    return torch.cat([enc.pooled, pooled_regions], dim=-1)
+
+
+def pooled_width(head: HeadConfig, enc: EncoderConfig) -> int:
+    """Width of what a head reads: the pooled vector, or with pool="regions" the pooled vector and the attended regions."""
+    return enc.pooled_size + (enc.image_width if head.pool == "regions" else 0)
+
+
 class Head(nn.Module):
     def __init__(self, head: HeadConfig, enc: EncoderConfig):
         super().__init__()
@@ -83,11 +98,7 @@ class VQAHead(Head):
         if self.head.pool == "pooled":
             h = enc.pooled  # (B, P)
         elif self.head.pool == "regions":
-            query = self.region_query(enc.pooled)  # (B, Hv)
-            scores = torch.einsum("bnh,bh->bn", enc.image, query) / enc.image.shape[-1] ** 0.5  # (B, N)
-            scores = scores.masked_fill(inputs.region_mask == 0, torch.finfo(scores.dtype).min)
-            pooled_regions = torch.einsum("bn,bnh->bh", scores.softmax(-1), enc.image)  # (B, Hv)
-            h = torch.cat([enc.pooled, pooled_regions], dim=-1)  # (B, P + Hv)
+            h = with_attended_regions(self.region_query, enc, inputs.region_mask)  # (B, P + Hv)
         else:
             slot = (inputs.attention_mask.sum(1) - 2).long()  # (B,) index of [MASK] before the last [SEP]
             h = enc.text[torch.arange(slot.shape[0], device=slot.device), slot]  # (B, H)
@@ -108,7 +119,9 @@ class NLVR2Head(Head):
 
     def __init__(self, head: HeadConfig, enc: EncoderConfig):
         super().__init__(head, enc)
-        width = enc.pooled_size * (2 if head.nlvr2_mode == "pair" else 1)
+        width = pooled_width(head, enc) * (2 if head.nlvr2_mode == "pair" else 1)
+        if head.pool == "regions":
+            self.region_query = nn.Linear(enc.pooled_size, enc.image_width)
         self.dropout = nn.Dropout(enc.dropout)
         self.cls = classifier(head.classifier, width, 2, enc.layer_norm_eps)
 
@@ -132,7 +145,9 @@ class NLVR2Head(Head):
         )
 
     def forward(self, enc: EncoderOutput, inputs: VLInputs) -> torch.Tensor:
-        pooled = enc.pooled  # (B, P) joint, (2B, P) pair
+        pooled = enc.pooled  # (B, P) joint, (2B, P) pair (or P + Hv each with pool="regions")
+        if self.head.pool == "regions":
+            pooled = with_attended_regions(self.region_query, enc, inputs.region_mask)
         if self.head.nlvr2_mode == "pair":
             pooled = pooled.reshape(pooled.shape[0] // 2, -1)  # (B, 2P): left then right
         return self.cls(self.dropout(pooled))  # (B, 2)
@@ -159,9 +174,13 @@ class ITMHead(Head):
 
     def __init__(self, head: HeadConfig, enc: EncoderConfig):
         super().__init__(head, enc)
-        self.seq_relationship = nn.Linear(enc.pooled_size, 2)
+        if head.pool == "regions":
+            self.region_query = nn.Linear(enc.pooled_size, enc.image_width)
+        self.seq_relationship = nn.Linear(pooled_width(head, enc), 2)
 
     def forward(self, enc: EncoderOutput, inputs: VLInputs) -> torch.Tensor:
+        if self.head.pool == "regions":
+            return self.seq_relationship(with_attended_regions(self.region_query, enc, inputs.region_mask))  # (B, 2)
         return self.seq_relationship(enc.pooled)  # (B, 2)
 
 

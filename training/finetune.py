@@ -36,6 +36,8 @@ class FinetuneConfig:
     size: str = "small"  # encoder size (small: text side from MiniLM)
     vqa_pool: str = "pooled"  # "pooled" (CLS), "answer_slot" (VL-BERT's [MASK]) or "regions" (pooled + attention over regions)
     vqa_loss: str = "bce"  # "bce" (soft scores, the VQA standard) or "ce" (softmax; single-answer data learns faster)
+    itm_pool: str = "pooled"  # "pooled" (CLS) or "regions" (pooled + attention over regions), as vqa_pool
+    nlvr2_pool: str = "pooled"  # the same choice for the NLVR2 head (each image of the pair)
     freeze_word_embeddings: bool = False  # keep the (pretrained) word table fixed: no dense AdamW update of 30522 x H per step
     bf16: bool = False  # bfloat16 autocast for forward and backward (about 1.5x faster on CPUs with AVX512-BF16)
     dropout: float | None = None  # hidden and attention dropout; None = the preset's (0.1)
@@ -66,8 +68,8 @@ def build_model(cfg: FinetuneConfig, feature_dim: int, num_answers: int) -> VLMo
     heads = {
         "vqa": HeadConfig(kind="vqa", num_labels=num_answers, vqa_loss=cfg.vqa_loss, pool=cfg.vqa_pool),
         "refer": HeadConfig(kind="refer"),
-        "itm": HeadConfig(kind="itm"),
-        "nlvr2": HeadConfig(kind="nlvr2", nlvr2_mode="pair"),
+        "itm": HeadConfig(kind="itm", pool=cfg.itm_pool),
+        "nlvr2": HeadConfig(kind="nlvr2", nlvr2_mode="pair", pool=cfg.nlvr2_pool),
         "multiple_choice": HeadConfig(kind="multiple_choice"),
     }
     overrides = {} if cfg.dropout is None else {"dropout": cfg.dropout, "attention_dropout": cfg.dropout}

@@ -25,6 +25,8 @@ class Profile:
     size: str = "small"
     vqa_pool: str = "pooled"  # FinetuneConfig.vqa_pool
     vqa_loss: str = "bce"  # FinetuneConfig.vqa_loss
+    itm_pool: str = "pooled"  # FinetuneConfig.itm_pool
+    nlvr2_pool: str = "pooled"  # FinetuneConfig.nlvr2_pool
     lr: float = 1e-4  # encoder peak learning rate
     bf16: bool = False  # bfloat16 autocast (AVX512-BF16 CPUs: about 1.6x per step)
     freeze_word_embeddings: bool = False  # no dense AdamW update of the 30522-row word table (1.24x per step)
@@ -78,7 +80,8 @@ def finetune_config(p: Profile, det_dir: Path, enc_dir: Path, threads: int = 2) 
     """The encoder stage of a profile."""
     return FinetuneConfig(out=enc_dir, detector_dir=det_dir, preset=p.preset, size=p.size, train_scenes=p.train_scenes,
                           eval_scenes=p.eval_scenes, steps=p.finetune_steps, batch_size=p.batch_size,
-                          easy_vqa_images=p.easy_vqa_images, vqa_pool=p.vqa_pool, vqa_loss=p.vqa_loss, lr=p.lr,
+                          easy_vqa_images=p.easy_vqa_images, vqa_pool=p.vqa_pool, vqa_loss=p.vqa_loss,
+                          itm_pool=p.itm_pool, nlvr2_pool=p.nlvr2_pool, lr=p.lr,
                           bf16=p.bf16, freeze_word_embeddings=p.freeze_word_embeddings, dropout=p.dropout,
                           eval_every=max(1, p.finetune_steps // 3), threads=threads)
 

@@ -15,9 +15,11 @@ from models import PRESETS, HeadConfig, ModelConfig, VLModel
 from models.layers import CrossAttention, SelfAttention
 
 KINDS = ("vqa", "refer", "itm", "nlvr2", "multiple_choice", "grounding")
-# head options the presets use: VL-BERT answers VQA from the [MASK] slot, VisualBERT reads NLVR2 pairs jointly
-VARIANTS = {"vl-bert": ("vqa_slot", "vqa", {"pool": "answer_slot"}),
-            "visualbert": ("nlvr2_joint", "nlvr2", {"nlvr2_mode": "joint"})}
+# head options the presets use: VL-BERT answers VQA from the [MASK] slot, VisualBERT reads NLVR2 pairs jointly,
+# the demo's U-VisualBERT may read the regions through attention pooling
+VARIANTS = {"vl-bert": [("vqa_slot", "vqa", {"pool": "answer_slot"})],
+            "visualbert": [("nlvr2_joint", "nlvr2", {"nlvr2_mode": "joint"})],
+            "u-visualbert": [(f"{kind}_regions", kind, {"pool": "regions"}) for kind in ("vqa", "itm", "nlvr2")]}
 
 
 def build(make_model, preset: str) -> VLModel:
@@ -25,8 +27,8 @@ def build(make_model, preset: str) -> VLModel:
     model = make_model(preset, *KINDS)
     if preset not in VARIANTS:
         return model.eval()
-    task, kind, options = VARIANTS[preset]
-    heads = {**model.config.heads, task: HeadConfig(kind=kind, num_labels=model.config.heads[kind].num_labels, **options)}
+    heads = {**model.config.heads, **{task: HeadConfig(kind=kind, num_labels=model.config.heads[kind].num_labels, **options)
+                                      for task, kind, options in VARIANTS[preset]}}
     torch.manual_seed(1)
     return VLModel(ModelConfig(encoder=model.config.encoder, heads=heads)).eval()
 

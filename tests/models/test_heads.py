@@ -59,8 +59,10 @@ def test_nothing_masked_is_zero_loss_not_nan(kind, make_model, make_batch, make_
 @pytest.mark.parametrize(
     "kind,options",
     [("vqa", dict(pool="answer_slot")), ("vqa", dict(classifier="linear")), ("nlvr2", dict(nlvr2_mode="joint")),
-     ("nlvr2", dict(classifier="linear")), ("mrc", dict(mrc_loss="kl"))],
-    ids=["vqa-answer-slot", "vqa-linear", "nlvr2-joint", "nlvr2-linear", "mrc-kl"],
+     ("nlvr2", dict(classifier="linear")), ("mrc", dict(mrc_loss="kl")), ("itm", dict(pool="regions")),
+     ("nlvr2", dict(pool="regions")), ("nlvr2", dict(pool="regions", nlvr2_mode="joint"))],
+    ids=["vqa-answer-slot", "vqa-linear", "nlvr2-joint", "nlvr2-linear", "mrc-kl", "itm-regions", "nlvr2-regions",
+         "nlvr2-joint-regions"],
 )
 @pytest.mark.parametrize("preset", PRESETS)
 def test_head_options_on_every_preset(preset, kind, options, make_model, make_batch, make_labels):
@@ -69,7 +71,8 @@ def test_head_options_on_every_preset(preset, kind, options, make_model, make_ba
     head = model.config.heads[kind]
     out = model(inputs, kind, labels=make_labels(head, model.config.encoder, inputs))
     regions = inputs.region_mask.shape[-1]
-    assert out.logits.shape == {"vqa": (2, head.num_labels), "nlvr2": (2, 2), "mrc": (2, regions, head.num_labels)}[kind]
+    assert out.logits.shape == {"vqa": (2, head.num_labels), "nlvr2": (2, 2), "itm": (2, 2),
+                                "mrc": (2, regions, head.num_labels)}[kind]
     assert torch.isfinite(out.loss)
     out.loss.backward()
     assert model.encoder.embeddings.word_embeddings.weight.grad.abs().sum() > 0
@@ -192,3 +195,36 @@ def test_vqa_region_pooling_reads_real_regions_only(preset):
     assert not torch.allclose(a, pooled_only)  # the region pooling does reach the answer
     with pytest.raises(ValueError, match="pool"):
         HeadConfig(kind="vqa", num_labels=5, pool="mean")
+
+
+@pytest.mark.parametrize("kind", ["itm", "nlvr2"])
+def test_itm_and_nlvr2_region_pooling_reads_real_regions_only(kind):
+    """pool="regions" on the matching heads: padded regions get no weight, and the attended regions reach the logits."""
+    from models import HeadConfig, VLInputs, create_model
+
+    torch.manual_seed(0)
+    model = create_model("u-visualbert", "tiny", heads={kind: HeadConfig(kind=kind, pool="regions")}, visual_feat_dim=8).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1000, 2000, (2, 6), generator=g)
+    lead = (2, 2) if kind == "nlvr2" else (2,)  # NLVR2: a pair of images per example
+    feats, boxes = torch.randn(*lead, 4, 8, generator=g), torch.rand(*lead, 4, 4, generator=g).sort(-1).values
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])  # example 1 has 2 real regions (in each image)
+    mask = mask[:, None].expand(2, 2, 4).contiguous() if kind == "nlvr2" else mask
+    changed = feats.clone()
+    changed[1, ..., 2:, :] += 5.0  # only padding of example 1 (both images for NLVR2)
+    x = VLInputs(ids, torch.ones_like(ids), torch.zeros_like(ids), feats, boxes, mask)
+    with torch.no_grad():
+        a = model(x, kind).logits
+        b = model(x.replace(region_features=changed), kind).logits
+        head = model.heads[kind]
+        weight = head.region_query.weight.clone()
+        head.region_query.weight.zero_()  # uniform attention instead of the learned query
+        uniform = model(x, kind).logits
+        head.region_query.weight.copy_(weight)
+    assert a.shape == (2, 2)
+    torch.testing.assert_close(a[1], b[1], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(a, uniform)  # the query decides which regions the head reads
+    with pytest.raises(ValueError, match="pool='regions' is for"):
+        HeadConfig(kind="refer", pool="regions")
+    with pytest.raises(ValueError, match="pool='answer_slot' is for"):
+        HeadConfig(kind="itm", pool="answer_slot")

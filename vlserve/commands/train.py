@@ -61,6 +61,8 @@ def finetune(
     vqa_loss: Annotated[str, typer.Option(help="bce (soft scores, the VQA standard) or ce (softmax; faster on single-answer data)")] = "bce",
     freeze_word_embeddings: Annotated[bool, typer.Option(help="keep the word-embedding table fixed (about 1.2x faster steps)")] = False,
     vqa_pool: Annotated[str, typer.Option(help="pooled (CLS), answer_slot (VL-BERT's [MASK]) or regions (pooled + attention over regions)")] = "pooled",
+    itm_pool: Annotated[str, typer.Option(help="pooled (CLS) or regions (pooled + attention over regions)")] = "pooled",
+    nlvr2_pool: Annotated[str, typer.Option(help="pooled (CLS) or regions, for each image of the pair")] = "pooled",
     bf16: Annotated[bool, typer.Option(help="bfloat16 autocast (about 1.5x faster on CPUs with AVX512-BF16)")] = False,
     dropout: Annotated[float | None, typer.Option(help="hidden and attention dropout (default: the preset's 0.1); 0 "
                                                        "makes CPU steps faster")] = None,
@@ -77,6 +79,7 @@ def finetune(
                              batch_size=batch_size, lr=lr, head_lr=head_lr, train_scenes=train_scenes,
                              eval_scenes=eval_scenes, easy_vqa=easy_vqa, init_text=init_text, init_from=init_from,
                              eval_every=eval_every, warmup=warmup, clip=clip, vqa_loss=vqa_loss, vqa_pool=vqa_pool, bf16=bf16,
+                             itm_pool=itm_pool, nlvr2_pool=nlvr2_pool,
                              freeze_word_embeddings=freeze_word_embeddings, dropout=dropout,
                              feature_norm=feature_norm, seed=seed, threads=threads)
         validate_finetune(cfg)
@@ -145,6 +148,9 @@ def validate_finetune(cfg) -> None:
         raise ValueError(f"--vqa-loss must be bce or ce, not {cfg.vqa_loss!r}")
     if cfg.vqa_pool not in ("pooled", "answer_slot", "regions"):
         raise ValueError(f"--vqa-pool must be pooled, answer_slot or regions, not {cfg.vqa_pool!r}")
+    for name, pool in (("--itm-pool", cfg.itm_pool), ("--nlvr2-pool", cfg.nlvr2_pool)):
+        if pool not in ("pooled", "regions"):
+            raise ValueError(f"{name} must be pooled or regions, not {pool!r}")
     unknown = set(cfg.tasks) - {*TASKS, RANK_TASK}
     if unknown:
         raise ValueError(f"head not supported by fine-tuning: {', '.join(sorted(unknown))} (choose {', '.join((*TASKS, RANK_TASK))})")
