@@ -36,12 +36,11 @@ class Profile:
 PROFILES = {
     # The measured levers of docs/BENCHMARKS.md ("Training step") and docs/RESULTS.md: 8 regions (shapes scenes
     # hold at most 6 objects), bf16, a frozen word table, region attention pooling for VQA, softmax VQA loss,
-    # region attention pooling for ITM and NLVR2 too (session 6: +3-5 ITM and +15-19 NLVR2 points on seeds 1 and 2),
+    # (ITM/NLVR2 region pooling stays off: it helped seeds 1 and 2 but seed 0 stalled, docs/RESULTS.md session 6),
     # box geometry (u-visualbert) for the relation questions, no dropout (1,500 steps underfit: without it every
     # task gained 2.5-6 points, docs/RESULTS.md).
     "demo": Profile(detector_steps=200, train_scenes=3_000, eval_scenes=500, finetune_steps=1_500, batch_size=32,
                     easy_vqa_images=2_000, num_boxes=8, proposals=100, preset="u-visualbert", vqa_pool="regions",
-                    itm_pool="regions", nlvr2_pool="regions",
                     vqa_loss="ce", lr=2e-4, bf16=True, freeze_word_embeddings=True, dropout=0.0),
     "full": Profile(detector_steps=800, train_scenes=20_000, eval_scenes=2_000, finetune_steps=6_000, batch_size=48),
 }

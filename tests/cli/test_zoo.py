@@ -37,7 +37,7 @@ def test_demo_profile_reaches_the_finetune_config_and_the_card(tmp_path):
     p = training.zoo.PROFILES["demo"]
     cfg = training.zoo.finetune_config(p, tmp_path / "det", tmp_path / "enc")
     assert (cfg.preset, cfg.steps, cfg.dropout, cfg.bf16, cfg.vqa_pool) == ("u-visualbert", p.finetune_steps, 0.0, True, "regions")
-    assert (cfg.itm_pool, cfg.nlvr2_pool) == ("regions", "regions")
+    assert (cfg.itm_pool, cfg.nlvr2_pool) == ("pooled", "pooled")
     assert training.zoo.finetune_config(training.zoo.PROFILES["full"], tmp_path, tmp_path).dropout is None
     (tmp_path / "det").mkdir()
     (tmp_path / "det" / "metrics.json").write_text(json.dumps({"val": {"map50": 0.98}, "fingerprint": "f" * 16}))
