@@ -88,7 +88,7 @@ class VQAHead(Head):
 
     def __init__(self, head: HeadConfig, enc: EncoderConfig):
         super().__init__(head, enc)
-        width = {"pooled": enc.pooled_size, "answer_slot": enc.hidden_size, "regions": enc.pooled_size + enc.image_width}[head.pool]
+        width = enc.hidden_size if head.pool == "answer_slot" else pooled_width(head, enc)
         if head.pool == "regions":
             self.region_query = nn.Linear(enc.pooled_size, enc.image_width)
         self.dropout = nn.Dropout(enc.dropout)
