@@ -45,6 +45,8 @@ class FinetuneConfig:
     init_text: bool = True  # start the text side from the pretrained MiniLM-L6 (unless init_from is set)
     init_from: Path | None = None  # start the encoder (and same-named, same-shaped heads) from this checkpoint directory
     tasks: dict[str, float] = field(default_factory=lambda: {"vqa": 1.0, "refer": 1.0, "itm": 1.0, "nlvr2": 1.0})  # task -> sampling weight (itm_rank: ranking groups, trains the itm head)
+    lead_tasks: tuple[str, ...] = ()  # tasks trained alone for the first lead_steps steps (a grounding curriculum: refer
+    lead_steps: int = 0  # learns word-region binding alone in ~200 steps, but not while four fresh heads share the encoder)
     easy_vqa: bool = True  # add easy-VQA's training questions to the vqa task
     easy_vqa_images: int | None = None  # use only the first N easy-VQA training images (None = all 4,000)
     train_scenes: int = 20_000  # shapes-world training scenes used
@@ -123,6 +125,17 @@ def param_groups(model: VLModel, cfg: FinetuneConfig) -> list[dict]:
     ]
 
 
+def check_lead(cfg: FinetuneConfig) -> None:
+    """The lead phase trains some of the run's tasks (with a weight above 0) for fewer steps than the run."""
+    if cfg.lead_steps < 0 or cfg.lead_steps >= max(1, cfg.steps):
+        raise ValueError(f"lead_steps={cfg.lead_steps} must be 0 or more and fewer than steps={cfg.steps}")
+    if cfg.lead_steps and not cfg.lead_tasks:
+        raise ValueError("lead_steps needs lead_tasks: the tasks trained alone first")
+    stray = [t for t in cfg.lead_tasks if cfg.tasks.get(t, 0) <= 0]
+    if stray:
+        raise ValueError(f"lead task(s) {', '.join(stray)} not among the run's tasks ({', '.join(cfg.tasks)})")
+
+
 def lr_scale(step: int, cfg: FinetuneConfig) -> float:
     if step < cfg.warmup:
         return (step + 1) / cfg.warmup
@@ -147,6 +160,7 @@ def load_state(path: Path, model, opt, rng: np.random.Generator) -> tuple[int, l
 
 def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = True, stop_after: int | None = None) -> dict:
     """Multi-task fine-tuning; resumes from out/train_state.pt when present. Returns the metrics."""
+    check_lead(cfg)  # before any data is prepared
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     rng = np.random.default_rng(cfg.seed)
@@ -166,6 +180,7 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
     out.mkdir(parents=True, exist_ok=True)
     step, losses = (load_state(out / STATE, model, opt, rng) if (out / STATE).exists() else (0, []))
     tasks, weights = list(cfg.tasks), np.array(list(cfg.tasks.values()), dtype=np.float64)
+    lead = np.array([w if t in cfg.lead_tasks else 0.0 for t, w in cfg.tasks.items()])
     history: list[dict] = []
     start = time.perf_counter()
     bar = tqdm(total=cfg.steps, initial=step, desc="finetune", disable=not progress)
@@ -181,7 +196,8 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
             save_state(out / STATE, model, opt, step, rng, losses)
         # forward / backward
         model.train()
-        task = tasks[int(rng.choice(len(tasks), p=weights / weights.sum()))]
+        w = lead if step < cfg.lead_steps else weights
+        task = tasks[int(rng.choice(len(tasks), p=w / w.sum()))]
         pool = data.train[task]
         ranking = task == RANK_TASK
         head = "itm" if ranking else task

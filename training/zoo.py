@@ -27,6 +27,8 @@ class Profile:
     vqa_loss: str = "bce"  # FinetuneConfig.vqa_loss
     itm_pool: str = "pooled"  # FinetuneConfig.itm_pool
     nlvr2_pool: str = "pooled"  # FinetuneConfig.nlvr2_pool
+    lead_tasks: tuple[str, ...] = ()  # FinetuneConfig.lead_tasks: trained alone for the first lead_steps steps
+    lead_steps: int = 0
     lr: float = 1e-4  # encoder peak learning rate
     bf16: bool = False  # bfloat16 autocast (AVX512-BF16 CPUs: about 1.6x per step)
     freeze_word_embeddings: bool = False  # no dense AdamW update of the 30522-row word table (1.24x per step)
@@ -83,6 +85,7 @@ def finetune_config(p: Profile, det_dir: Path, enc_dir: Path, threads: int = 2) 
                           eval_scenes=p.eval_scenes, steps=p.finetune_steps, batch_size=p.batch_size,
                           easy_vqa_images=p.easy_vqa_images, vqa_pool=p.vqa_pool, vqa_loss=p.vqa_loss,
                           itm_pool=p.itm_pool, nlvr2_pool=p.nlvr2_pool, lr=p.lr,
+                          lead_tasks=p.lead_tasks, lead_steps=p.lead_steps,
                           bf16=p.bf16, freeze_word_embeddings=p.freeze_word_embeddings, dropout=p.dropout,
                           eval_every=max(1, p.finetune_steps // 3), threads=threads)
 
@@ -91,6 +94,7 @@ def model_card(name: str, p: Profile, det_dir: Path, metrics: dict, det_seconds:
     det = json.loads((det_dir / "metrics.json").read_text())
     rows = "\n".join(f"| {k} | {v} |" for k, v in metrics["final"].items())
     vqa_objective = "softmax cross-entropy" if p.vqa_loss == "ce" else "soft-score BCE"
+    lead = f" (the first {p.lead_steps} on {', '.join(p.lead_tasks)} alone)" if p.lead_steps else ""
     return f"""# vlserve model set `{name}`
 
 Built by `vlserve zoo build --profile {name}` in {total_seconds / 60:.1f} min on this machine.
@@ -102,7 +106,7 @@ Fingerprint `{det["fingerprint"]}`.
 
 ## Encoder
 `{p.preset}` size `{p.size}` (hidden 384, text side from the pretrained MiniLM-L6), one shared encoder with heads
-vqa, refer, itm, nlvr2, trained together for {p.finetune_steps} steps (batch {p.batch_size}, encoder lr {p.lr:g}) on
+vqa, refer, itm, nlvr2, trained together for {p.finetune_steps} steps{lead} (batch {p.batch_size}, encoder lr {p.lr:g}) on
 {p.train_scenes} shapes-world scenes (VQA, referring expressions, captions with hard and random negatives, NLVR2
 pairs) plus the easy-VQA training questions, {p.num_boxes} regions per image; objectives: {vqa_objective} (VQA,
 read from {p.vqa_pool}; ITM from {p.itm_pool}, NLVR2 from {p.nlvr2_pool}), IoU>=0.5 soft-target cross-entropy (refer), cross-entropy (ITM, NLVR2).

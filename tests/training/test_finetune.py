@@ -1,6 +1,7 @@
 """Multi-task fine-tuning: a tiny end-to-end run learns, saves and loads; resume reproduces the loss curve; multiple
 choice; starting from a checkpoint."""
 import collections
+import re
 import os
 
 import numpy as np
@@ -262,3 +263,44 @@ def test_itm_rank_passes_the_cli_checks(task_data, tmp_path):
 
     detector, _ = task_data
     validate_finetune(tiny(tmp_path / "x", detector, tasks={"vqa": 1.0, "itm_rank": 1.0}, init_text=True, size="small"))
+
+
+def test_lead_phase_trains_only_the_lead_tasks_then_all(task_data, tmp_path):
+    """During lead_steps only the lead tasks' heads move (the others get no gradient); afterwards every head trains."""
+    detector, data = task_data
+    cfg = tiny(tmp_path / "lead", detector, tasks={"vqa": 1.0, "refer": 1.0, "nlvr2": 1.0}, steps=24,
+               lead_tasks=("refer",), lead_steps=12, seed=3)
+    torch.manual_seed(3)
+    initial = {k: v.clone() for k, v in build_model(cfg, data.feature_dim, len(data.answers)).state_dict().items()}
+
+    def moved_heads(model) -> set[str]:
+        state = model.state_dict()
+        return {k.split(".")[1] for k in state if k.startswith("heads.") and not torch.equal(state[k], initial[k])}
+
+    train(cfg, data=data, progress=False, stop_after=12)
+    state = torch.load(tmp_path / "lead" / "train_state.pt", weights_only=True)
+    model = build_model(cfg, data.feature_dim, len(data.answers))
+    model.load_state_dict(state["model"])
+    assert moved_heads(model) == {"refer"}
+    train(cfg, data=data, progress=False)  # resumes at step 12: all three tasks from here on
+    assert moved_heads(load_checkpoint(tmp_path / "lead").model) == {"vqa", "refer", "nlvr2"}
+
+
+@pytest.mark.parametrize("lead, message", [
+    (dict(lead_tasks=("refer",), lead_steps=40), "fewer than steps=40"),
+    (dict(lead_steps=5), "lead_steps needs lead_tasks"),
+    (dict(lead_tasks=("itm",), lead_steps=5), "lead task(s) itm not among the run's tasks"),
+])
+def test_bad_lead_phase_fails_before_training(task_data, tmp_path, lead, message):
+    detector, data = task_data
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train(tiny(tmp_path / "bad", detector, steps=40, **lead), data=data, progress=False)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_lead_options_on_the_command_line_are_checked(task_data, tmp_path):
+    detector, _ = task_data
+    result = CliRunner().invoke(app, ["train", "finetune", "--out", str(tmp_path / "x"), "--detector", str(detector),
+                                      "--tasks", "vqa:1,nlvr2:1", "--lead-tasks", "refer", "--lead-steps", "10"])
+    assert result.exit_code == 2 and "lead task(s) refer not among the run's tasks (vqa, nlvr2)" in result.stderr, result.output
+    assert not (tmp_path / "x").exists()

@@ -45,6 +45,9 @@ def finetune(
     size: Annotated[str, typer.Option(help="tiny, small or base")] = "small",
     tasks: Annotated[str, typer.Option(help="comma-separated task:weight list over vqa, refer, itm, nlvr2, multiple_choice and "
                                            "itm_rank (retrieval groups: a listwise ranking loss through the itm head)")] = "vqa:1,refer:1,itm:1,nlvr2:1",
+    lead_tasks: Annotated[str, typer.Option(help="comma-separated tasks trained alone for the first --lead-steps steps "
+                                                 "(a grounding curriculum, e.g. refer)")] = "",
+    lead_steps: Annotated[int, typer.Option(min=0, help="steps of the lead phase (0: every task from the start)")] = 0,
     steps: Annotated[int, typer.Option(min=1)] = 2000,
     batch_size: Annotated[int, typer.Option(min=1)] = 32,
     lr: Annotated[float, typer.Option(min=0.0, help="encoder peak learning rate")] = 1e-4,
@@ -80,6 +83,7 @@ def finetune(
                              eval_scenes=eval_scenes, easy_vqa=easy_vqa, init_text=init_text, init_from=init_from,
                              eval_every=eval_every, warmup=warmup, clip=clip, vqa_loss=vqa_loss, vqa_pool=vqa_pool, bf16=bf16,
                              itm_pool=itm_pool, nlvr2_pool=nlvr2_pool,
+                             lead_tasks=tuple(t.strip() for t in lead_tasks.split(",") if t.strip()), lead_steps=lead_steps,
                              freeze_word_embeddings=freeze_word_embeddings, dropout=dropout,
                              feature_norm=feature_norm, seed=seed, threads=threads)
         validate_finetune(cfg)
@@ -141,7 +145,7 @@ def validate_finetune(cfg) -> None:
     from models.checkpoint import CheckpointError, load_checkpoint
     from models.detector.io import load_detector
     from models.registry import encoder_config
-    from training.finetune import RANK_TASK, TASKS
+    from training.finetune import RANK_TASK, TASKS, check_lead
 
     encoder_config(cfg.preset, cfg.size)  # raises for an unknown preset or size
     if cfg.vqa_loss not in ("bce", "ce"):
@@ -158,6 +162,7 @@ def validate_finetune(cfg) -> None:
         raise ValueError(f"--dropout must be in [0, 1), not {cfg.dropout}")
     if any(w <= 0 for w in cfg.tasks.values()):
         raise ValueError("task weights must be positive")
+    check_lead(cfg)
     if cfg.init_text and cfg.init_from is None and cfg.size != "small":
         raise ValueError("--init-text needs size small (MiniLM has hidden size 384)")
     try:
