@@ -38,9 +38,24 @@ def test_demo_profile_reaches_the_finetune_config_and_the_card(tmp_path):
     cfg = training.zoo.finetune_config(p, tmp_path / "det", tmp_path / "enc")
     assert (cfg.preset, cfg.steps, cfg.dropout, cfg.bf16, cfg.vqa_pool) == ("u-visualbert", p.finetune_steps, 0.0, True, "regions")
     assert (cfg.itm_pool, cfg.nlvr2_pool) == ("pooled", "pooled")
-    assert training.zoo.finetune_config(training.zoo.PROFILES["full"], tmp_path, tmp_path).dropout is None
+    full = training.zoo.PROFILES["full"]
+    cfg = training.zoo.finetune_config(full, tmp_path, tmp_path)
+    assert (cfg.itm_pool, cfg.nlvr2_pool, cfg.lead_tasks, cfg.lead_steps, cfg.steps) == ("regions", "regions", ("refer",), 200, 5_000)
     (tmp_path / "det").mkdir()
     (tmp_path / "det" / "metrics.json").write_text(json.dumps({"val": {"map50": 0.98}, "fingerprint": "f" * 16}))
     card = training.zoo.model_card("demo", p, tmp_path / "det", {"final": {"vqa_acc": 0.75}, "train_seconds": 600},
                                    det_seconds=180, total_seconds=900)
     assert "dropout 0." in card and "| vqa_acc | 0.75 |" in card and "15.0 min" in card
+
+
+def test_the_card_names_the_lead_phase(tmp_path):
+    import json
+
+    (tmp_path / "metrics.json").write_text(json.dumps({"val": {"map50": 0.98}, "fingerprint": "f" * 16}))
+    card = training.zoo.model_card("full", training.zoo.PROFILES["full"], tmp_path, {"final": {}, "train_seconds": 60},
+                                   det_seconds=60, total_seconds=120)
+    assert "trained together for 5000 steps (the first 200 on refer alone)" in card
+    assert "ITM from regions, NLVR2 from regions" in card
+    demo = training.zoo.model_card("demo", training.zoo.PROFILES["demo"], tmp_path, {"final": {}, "train_seconds": 60},
+                                   det_seconds=60, total_seconds=120)
+    assert "alone" not in demo
