@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -13,10 +14,12 @@ import torch
 from tqdm import tqdm
 
 from models import HeadConfig, VLModel, create_model
+from models.layers import cpu_has_native_bf16, set_cpu_gemm_dtype
 from models.checkpoint import WEIGHTS, load_checkpoint, load_state_strict, save_checkpoint
 from models.text_init import init_text_from_minilm
 from models.tokenizer import VLTokenizer
 
+from .data.shapes_cache import ShapesConfig
 from .data.vl_tasks import collate
 from .evaluate import evaluate_tasks
 from .objectives import group_ranking_loss
@@ -49,6 +52,7 @@ class FinetuneConfig:
     lead_steps: int = 0  # learns word-region binding alone in ~200 steps, but not while four fresh heads share the encoder)
     easy_vqa: bool = True  # add easy-VQA's training questions to the vqa task
     easy_vqa_images: int | None = None  # use only the first N easy-VQA training images (None = all 4,000)
+    data: ShapesConfig = field(default_factory=ShapesConfig)  # the shapes-world dataset (a scene is the same at any split size)
     train_scenes: int = 20_000  # shapes-world training scenes used
     eval_scenes: int = 1_000  # shapes-world val scenes evaluated
     steps: int = 2000  # optimizer steps (each on one task's batch)
@@ -89,6 +93,22 @@ def build_model(cfg: FinetuneConfig, feature_dim: int, num_answers: int) -> VLMo
 def autocast(enabled: bool):
     """bfloat16 autocast on CPU when enabled (weights, optimizer state and the loss stay float32)."""
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+
+
+def eval_precision(bf16: bool) -> str:
+    """The precision evaluations run in: a bf16 run is evaluated with bfloat16 GEMMs where the CPU has native
+    bfloat16 dot products (as the service then serves it, docs/BENCHMARKS.md), float32 elsewhere."""
+    return "bf16" if bf16 and cpu_has_native_bf16() else "fp32"
+
+
+@contextmanager
+def gemm_precision(model: VLModel, precision: str):
+    """Inference GEMMs of model in `precision` ("fp32" or "bf16") inside the block, float32 after it."""
+    set_cpu_gemm_dtype(model, torch.bfloat16 if precision == "bf16" else torch.float32)
+    try:
+        yield
+    finally:
+        set_cpu_gemm_dtype(model, torch.float32)
 
 
 def fit_feature_norm(model: VLModel, table) -> None:
@@ -165,7 +185,7 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
     torch.set_num_threads(cfg.threads)
     rng = np.random.default_rng(cfg.seed)
     data = data or prepare_task_data(cfg.detector_dir, cfg.train_scenes, cfg.eval_scenes, cfg.easy_vqa, progress,
-                                     easy_vqa_images=cfg.easy_vqa_images, ranking=RANK_TASK in cfg.tasks)
+                                     data=cfg.data, easy_vqa_images=cfg.easy_vqa_images, ranking=RANK_TASK in cfg.tasks)
     unknown = set(cfg.tasks) - set(data.train)
     if unknown:
         raise ValueError(f"no training data for task(s) {', '.join(sorted(unknown))}")
@@ -182,6 +202,7 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
     tasks, weights = list(cfg.tasks), np.array(list(cfg.tasks.values()), dtype=np.float64)
     lead = np.array([w if t in cfg.lead_tasks else 0.0 for t, w in cfg.tasks.items()])
     history: list[dict] = []
+    precision = eval_precision(cfg.bf16)
     start = time.perf_counter()
     bar = tqdm(total=cfg.steps, initial=step, desc="finetune", disable=not progress)
     while step < cfg.steps:
@@ -190,7 +211,8 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
             group["lr"] = group["peak_lr"] * lr_scale(step, cfg)
         # eval / checkpoint
         if step and step % cfg.eval_every == 0:
-            history.append({"step": step, **evaluate_tasks(model, data, tokenizer, cfg.eval_examples)})
+            with gemm_precision(model, precision):
+                history.append({"step": step, **evaluate_tasks(model, data, tokenizer, cfg.eval_examples)})
             log.info("step %d: %s", step, history[-1])
         if step and step % cfg.checkpoint_every == 0:
             save_state(out / STATE, model, opt, step, rng, losses)
@@ -223,8 +245,10 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
             return {"losses": losses, "interrupted_at": step}
     bar.close()
     train_seconds = time.perf_counter() - start
-    final = evaluate_tasks(model, data, tokenizer, None)
-    metrics = {"final": final, "history": history, "train_seconds": round(train_seconds, 1), "config": _jsonable(asdict(cfg))}
+    with gemm_precision(model, precision):
+        final = evaluate_tasks(model, data, tokenizer, None)
+    metrics = {"final": final, "history": history, "train_seconds": round(train_seconds, 1), "eval_precision": precision,
+               "config": _jsonable(asdict(cfg))}
     save_checkpoint(
         model, out, tokenizer,
         labels={"heads": {"vqa": data.answers} if "vqa" in cfg.tasks else {}, "objects": data.objects, "attributes": data.attributes},
