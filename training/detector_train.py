@@ -35,6 +35,7 @@ class DetectorTrainConfig:
     stretch_prob: float = 0.3  # chance a training image is stretched along one axis (random_stretch)
     eval_every: int = 400  # steps between mAP evaluations on the val split
     eval_images: int = 200  # val images per periodic evaluation
+    final_eval_images: int | None = None  # val images of the evaluation at the end (None = the whole split)
     seed: int = 0
     threads: int = 2  # torch intra-op threads
     data: ShapesConfig = field(default_factory=ShapesConfig)
@@ -135,7 +136,7 @@ def train_detector(cfg: DetectorTrainConfig, progress: bool = True) -> dict:
         opt.step()
         bar.set_postfix(loss=f"{loss.item():.3f}", cls=f"{losses['loss_classifier'].item():.3f}")
     train_seconds = time.perf_counter() - start
-    final = evaluate_map(detector, val, range(len(val)))
+    final = evaluate_map(detector, val, range(min(len(val), cfg.final_eval_images or len(val))))
     metrics = {"val": final, "history": history, "train_seconds": round(train_seconds, 1), "steps": cfg.steps,
                "batch_size": cfg.batch_size, "data": asdict(cfg.data)}
     fingerprint = save_detector(detector, cfg.out, extra={"training": metrics})

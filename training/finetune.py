@@ -19,7 +19,6 @@ from models.checkpoint import WEIGHTS, load_checkpoint, load_state_strict, save_
 from models.text_init import init_text_from_minilm
 from models.tokenizer import VLTokenizer
 
-from .data.shapes_cache import ShapesConfig
 from .data.vl_tasks import collate
 from .evaluate import evaluate_tasks
 from .objectives import group_ranking_loss
@@ -52,7 +51,6 @@ class FinetuneConfig:
     lead_steps: int = 0  # learns word-region binding alone in ~200 steps, but not while four fresh heads share the encoder)
     easy_vqa: bool = True  # add easy-VQA's training questions to the vqa task
     easy_vqa_images: int | None = None  # use only the first N easy-VQA training images (None = all 4,000)
-    data: ShapesConfig = field(default_factory=ShapesConfig)  # the shapes-world dataset (a scene is the same at any split size)
     train_scenes: int = 20_000  # shapes-world training scenes used
     eval_scenes: int = 1_000  # shapes-world val scenes evaluated
     steps: int = 2000  # optimizer steps (each on one task's batch)
@@ -185,7 +183,7 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
     torch.set_num_threads(cfg.threads)
     rng = np.random.default_rng(cfg.seed)
     data = data or prepare_task_data(cfg.detector_dir, cfg.train_scenes, cfg.eval_scenes, cfg.easy_vqa, progress,
-                                     data=cfg.data, easy_vqa_images=cfg.easy_vqa_images, ranking=RANK_TASK in cfg.tasks)
+                                     easy_vqa_images=cfg.easy_vqa_images, ranking=RANK_TASK in cfg.tasks)
     unknown = set(cfg.tasks) - set(data.train)
     if unknown:
         raise ValueError(f"no training data for task(s) {', '.join(sorted(unknown))}")

@@ -33,12 +33,8 @@ class Profile:
     bf16: bool = False  # bfloat16 autocast (AVX512-BF16 CPUs: about 1.6x per step)
     freeze_word_embeddings: bool = False  # no dense AdamW update of the 30522-row word table (1.24x per step)
     dropout: float | None = None  # encoder hidden and attention dropout; None = the preset's 0.1
-    splits: tuple[tuple[str, int], ...] | None = None  # shapes-world splits generated; None = ShapesConfig's 20k/2k/2k
+    detector_eval_images: int | None = None  # val scenes the trained detector is scored on (None = all 2,000)
     eval_every: int | None = None  # encoder steps between periodic evaluations; None = a third of the run
-
-    def shapes(self) -> ShapesConfig:
-        """The shapes-world dataset of this profile (a scene is the same whatever the split sizes)."""
-        return ShapesConfig() if self.splits is None else ShapesConfig(splits=self.splits)
 
 
 PROFILES = {
@@ -46,12 +42,12 @@ PROFILES = {
     # hold at most 6 objects), bf16, a frozen word table, region attention pooling for VQA, softmax VQA loss,
     # (ITM/NLVR2 region pooling stays off: it helped seeds 1 and 2 but seed 0 stalled, docs/RESULTS.md session 6),
     # box geometry (u-visualbert) for the relation questions, no dropout (1,500 steps underfit: without it every
-    # task gained 2.5-6 points, docs/RESULTS.md). For the build time: only the scenes it reads are generated (the
-    # detector is scored on the 500 val scenes), and the encoder is evaluated once, at the end.
+    # task gained 2.5-6 points, docs/RESULTS.md). For the build time, the detector is scored on 500 val scenes and
+    # the encoder once, at the end.
     "demo": Profile(detector_steps=200, train_scenes=3_000, eval_scenes=500, finetune_steps=1_500, batch_size=32,
                     easy_vqa_images=2_000, num_boxes=8, proposals=100, preset="u-visualbert", vqa_pool="regions",
                     vqa_loss="ce", lr=2e-4, bf16=True, freeze_word_embeddings=True, dropout=0.0,
-                    splits=(("train", 3_000), ("val", 500)), eval_every=1_500),
+                    detector_eval_images=500, eval_every=1_500),
     # full: the demo's levers with all the data, a longer detector run and 3.3x the encoder steps (about 45 min here);
     # ITM/NLVR2 read the regions, with refer alone for the first 200 steps so every seed takes off (docs/RESULTS.md
     # session 7; at the demo's 1,500 steps that recipe had not yet learned easy-VQA's negated questions).
@@ -83,7 +79,8 @@ def build_zoo(profile: str = "demo", root: Path | None = None, force: bool = Fal
     det_dir, enc_dir = out / "detector", out / "encoder"
     if force or not (det_dir / "manifest.json").exists():
         train_detector(DetectorTrainConfig(out=det_dir, steps=p.detector_steps, eval_every=max(1, p.detector_steps // 2),
-                                           eval_images=100, threads=threads, data=p.shapes(),
+                                           eval_images=100, final_eval_images=p.detector_eval_images,
+                                           threads=threads, data=ShapesConfig(),
                                            detector={"num_boxes": p.num_boxes, "rpn_post_nms_top_n": p.proposals}),
                        progress=progress)
     det_seconds = time.perf_counter() - started
@@ -101,7 +98,7 @@ def finetune_config(p: Profile, det_dir: Path, enc_dir: Path, threads: int = 2) 
                           itm_pool=p.itm_pool, nlvr2_pool=p.nlvr2_pool, lr=p.lr,
                           lead_tasks=p.lead_tasks, lead_steps=p.lead_steps,
                           bf16=p.bf16, freeze_word_embeddings=p.freeze_word_embeddings, dropout=p.dropout,
-                          data=p.shapes(), eval_every=p.eval_every or max(1, p.finetune_steps // 3), threads=threads)
+                          eval_every=p.eval_every or max(1, p.finetune_steps // 3), threads=threads)
 
 
 def model_card(name: str, p: Profile, det_dir: Path, metrics: dict, det_seconds: float, total_seconds: float) -> str:

@@ -1,0 +1,26 @@
+"""`vlserve train detector` end to end at a tiny size: trains, saves a loadable detector, scores it on the val split."""
+import json
+
+from models.detector.io import load_detector
+from training.data.shapes_cache import ShapesConfig
+from training.data.shapes_world import WorldConfig
+from training.detector_train import DetectorTrainConfig, train_detector
+
+SMALL = ShapesConfig(world=WorldConfig(seed=3, height=64, width=64), splits=(("train", 8), ("val", 6)))
+TINY = {"min_size": 64, "max_size": 64, "rpn_pre_nms_top_n": 50, "rpn_post_nms_top_n": 20, "num_boxes": 4}
+
+
+def test_a_short_run_saves_a_detector_scored_on_the_asked_number_of_val_images(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLSERVE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "det"
+    metrics = train_detector(DetectorTrainConfig(out=out, steps=2, batch_size=2, warmup=1, eval_every=1, eval_images=2,
+                                                 final_eval_images=4, threads=1, data=SMALL, detector=TINY), progress=False)
+    assert [h["images"] for h in metrics["history"]] == [2]  # the periodic evaluation at step 1
+    assert metrics["val"]["images"] == 4 and 0.0 <= metrics["val"]["map50"] <= 1.0
+    assert json.loads((out / "metrics.json").read_text())["fingerprint"] == metrics["fingerprint"]
+    detector, fingerprint = load_detector(out)
+    assert fingerprint == metrics["fingerprint"] and detector.config.num_boxes == 4
+    # without a limit the whole val split is scored
+    whole = train_detector(DetectorTrainConfig(out=tmp_path / "det2", steps=1, batch_size=2, warmup=1, eval_every=10,
+                                               threads=1, data=SMALL, detector=TINY), progress=False)
+    assert whole["val"]["images"] == 6 and whole["history"] == []
