@@ -1,0 +1,94 @@
+"""Can the demo's encoder learn shapes-world relation questions ("is the red circle left of the triangle?") at all?
+
+Trains the demo profile's recipe on the relation questions of its 3,000 training scenes alone (the VQA task, no other
+task, no easy-VQA) and scores the relation questions of its 500 val scenes every --eval-every steps. Two variants
+separate the causes of the demo's 0.50 on them (docs/RESULTS.md, session 8):
+- `--init-from CKPT` starts from a trained encoder (the served demo grounds referring expressions at 0.96), so the
+  first hop of a relation, finding the two objects, is already learnt;
+- `--head relation` replaces the VQA head with a Relation Network head (Santoro et al. 2017): an MLP over every
+  pair of contextual regions with both boxes and the pooled question, averaged over the pairs, then a classifier.
+  It is handed the pairwise geometry that the served head would have to assemble through attention.
+Needs the demo's detector (`make zoo`). Prints the accuracy at each evaluation.
+
+    python benchmarks/relation_probe.py NAME [--steps 500] [--lr 2e-4] [--head vqa|relation] [--init-from CKPT]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout without installing
+from models.heads import VQAHead  # noqa: E402
+from training import finetune, zoo  # noqa: E402
+from training.vl_data import prepare_task_data  # noqa: E402
+
+RELATION = re.compile(r"^is .+ (left of|right of|above|below) .+\?$")  # shapes_tasks.relation_questions' wording
+
+
+class RelationNetworkHead(VQAHead):
+    """Answer logits from g(region_i, box_i, region_j, box_j, question) averaged over the real pairs i != j."""
+
+    def __init__(self, head, enc, hidden: int = 256):
+        super().__init__(head, enc)
+        pair = 2 * (enc.image_width + 4) + enc.pooled_size
+        self.g = nn.Sequential(nn.Linear(pair, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU())
+        self.f = nn.Sequential(nn.Linear(hidden + enc.pooled_size, hidden), nn.ReLU(), nn.Linear(hidden, head.num_labels))
+
+    def forward(self, enc, inputs):
+        regions = torch.cat([enc.image, inputs.region_boxes.to(enc.image.dtype)], -1)  # (B, N, Hv + 4)
+        b, n, _ = regions.shape
+        pairs = torch.cat([regions[:, :, None].expand(b, n, n, -1), regions[:, None].expand(b, n, n, -1),
+                           enc.pooled[:, None, None].expand(b, n, n, -1)], -1)  # (B, N, N, 2 (Hv + 4) + P)
+        mask = inputs.region_mask.to(regions.dtype)
+        real = mask[:, :, None] * mask[:, None, :] * (1 - torch.eye(n, dtype=regions.dtype))  # (B, N, N)
+        g = (self.g(pairs) * real[..., None]).sum((1, 2)) / real.sum((1, 2)).clamp(min=1)[:, None]  # (B, hidden)
+        return self.f(torch.cat([g, enc.pooled], -1))  # (B, A)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("name")
+    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--lr", type=float, default=None, help="encoder peak lr (default: the demo's)")
+    ap.add_argument("--head", choices=("vqa", "relation"), default="vqa")
+    ap.add_argument("--init-from", type=Path, default=None)
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--root", type=Path, default=Path("/tmp/vlserve-relation-probe"))
+    args = ap.parse_args()
+
+    profile = zoo.PROFILES["demo"]
+    detector = zoo.zoo_dir("demo") / "detector"
+    data = prepare_task_data(detector, profile.train_scenes, profile.eval_scenes, easy_vqa=False, progress=False)
+    data.train = {"vqa": [e for e in data.train["vqa"] if RELATION.match(e.text)]}
+    data.eval = {"vqa": [e for e in data.eval["vqa"] if RELATION.match(e.text)]}
+    print(f"relation questions: {len(data.train['vqa'])} train, {len(data.eval['vqa'])} val", flush=True)
+    if args.head == "relation":
+        build = finetune.build_model
+
+        def build_model(cfg, feature_dim, num_answers):
+            model = build(cfg, feature_dim, num_answers)
+            model.heads["vqa"] = RelationNetworkHead(model.config.heads["vqa"], model.config.encoder)
+            return model
+
+        finetune.build_model = build_model
+    cfg = zoo.finetune_config(profile, detector, args.root / args.name, threads=args.threads)
+    cfg = dataclasses.replace(cfg, tasks={"vqa": 1.0}, steps=args.steps, eval_every=args.eval_every, eval_examples=None,
+                              init_from=args.init_from, lr=args.lr or cfg.lr)
+    start = time.time()
+    metrics = finetune.train(cfg, data=data, progress=False)
+    curve = {h["step"]: h["vqa_acc"] for h in metrics["history"]} | {args.steps: metrics["final"]["vqa_acc"]}
+    print(args.name, json.dumps({"head": args.head, "init_from": str(args.init_from), "lr": cfg.lr, "accuracy": curve}),
+          f"{time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
