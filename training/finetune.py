@@ -14,8 +14,8 @@ import torch
 from tqdm import tqdm
 
 from models import HeadConfig, VLModel, create_model
-from models.layers import cpu_has_native_bf16, set_cpu_gemm_dtype
 from models.checkpoint import WEIGHTS, load_checkpoint, load_state_strict, save_checkpoint
+from models.layers import cpu_has_native_bf16, set_cpu_gemm_dtype
 from models.text_init import init_text_from_minilm
 from models.tokenizer import VLTokenizer
 
