@@ -8,9 +8,13 @@ separate the causes of the demo's 0.50 on them (docs/RESULTS.md, session 8):
 - `--head relation` replaces the VQA head with a Relation Network head (Santoro et al. 2017): an MLP over every
   pair of contextual regions with both boxes and the pooled question, averaged over the pairs, then a classifier.
   It is handed the pairwise geometry that the served head would have to assemble through attention.
+- `--curriculum STEPS` first trains that many steps on one-object position questions made from the same scenes
+  ("is the red circle on the left?": the object's centre in the outer 40% of the image on that axis; one hop: find
+  the object, read its box), scored on the val scenes' ones, then the relation steps start from that encoder.
 Needs the demo's detector (`make zoo`). Prints the accuracy at each evaluation.
 
     python benchmarks/relation_probe.py NAME [--steps 500] [--lr 2e-4] [--head vqa|relation] [--init-from CKPT]
+                                             [--curriculum STEPS]
 """
 from __future__ import annotations
 
@@ -28,9 +32,31 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout without installing
 from models.heads import VQAHead  # noqa: E402
 from training import finetune, zoo  # noqa: E402
+from training.data.shapes_cache import load_split  # noqa: E402
+from training.data.shapes_tasks import simple_ref  # noqa: E402
+from training.data.vl_tasks import Example  # noqa: E402
 from training.vl_data import prepare_task_data  # noqa: E402
 
 RELATION = re.compile(r"^is .+ (left of|right of|above|below) .+\?$")  # shapes_tasks.relation_questions' wording
+SIDES = {"on the left": (0, False), "on the right": (0, True), "at the top": (1, False), "at the bottom": (1, True)}
+
+
+def position_questions(split_name: str, scenes: int, answers: list[str]) -> list[Example]:
+    """'is the red circle on the left?' for every uniquely described object whose centre is in the outer 40% of the
+    image along that axis (yes) or of the opposite side (no); rows are scene indices, as in prepare_task_data."""
+    split, out = load_split(split_name), []
+    for i in range(scenes):
+        scene = split.scene(i)
+        for k, obj in enumerate(scene.objects):
+            ref = simple_ref(scene, k)
+            if ref is None:
+                continue
+            centre = (obj.center[0] / scene.width, obj.center[1] / scene.height)
+            for side, (axis, far) in SIDES.items():
+                where = 1 - centre[axis] if far else centre[axis]  # 0 = at that side's edge
+                if where < 0.4 or where > 0.6:
+                    out.append(Example((i,), f"is {ref.text()} {side}?", answers.index("yes" if where < 0.4 else "no")))
+    return out
 
 
 class RelationNetworkHead(VQAHead):
@@ -60,6 +86,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=None, help="encoder peak lr (default: the demo's)")
     ap.add_argument("--head", choices=("vqa", "relation"), default="vqa")
     ap.add_argument("--init-from", type=Path, default=None)
+    ap.add_argument("--curriculum", type=int, default=0, help="steps on one-object position questions first")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--root", type=Path, default=Path("/tmp/vlserve-relation-probe"))
@@ -68,9 +95,9 @@ def main() -> None:
     profile = zoo.PROFILES["demo"]
     detector = zoo.zoo_dir("demo") / "detector"
     data = prepare_task_data(detector, profile.train_scenes, profile.eval_scenes, easy_vqa=False, progress=False)
-    data.train = {"vqa": [e for e in data.train["vqa"] if RELATION.match(e.text)]}
-    data.eval = {"vqa": [e for e in data.eval["vqa"] if RELATION.match(e.text)]}
-    print(f"relation questions: {len(data.train['vqa'])} train, {len(data.eval['vqa'])} val", flush=True)
+    relations = {"train": [e for e in data.train["vqa"] if RELATION.match(e.text)],
+                 "eval": [e for e in data.eval["vqa"] if RELATION.match(e.text)]}
+    print(f"relation questions: {len(relations['train'])} train, {len(relations['eval'])} val", flush=True)
     if args.head == "relation":
         build = finetune.build_model
 
@@ -84,10 +111,26 @@ def main() -> None:
     cfg = dataclasses.replace(cfg, tasks={"vqa": 1.0}, steps=args.steps, eval_every=args.eval_every, eval_examples=None,
                               init_from=args.init_from, lr=args.lr or cfg.lr)
     start = time.time()
-    metrics = finetune.train(cfg, data=data, progress=False)
-    curve = {h["step"]: h["vqa_acc"] for h in metrics["history"]} | {args.steps: metrics["final"]["vqa_acc"]}
-    print(args.name, json.dumps({"head": args.head, "init_from": str(args.init_from), "lr": cfg.lr, "accuracy": curve}),
-          f"{time.time() - start:.0f} s")
+    if args.curriculum:
+        positions = {"train": position_questions("train", profile.train_scenes, data.answers),
+                     "eval": position_questions("val", profile.eval_scenes, data.answers)}
+        print(f"position questions: {len(positions['train'])} train, {len(positions['eval'])} val", flush=True)
+        first = dataclasses.replace(cfg, out=args.root / f"{args.name}-positions", steps=args.curriculum)
+        report(args, "positions", first, run(first, data, positions))
+        cfg = dataclasses.replace(cfg, init_from=first.out)
+    report(args, "relations", cfg, run(cfg, data, relations))
+    print(f"{time.time() - start:.0f} s")
+
+
+def run(cfg, data, examples: dict) -> dict:
+    data.train, data.eval = {"vqa": examples["train"]}, {"vqa": examples["eval"]}
+    return finetune.train(cfg, data=data, progress=False)
+
+
+def report(args, questions: str, cfg, metrics: dict) -> None:
+    curve = {h["step"]: h["vqa_acc"] for h in metrics["history"]} | {cfg.steps: metrics["final"]["vqa_acc"]}
+    print(args.name, json.dumps({"questions": questions, "head": args.head, "init_from": str(cfg.init_from), "lr": cfg.lr,
+                                 "accuracy": curve}), flush=True)
 
 
 if __name__ == "__main__":
