@@ -87,6 +87,8 @@ def main() -> None:
     ap.add_argument("--head", choices=("vqa", "relation"), default="vqa")
     ap.add_argument("--init-from", type=Path, default=None)
     ap.add_argument("--curriculum", type=int, default=0, help="steps on one-object position questions first")
+    ap.add_argument("--box-init", choices=("model", "torch"), default="model",
+                    help="torch: re-draw the box projection with nn.Linear's own init (column norm ~5.7, not ~0.4)")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--root", type=Path, default=Path("/tmp/vlserve-relation-probe"))
@@ -98,15 +100,17 @@ def main() -> None:
     relations = {"train": [e for e in data.train["vqa"] if RELATION.match(e.text)],
                  "eval": [e for e in data.eval["vqa"] if RELATION.match(e.text)]}
     print(f"relation questions: {len(relations['train'])} train, {len(relations['eval'])} val", flush=True)
-    if args.head == "relation":
-        build = finetune.build_model
+    build = finetune.build_model
 
-        def build_model(cfg, feature_dim, num_answers):
-            model = build(cfg, feature_dim, num_answers)
+    def build_model(cfg, feature_dim, num_answers):
+        model = build(cfg, feature_dim, num_answers)
+        if args.head == "relation":
             model.heads["vqa"] = RelationNetworkHead(model.config.heads["vqa"], model.config.encoder)
-            return model
+        if args.box_init == "torch" and cfg.init_from is None:
+            model.encoder.embeddings.box_projection.reset_parameters()
+        return model
 
-        finetune.build_model = build_model
+    finetune.build_model = build_model
     cfg = zoo.finetune_config(profile, detector, args.root / args.name, threads=args.threads)
     cfg = dataclasses.replace(cfg, tasks={"vqa": 1.0}, steps=args.steps, eval_every=args.eval_every, eval_examples=None,
                               init_from=args.init_from, lr=args.lr or cfg.lr)
