@@ -89,6 +89,16 @@ def cpu_has_native_bf16() -> bool:
     return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
 
 
+def cpu_bf16_unavailable() -> str | None:
+    """Why bfloat16 GEMMs would not be fast on the CPU inference path (`Linear`'s packed weights), or None when they are."""
+    if not cpu_has_native_bf16():
+        return ("this CPU has no native bfloat16 dot products (AVX512-BF16 or AMX): oneDNN would emulate them, "
+                "slower than float32")
+    if not (PACK_CPU_WEIGHTS and _ONEDNN_LINEAR):
+        return "the CPU bfloat16 path runs on packed oneDNN weights, which VLSERVE_PACK_CPU_WEIGHTS=0 turns off"
+    return None
+
+
 def set_cpu_gemm_dtype(model: nn.Module, dtype: torch.dtype) -> int:
     """Run every `Linear` of `model` in `dtype` (float32 or bfloat16) on the CPU inference fast path; returns how
     many layers it set. Weights stay float32 (training, export and checkpoints are unaffected)."""

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from models import HeadConfig, VLModel, create_model
 from models.checkpoint import WEIGHTS, load_checkpoint, load_state_strict, save_checkpoint
-from models.layers import cpu_has_native_bf16, set_cpu_gemm_dtype
+from models.layers import cpu_bf16_unavailable, set_cpu_gemm_dtype
 from models.text_init import init_text_from_minilm
 from models.tokenizer import VLTokenizer
 
@@ -94,9 +94,9 @@ def autocast(enabled: bool):
 
 
 def eval_precision(bf16: bool) -> str:
-    """The precision evaluations run in: a bf16 run is evaluated with bfloat16 GEMMs where the CPU has native
-    bfloat16 dot products (as the service then serves it, docs/BENCHMARKS.md), float32 elsewhere."""
-    return "bf16" if bf16 and cpu_has_native_bf16() else "fp32"
+    """The precision evaluations run in: a bf16 run is evaluated with bfloat16 GEMMs where they are fast on this CPU
+    (as the service's VLSERVE_PRECISION=auto then serves it, docs/BENCHMARKS.md), float32 elsewhere."""
+    return "bf16" if bf16 and cpu_bf16_unavailable() is None else "fp32"
 
 
 @contextmanager

@@ -48,7 +48,8 @@ PROFILES = {
                     easy_vqa_images=2_000, num_boxes=8, proposals=100, preset="u-visualbert", vqa_pool="regions",
                     vqa_loss="ce", lr=2e-4, bf16=True, freeze_word_embeddings=True, dropout=0.0,
                     detector_eval_images=500, eval_every=1_500),
-    # full: the demo's levers with all the data, a longer detector run and 3.3x the encoder steps (63 min measured on a shared machine, about 55 alone: docs/RESULTS.md);
+    # full: the demo's levers with all the data, a longer detector run and 3.3x the encoder steps (63 min measured on
+    # a shared machine, about 55 alone: docs/RESULTS.md);
     # ITM/NLVR2 read the regions, with refer alone for the first 200 steps so every seed takes off (docs/RESULTS.md
     # session 7; at the demo's 1,500 steps that recipe had not yet learned easy-VQA's negated questions).
     "full": Profile(detector_steps=800, train_scenes=20_000, eval_scenes=2_000, finetune_steps=5_000, batch_size=32,

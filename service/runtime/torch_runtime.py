@@ -55,12 +55,7 @@ def bf16_unavailable(device: torch.device) -> str | None:
     """Why bfloat16 would not be fast on `device`, or None when it is."""
     if device.type == "cuda":
         return None if torch.cuda.is_bf16_supported() else "this GPU has no bfloat16 arithmetic"
-    if not layers.cpu_has_native_bf16():
-        return ("this CPU has no native bfloat16 dot products (AVX512-BF16 or AMX): oneDNN would emulate them, "
-                "slower than float32")
-    if not (layers.PACK_CPU_WEIGHTS and layers._ONEDNN_LINEAR):
-        return "the CPU bfloat16 path runs on packed oneDNN weights, which VLSERVE_PACK_CPU_WEIGHTS=0 turns off"
-    return None
+    return layers.cpu_bf16_unavailable()
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:

@@ -183,6 +183,7 @@ def test_providers_follow_the_device_and_the_build(tmp_path):
         choose_providers("cuda", [CPU])
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: TensorRT/CUDA execution providers")
 def test_gpu_providers_answer_as_the_torch_runtime(repositories, make_settings, image_png, make_png, tmp_path):
     ckpt, repo = repositories["visualbert"]
@@ -213,6 +214,7 @@ def test_tensorrt_runtime_says_what_it_needs(repositories, make_settings, monkey
         create_runtime(make_settings(runtime="tensorrt"), load_repository(repositories["visualbert"][1]))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or "TensorrtExecutionProvider" not in onnxruntime.get_available_providers(),
                     reason="needs a CUDA GPU and onnxruntime's TensorRT execution provider")
 def test_tensorrt_runtime_matches_torch_in_fp16(repositories, tmp_path):

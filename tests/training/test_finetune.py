@@ -13,10 +13,10 @@ from models import HeadConfig
 from models.checkpoint import CheckpointError, load_checkpoint
 from models.detector import DetectorConfig, RegionDetector
 from models.detector.io import save_detector
+from models.layers import Linear, cpu_bf16_unavailable
 from models.tokenizer import VLTokenizer
 from training.data.shapes_cache import ShapesConfig
 from training.data.vl_tasks import Example, collate
-from models.layers import Linear, cpu_has_native_bf16
 from training.finetune import FinetuneConfig, build_model, eval_precision, gemm_precision, init_from_checkpoint, train
 from training.vl_data import prepare_task_data
 from vlserve.cli import app
@@ -65,21 +65,24 @@ def test_tiny_run_trains_saves_loads_and_beats_chance(task_data, tmp_path):
     assert not (tmp_path / "enc" / "train_state.pt").exists()
 
 
-def test_a_bf16_run_is_evaluated_as_the_service_serves_it():
-    """bf16 GEMMs where the CPU has native bfloat16 (the service's `auto` precision), float32 elsewhere and for fp32 runs."""
+def test_a_bf16_run_is_evaluated_as_the_service_serves_it(monkeypatch):
+    """bf16 GEMMs where they are fast here (the service's `auto` precision), float32 elsewhere and for fp32 runs."""
     assert eval_precision(False) == "fp32"
-    assert eval_precision(True) == ("bf16" if cpu_has_native_bf16() else "fp32")
+    assert eval_precision(True) == ("bf16" if cpu_bf16_unavailable() is None else "fp32")
+    monkeypatch.setattr("models.layers.PACK_CPU_WEIGHTS", False)  # no packed path: bf16 GEMMs would not run at all
+    assert eval_precision(True) == "fp32"
 
 
 def test_gemm_precision_sets_every_linear_inside_the_block_and_float32_after_it():
     model = build_model(FinetuneConfig(preset="u-visualbert", size="tiny", init_text=False), feature_dim=16, num_answers=5)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears
-    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # set_cpu_gemm_dtype refuses bfloat16 elsewhere
+    if bf16:
         with gemm_precision(model, "bf16"):
             assert {m.gemm_dtype for m in linears} == {torch.bfloat16}
         assert {m.gemm_dtype for m in linears} == {torch.float32}
-    with pytest.raises(RuntimeError), gemm_precision(model, "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"):
+    with pytest.raises(RuntimeError), gemm_precision(model, "bf16" if bf16 else "fp32"):
         raise RuntimeError("an evaluation that fails")
     assert {m.gemm_dtype for m in linears} == {torch.float32}  # reset even when the evaluation raised
 
