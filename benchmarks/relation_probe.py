@@ -14,7 +14,7 @@ separate the causes of the demo's 0.50 on them (docs/RESULTS.md, session 8):
 Needs the demo's detector (`make zoo`). Prints the accuracy at each evaluation.
 
     python benchmarks/relation_probe.py NAME [--steps 500] [--lr 2e-4] [--head vqa|relation] [--init-from CKPT]
-                                             [--curriculum STEPS]
+                                             [--curriculum STEPS] [--box-embedding linear|normalized]
 """
 from __future__ import annotations
 
@@ -89,6 +89,8 @@ def main() -> None:
     ap.add_argument("--curriculum", type=int, default=0, help="steps on one-object position questions first")
     ap.add_argument("--box-init", choices=("model", "torch"), default="model",
                     help="torch: re-draw the box projection with nn.Linear's own init (column norm ~5.7, not ~0.4)")
+    ap.add_argument("--box-embedding", choices=("linear", "normalized"), default=None,
+                    help="u-visualbert's box embedding (default: the demo profile's)")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--root", type=Path, default=Path("/tmp/vlserve-relation-probe"))
@@ -113,7 +115,8 @@ def main() -> None:
     finetune.build_model = build_model
     cfg = zoo.finetune_config(profile, detector, args.root / args.name, threads=args.threads)
     cfg = dataclasses.replace(cfg, tasks={"vqa": 1.0}, steps=args.steps, eval_every=args.eval_every, eval_examples=None,
-                              init_from=args.init_from, lr=args.lr or cfg.lr)
+                              init_from=args.init_from, lr=args.lr or cfg.lr,
+                              box_embedding=args.box_embedding or cfg.box_embedding)
     start = time.time()
     if args.curriculum:
         positions = {"train": position_questions("train", profile.train_scenes, data.answers),
@@ -134,6 +137,7 @@ def run(cfg, data, examples: dict) -> dict:
 def report(args, questions: str, cfg, metrics: dict) -> None:
     curve = {h["step"]: h["vqa_acc"] for h in metrics["history"]} | {cfg.steps: metrics["final"]["vqa_acc"]}
     print(args.name, json.dumps({"questions": questions, "head": args.head, "init_from": str(cfg.init_from), "lr": cfg.lr,
+                                 "box_embedding": cfg.box_embedding,
                                  "accuracy": curve}), flush=True)
 
 

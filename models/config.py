@@ -9,6 +9,7 @@ FORMAT_VERSION = 1  # bump when config.json or the weight layout changes incompa
 
 PRESETS = ("visualbert", "vl-bert", "vilbert", "lxmert", "u-visualbert")
 TWO_STREAM = ("vilbert", "lxmert")
+BOX_EMBEDDINGS = ("linear", "normalized")  # EncoderConfig.box_embedding (u-visualbert)
 HEAD_KINDS = (
     # task heads
     "vqa", "nlvr2", "refer", "itm", "multiple_choice", "grounding",
@@ -42,6 +43,9 @@ class EncoderConfig:
     coattention_hidden_size: int = 0  # ViLBERT bi-attention width (0 = image_hidden_size)
     coattention_num_heads: int = 0  # ViLBERT bi-attention heads (0 = image_num_heads)
     geometry_dim: int = 0  # VL-BERT sin/cos box embedding width (0 = 4 * 64)
+    box_embedding: str = "linear"  # u-visualbert: "linear" = Linear(4, H)(box) summed with the feature projection;
+    # "normalized" = LN(FC(feature)) + LN(FC(sin/cos box)), each half layer-normalised so the box is not drowned
+    # by the features (as LXMERT's and UNITER's region embeddings)
     img_token_id: int = 1  # VL-BERT [IMG] / U-VisualBERT region token: reuses [unused0]
     end_token_id: int = 2  # VL-BERT [END]: reuses [unused1]
     pad_token_id: int = 0  # [PAD]
@@ -53,6 +57,10 @@ class EncoderConfig:
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         self.coattention_text_layers = tuple(self.coattention_text_layers)
+        if self.box_embedding not in BOX_EMBEDDINGS:
+            raise ValueError(f"unknown box_embedding {self.box_embedding!r}; choose one of {', '.join(BOX_EMBEDDINGS)}")
+        if self.box_embedding != "linear" and self.preset != "u-visualbert":
+            raise ValueError(f"box_embedding {self.box_embedding!r} is u-visualbert's; {self.preset} embeds boxes as its paper does")
         for name, width, heads in (
             ("hidden_size", self.hidden_size, self.num_heads),
             ("image_hidden_size", self.image_width, self.image_heads),

@@ -32,10 +32,12 @@ class VisualBertEmbeddings(TextEmbeddings):
         self.LayerNorm = nn.LayerNorm(h, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
 
+    def region_segment_position(self) -> torch.Tensor:
+        """Segment 1 and position 0 for every region, as the authors' code (no word alignment at inference): (H,)."""
+        return self.visual_token_type_embeddings.weight[1] + self.visual_position_embeddings.weight[0]
+
     def visual(self, region_features, region_boxes, image_feature, tag_ids) -> torch.Tensor:
-        # Segment 1 and position 0 for every region, as the authors' code (no word alignment at inference).
-        extra = self.visual_token_type_embeddings.weight[1] + self.visual_position_embeddings.weight[0]  # (H,)
-        return self.visual_projection(region_features) + extra  # (B, N, H)
+        return self.visual_projection(region_features) + self.region_segment_position()  # (B, N, H)
 
     def forward(self, input_ids, attention_mask, token_type_ids, region_features, region_boxes, region_mask, image_feature=None, tag_ids=None):
         text = super().forward(input_ids, token_type_ids)  # (B, T, H)
@@ -50,10 +52,23 @@ class UVisualBertEmbeddings(VisualBertEmbeddings):
 
     def __init__(self, config: EncoderConfig):
         super().__init__(config)
-        self.box_projection = nn.Linear(4, config.hidden_size)
+        self.geometry_width = config.geometry_width
+        h = config.hidden_size
+        if config.box_embedding == "linear":
+            self.box_projection = nn.Linear(4, h)
+        else:  # "normalized": features and sin/cos box geometry, each projected and layer-normalised
+            self.visual_layer_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+            self.box_projection = nn.Linear(config.geometry_width, h)
+            self.box_layer_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.normalized_boxes = config.box_embedding == "normalized"
 
     def visual(self, region_features, region_boxes, image_feature, tag_ids) -> torch.Tensor:
-        vis = super().visual(region_features, region_boxes, image_feature, tag_ids) + self.box_projection(region_boxes)
+        if self.normalized_boxes:
+            geometry = self.box_layer_norm(self.box_projection(sinusoidal_box_embedding(region_boxes, self.geometry_width)))
+            vis = self.visual_layer_norm(self.visual_projection(region_features)) + geometry
+        else:
+            vis = self.visual_projection(region_features) + self.box_projection(region_boxes)
+        vis = vis + self.region_segment_position()  # (B, N, H)
         if tag_ids is not None:
             tags = tag_ids if tag_ids.dim() == region_boxes.dim() else tag_ids.unsqueeze(-1)  # (B, N, T) words per region
             has_tag = (tags >= 0).unsqueeze(-1)  # (B, N, T, 1); -1 = no tag in that slot

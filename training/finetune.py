@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from models import HeadConfig, VLModel, create_model
-from models.checkpoint import WEIGHTS, load_checkpoint, load_state_strict, save_checkpoint
+from models.checkpoint import WEIGHTS, CheckpointError, load_checkpoint, load_state_strict, save_checkpoint
 from models.layers import cpu_bf16_unavailable, set_cpu_gemm_dtype
 from models.text_init import init_text_from_minilm
 from models.tokenizer import VLTokenizer
@@ -44,6 +44,7 @@ class FinetuneConfig:
     bf16: bool = False  # bfloat16 autocast for forward and backward (about 1.5x faster on CPUs with AVX512-BF16)
     dropout: float | None = None  # hidden and attention dropout; None = the preset's (0.1)
     feature_norm: bool = True  # standardise region features with statistics of the training regions (models.layers.FeatureNorm)
+    box_embedding: str = "linear"  # u-visualbert's region boxes: "linear" or "normalized" (models.config.EncoderConfig.box_embedding)
     init_text: bool = True  # start the text side from the pretrained MiniLM-L6 (unless init_from is set)
     init_from: Path | None = None  # start the encoder (and same-named, same-shaped heads) from this checkpoint directory
     tasks: dict[str, float] = field(default_factory=lambda: {"vqa": 1.0, "refer": 1.0, "itm": 1.0, "nlvr2": 1.0})  # task -> sampling weight (itm_rank: ranking groups, trains the itm head)
@@ -77,6 +78,8 @@ def build_model(cfg: FinetuneConfig, feature_dim: int, num_answers: int) -> VLMo
         "multiple_choice": HeadConfig(kind="multiple_choice"),
     }
     overrides = {} if cfg.dropout is None else {"dropout": cfg.dropout, "attention_dropout": cfg.dropout}
+    if cfg.box_embedding != "linear":
+        overrides["box_embedding"] = cfg.box_embedding
     names = dict.fromkeys("itm" if t == RANK_TASK else t for t in cfg.tasks)
     model = create_model(cfg.preset, cfg.size, heads={t: heads[t] for t in names}, visual_feat_dim=feature_dim,
                          feature_norm=cfg.feature_norm, **overrides)
@@ -117,9 +120,11 @@ def fit_feature_norm(model: VLModel, table) -> None:
 
 def init_from_checkpoint(model: VLModel, path: Path) -> list[str]:
     """Copy a checkpoint's encoder into model, and each head with the same name, kind and tensor shapes (the
-    rest stay fresh); returns the copied heads. CheckpointError when preset, size or feature dim differ."""
+    rest stay fresh); returns the copied heads. CheckpointError when preset, size, feature dim or box embedding differ."""
     enc = model.config.encoder
     source = load_checkpoint(path, preset=enc.preset, size=enc.size, visual_feat_dim=enc.visual_feat_dim).model
+    if source.config.encoder.box_embedding != enc.box_embedding:
+        raise CheckpointError(f"{path}: encoder.box_embedding is {source.config.encoder.box_embedding!r}, expected {enc.box_embedding!r}")
     load_state_strict(model.encoder, source.encoder.state_dict(), Path(path) / WEIGHTS)
     shapes = lambda module: {k: v.shape for k, v in module.state_dict().items()}  # noqa: E731
     copied = []

@@ -66,6 +66,7 @@ class PretrainConfig:
     size: str = "small"  # encoder size (small: text side from MiniLM)
     bf16: bool = False  # bfloat16 autocast for forward and backward (about 1.5x faster on CPUs with AVX512-BF16)
     feature_norm: bool = True  # standardise region features with statistics of the training regions (models.layers.FeatureNorm)
+    box_embedding: str = "linear"  # u-visualbert's region boxes: "linear" or "normalized" (models.config.EncoderConfig.box_embedding)
     init_text: bool = True  # start the text side from the pretrained MiniLM-L6
     objectives: tuple[str, ...] = ()  # empty = the preset's paper objectives (DEFAULT_OBJECTIVES)
     visual_feat_dim: int | None = None  # encoder region-feature width; None = the detector's (anything else is an error)
@@ -98,7 +99,7 @@ class PretrainConfig:
 def validate_config(cfg: PretrainConfig) -> DetectorConfig:
     """Fail with one PretrainConfigError before any data work; returns the detector's config."""
     try:
-        encoder_config(cfg.preset, cfg.size)  # raises for an unknown preset or size
+        encoder_config(cfg.preset, cfg.size, box_embedding=cfg.box_embedding)  # raises for an unknown preset, size or box embedding
     except ValueError as exc:
         raise PretrainConfigError(str(exc)) from None
     unknown = [o for o in cfg.objectives if o not in OBJECTIVES]
@@ -171,7 +172,8 @@ def pretraining_heads(objectives: tuple[str, ...], num_classes: int, num_answers
 
 def build_model(cfg: PretrainConfig, feature_dim: int, num_classes: int, num_answers: int) -> VLModel:
     heads = pretraining_heads(cfg.objectives, num_classes, num_answers)
-    model = create_model(cfg.preset, cfg.size, heads=heads, visual_feat_dim=feature_dim, feature_norm=cfg.feature_norm)
+    model = create_model(cfg.preset, cfg.size, heads=heads, visual_feat_dim=feature_dim, feature_norm=cfg.feature_norm,
+                         box_embedding=cfg.box_embedding)
     if cfg.init_text:
         init_text_from_minilm(model)
     return model

@@ -35,6 +35,7 @@ class Profile:
     dropout: float | None = None  # encoder hidden and attention dropout; None = the preset's 0.1
     detector_eval_images: int | None = None  # val scenes the trained detector is scored on (None = all 2,000)
     eval_every: int | None = None  # encoder steps between periodic evaluations; None = a third of the run
+    box_embedding: str = "linear"  # FinetuneConfig.box_embedding
 
 
 PROFILES = {
@@ -99,6 +100,7 @@ def finetune_config(p: Profile, det_dir: Path, enc_dir: Path, threads: int = 2) 
                           itm_pool=p.itm_pool, nlvr2_pool=p.nlvr2_pool, lr=p.lr,
                           lead_tasks=p.lead_tasks, lead_steps=p.lead_steps,
                           bf16=p.bf16, freeze_word_embeddings=p.freeze_word_embeddings, dropout=p.dropout,
+                          box_embedding=p.box_embedding,
                           eval_every=p.eval_every or max(1, p.finetune_steps // 3), threads=threads)
 
 

@@ -51,6 +51,15 @@ def test_every_head_matches_torch_at_other_sizes(preset, make_model, tmp_path):
         assert all(tuple(s) != (2, 8, 6) for s in parity.shapes)  # never the export sizes
 
 
+def test_normalized_box_embedding_matches_torch(make_model, tmp_path):
+    """U-VisualBERT's layer-normalised sin/cos box embedding (the demo's since session 9) exports with parity."""
+    model = make_model("u-visualbert", "vqa", "refer", box_embedding="normalized").eval()
+    for task in model.config.heads:
+        spec = export_task(model, task, tmp_path / f"{task}.onnx")
+        parity = measure(model, spec, runner(session(tmp_path / f"{task}.onnx")), examples=sum(s[0] for s in SHAPES))
+        assert parity.max_abs_diff <= MAX_ABS_DIFF and parity.agreement == 1.0, (task, parity)
+
+
 def test_graph_inputs_follow_preset_and_head(make_model):
     """Whole-image feature for VL-BERT / ViLBERT, tags for U-VisualBERT, phrases for grounding, pairs for NLVR2."""
     names = {p: graph_spec(make_model(p, "vqa").config, "vqa").input_names for p in PRESETS}

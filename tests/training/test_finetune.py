@@ -113,6 +113,8 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(task_data, tmp_path):
         (["--itm-pool", "answer_slot"], "--itm-pool must be pooled or regions"),
         (["--nlvr2-pool", "mean"], "--nlvr2-pool must be pooled or regions"),
         (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+        (["--preset", "u-visualbert", "--box-embedding", "sinusoid"], "unknown box_embedding 'sinusoid'"),
+        (["--box-embedding", "normalized"], "box_embedding 'normalized' is u-visualbert's; visualbert embeds boxes"),
     ],
 )
 def test_bad_configs_fail_before_training(task_data, tmp_path, args, message):
@@ -180,6 +182,18 @@ def test_init_from_rejects_another_preset_size_or_feature_dim(task_data, source_
     cfg = tiny(tmp_path / "ft", detector, init_from=source_checkpoint, **change)
     with pytest.raises(CheckpointError, match=message):
         build_model(cfg, feature_dim, len(data.answers))
+
+
+def test_init_from_rejects_another_box_embedding(task_data, tmp_path):
+    detector, data = task_data
+    train(tiny(tmp_path / "linear", detector, preset="u-visualbert", tasks={"vqa": 1.0}, steps=1), data=data, progress=False)
+    cfg = tiny(tmp_path / "ft", detector, preset="u-visualbert", box_embedding="normalized", init_from=tmp_path / "linear")
+    with pytest.raises(CheckpointError, match="encoder.box_embedding is 'linear', expected 'normalized'"):
+        build_model(cfg, data.feature_dim, len(data.answers))
+    result = CliRunner().invoke(app, ["train", "finetune", "--out", str(tmp_path / "x"), "--detector", str(detector),
+                                      "--size", "tiny", "--preset", "u-visualbert", "--box-embedding", "normalized",
+                                      "--init-from", str(tmp_path / "linear")])
+    assert result.exit_code == 2 and "pass --box-embedding linear" in result.stderr, result.output
 
 
 def test_init_from_is_checked_before_training(task_data, source_checkpoint, tmp_path):

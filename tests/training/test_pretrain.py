@@ -153,6 +153,7 @@ def test_paired_batches_swap_images_with_their_labels(detector_dir, data, tmp_pa
         (dict(visual_feat_dim=2048), "feature dim mismatch: visual_feat_dim=2048"),
         (dict(init_text=True), "--init-text needs size small"),
         (dict(detector_dir="nowhere"), "checkpoint directory not found"),
+        (dict(preset="vl-bert", box_embedding="normalized"), "box_embedding 'normalized' is u-visualbert's"),
     ],
 )
 def test_bad_configs_fail_before_training(changes, message, detector_dir, data, tmp_path):

@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+BOX_EMBEDDING_HELP = ("u-visualbert: linear (Linear(4, H) summed with the features) or normalized (layer-normalised sin/cos "
+                      "box geometry beside the layer-normalised features, as LXMERT)")
 app = typer.Typer(help="Train the detector and the encoders.", no_args_is_help=True)
 
 
@@ -70,6 +72,7 @@ def finetune(
     dropout: Annotated[float | None, typer.Option(help="hidden and attention dropout (default: the preset's 0.1); 0 "
                                                        "makes CPU steps faster")] = None,
     feature_norm: Annotated[bool, typer.Option(help="standardise region features with the training regions' statistics")] = True,
+    box_embedding: Annotated[str, typer.Option(help=BOX_EMBEDDING_HELP)] = "linear",
     seed: Annotated[int, typer.Option()] = 0,
     threads: Annotated[int, typer.Option(min=1)] = 2,
 ) -> None:
@@ -85,7 +88,7 @@ def finetune(
                              itm_pool=itm_pool, nlvr2_pool=nlvr2_pool,
                              lead_tasks=tuple(t.strip() for t in lead_tasks.split(",") if t.strip()), lead_steps=lead_steps,
                              freeze_word_embeddings=freeze_word_embeddings, dropout=dropout,
-                             feature_norm=feature_norm, seed=seed, threads=threads)
+                             feature_norm=feature_norm, box_embedding=box_embedding, seed=seed, threads=threads)
         validate_finetune(cfg)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -117,6 +120,7 @@ def pretrain(
     init_text: Annotated[bool, typer.Option(help="start the text side from MiniLM (size small)")] = True,
     bf16: Annotated[bool, typer.Option(help="bfloat16 autocast (about 1.5x faster on CPUs with AVX512-BF16)")] = False,
     feature_norm: Annotated[bool, typer.Option(help="standardise region features with the training regions' statistics")] = True,
+    box_embedding: Annotated[str, typer.Option(help=BOX_EMBEDDING_HELP)] = "linear",
     seed: Annotated[int, typer.Option()] = 0,
     threads: Annotated[int, typer.Option(min=1)] = 2,
 ) -> None:
@@ -129,7 +133,7 @@ def pretrain(
                          visual_feat_dim=visual_feat_dim, easy_vqa=easy_vqa, train_scenes=train_scenes,
                          eval_scenes=eval_scenes, steps=steps, batch_size=batch_size, lr=lr, head_lr=head_lr,
                          warmup=warmup, clip=clip, mask_prob=mask_prob, region_mask_prob=region_mask_prob,
-                         bf16=bf16, feature_norm=feature_norm, seed=seed, threads=threads)
+                         bf16=bf16, feature_norm=feature_norm, box_embedding=box_embedding, seed=seed, threads=threads)
     try:
         metrics = run_pretrain(cfg)  # validates the config, then the data, before the first step
     except PretrainConfigError as exc:
@@ -147,7 +151,7 @@ def validate_finetune(cfg) -> None:
     from models.registry import encoder_config
     from training.finetune import RANK_TASK, TASKS, check_lead
 
-    encoder_config(cfg.preset, cfg.size)  # raises for an unknown preset or size
+    encoder_config(cfg.preset, cfg.size, box_embedding=cfg.box_embedding)  # raises for an unknown preset, size or box embedding
     if cfg.vqa_loss not in ("bce", "ce"):
         raise ValueError(f"--vqa-loss must be bce or ce, not {cfg.vqa_loss!r}")
     if cfg.vqa_pool not in ("pooled", "answer_slot", "regions"):
@@ -171,6 +175,9 @@ def validate_finetune(cfg) -> None:
         raise ValueError(f"detector: {exc}") from None
     if cfg.init_from is not None:
         try:
-            load_checkpoint(cfg.init_from, preset=cfg.preset, size=cfg.size, visual_feat_dim=detector.config.feature_dim)
+            source = load_checkpoint(cfg.init_from, preset=cfg.preset, size=cfg.size, visual_feat_dim=detector.config.feature_dim)
         except CheckpointError as exc:
             raise ValueError(f"--init-from: {exc}") from None
+        theirs = source.model.config.encoder.box_embedding
+        if theirs != cfg.box_embedding:
+            raise ValueError(f"--init-from: encoder.box_embedding is {theirs!r}, expected {cfg.box_embedding!r} (pass --box-embedding {theirs})")
