@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from models import HeadConfig, VLModel, create_model
 from models.checkpoint import WEIGHTS, CheckpointError, load_checkpoint, load_state_strict, save_checkpoint
-from models.layers import cpu_bf16_unavailable, set_cpu_gemm_dtype
+from models.layers import cpu_bf16_unavailable, cpu_has_native_bf16, set_cpu_gemm_dtype
 from models.text_init import init_text_from_minilm
 from models.tokenizer import VLTokenizer
 
@@ -41,7 +41,8 @@ class FinetuneConfig:
     itm_pool: str = "pooled"  # "pooled" (CLS) or "regions" (pooled + attention over regions), as vqa_pool
     nlvr2_pool: str = "pooled"  # the same choice for the NLVR2 head (each image of the pair)
     freeze_word_embeddings: bool = False  # keep the (pretrained) word table fixed: no dense AdamW update of 30522 x H per step
-    bf16: bool = False  # bfloat16 autocast for forward and backward (about 1.5x faster on CPUs with AVX512-BF16)
+    bf16: bool = False  # bfloat16 autocast for forward and backward where the CPU has native bf16 (about 1.5x faster
+    # with AVX512-BF16); float32 on CPUs without it, where emulated bf16 is several times slower (train_precision)
     dropout: float | None = None  # hidden and attention dropout; None = the preset's (0.1)
     feature_norm: bool = True  # standardise region features with statistics of the training regions (models.layers.FeatureNorm)
     box_embedding: str = "linear"  # u-visualbert's region boxes: "linear" or "normalized" (models.config.EncoderConfig.box_embedding)
@@ -94,6 +95,15 @@ def build_model(cfg: FinetuneConfig, feature_dim: int, num_answers: int) -> VLMo
 def autocast(enabled: bool):
     """bfloat16 autocast on CPU when enabled (weights, optimizer state and the loss stay float32)."""
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+
+
+def train_precision(bf16: bool) -> str:
+    """The precision a run trains in: bf16 autocast when asked for and the CPU computes bf16 dot products natively;
+    float32 otherwise (oneDNN emulates bf16 on AVX2-only CPUs, measured 7x slower per step than float32 there)."""
+    if bf16 and not cpu_has_native_bf16():
+        log.warning("bf16 asked for, but this CPU has no native bfloat16 (AVX512-BF16 or AMX): training in float32")
+        return "fp32"
+    return "bf16" if bf16 else "fp32"
 
 
 def eval_precision(bf16: bool) -> str:
@@ -205,7 +215,7 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
     tasks, weights = list(cfg.tasks), np.array(list(cfg.tasks.values()), dtype=np.float64)
     lead = np.array([w if t in cfg.lead_tasks else 0.0 for t, w in cfg.tasks.items()])
     history: list[dict] = []
-    precision = eval_precision(cfg.bf16)
+    precision, bf16 = eval_precision(cfg.bf16), train_precision(cfg.bf16) == "bf16"
     start = time.perf_counter()
     bar = tqdm(total=cfg.steps, initial=step, desc="finetune", disable=not progress)
     while step < cfg.steps:
@@ -230,7 +240,7 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
         batch = [pool[int(i)] for i in rng.integers(0, len(pool), max(1, cfg.batch_size // group))]
         kind = RANK_TASK if ranking else model.config.heads[head].kind
         inputs, labels = collate(kind, batch, data.train_table, tokenizer, model.config.heads[head], cfg.max_length)
-        with autocast(cfg.bf16):
+        with autocast(bf16):
             if ranking:
                 loss = group_ranking_loss(model(inputs, head).logits, group, labels)
             else:
@@ -250,7 +260,8 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
     train_seconds = time.perf_counter() - start
     with gemm_precision(model, precision):
         final = evaluate_tasks(model, data, tokenizer, None)
-    metrics = {"final": final, "history": history, "train_seconds": round(train_seconds, 1), "eval_precision": precision,
+    metrics = {"final": final, "history": history, "train_seconds": round(train_seconds, 1),
+               "train_precision": "bf16" if bf16 else "fp32", "eval_precision": precision,
                "config": _jsonable(asdict(cfg))}
     save_checkpoint(
         model, out, tokenizer,

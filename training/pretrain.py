@@ -33,7 +33,7 @@ from models.text_init import init_text_from_minilm
 from models.tokenizer import VLTokenizer
 
 from .evaluate import evaluate_tasks
-from .finetune import STATE, _jsonable, autocast, fit_feature_norm, load_state, lr_scale, param_groups, save_state
+from .finetune import STATE, _jsonable, autocast, fit_feature_norm, load_state, lr_scale, param_groups, save_state, train_precision
 from .objectives import (
     IGNORE, TokenIds, image_only_batch, image_qa_labels, itm_pairs, mask_regions, mask_tokens, pretraining_losses,
     region_class_labels, text_only_batch, with_images,
@@ -64,7 +64,7 @@ class PretrainConfig:
     detector_dir: Path = Path("detector")  # region features come from this detector (cached per fingerprint)
     preset: str = "visualbert"  # encoder preset
     size: str = "small"  # encoder size (small: text side from MiniLM)
-    bf16: bool = False  # bfloat16 autocast for forward and backward (about 1.5x faster on CPUs with AVX512-BF16)
+    bf16: bool = False  # bfloat16 autocast where the CPU has native bf16 (about 1.5x faster with AVX512-BF16), else float32
     feature_norm: bool = True  # standardise region features with statistics of the training regions (models.layers.FeatureNorm)
     box_embedding: str = "linear"  # u-visualbert's region boxes: "linear" or "normalized" (models.config.EncoderConfig.box_embedding)
     init_text: bool = True  # start the text side from the pretrained MiniLM-L6
@@ -285,6 +285,7 @@ def pretrain(cfg: PretrainConfig, data: TaskData | None = None, progress: bool =
     out.mkdir(parents=True, exist_ok=True)
     # records: one {objective: loss, "total": loss} per step; resumed with the state
     step, records = (load_state(out / STATE, model, opt, rng) if (out / STATE).exists() else (0, []))
+    precision = train_precision(cfg.bf16)
     start = time.perf_counter()
     bar = tqdm(total=cfg.steps, initial=step, desc=f"pretrain {cfg.preset}", disable=not progress)
     while step < cfg.steps:
@@ -299,7 +300,7 @@ def pretrain(cfg: PretrainConfig, data: TaskData | None = None, progress: bool =
         # forward / backward
         model.train()
         batch = batches(step, rng)
-        with autocast(cfg.bf16):
+        with autocast(precision == "bf16"):
             losses = pretraining_losses(model, batch.inputs, batch.targets)
         opt.zero_grad(set_to_none=True)
         losses["total"].backward()
@@ -317,7 +318,8 @@ def pretrain(cfg: PretrainConfig, data: TaskData | None = None, progress: bool =
     history = [{"step": min(s + cfg.log_every, len(records)), **window_means(records[s : s + cfg.log_every])}
                for s in range(0, len(records), cfg.log_every)]
     final = evaluate_tasks(model, data, tokenizer, cfg.eval_examples)  # zero-shot ITM accuracy when there is an itm head
-    metrics = {"final": final, "history": history, "train_seconds": round(train_seconds, 1), "config": _jsonable(asdict(cfg))}
+    metrics = {"final": final, "history": history, "train_seconds": round(train_seconds, 1), "train_precision": precision,
+               "config": _jsonable(asdict(cfg))}
     head_labels = {"mrc": data.objects, "image_qa": data.answers}
     save_checkpoint(
         model, out, tokenizer,

@@ -73,6 +73,19 @@ def test_a_bf16_run_is_evaluated_as_the_service_serves_it(monkeypatch):
     assert eval_precision(True) == "fp32"
 
 
+def test_bf16_trains_in_float32_where_the_cpu_would_emulate_it(task_data, tmp_path, monkeypatch):
+    """Emulated bf16 (AVX2-only CPUs) is several times slower than float32: such a run trains exactly as float32."""
+    detector, data = task_data
+    monkeypatch.setattr("training.finetune.cpu_has_native_bf16", lambda: False)
+    fp32 = train(tiny(tmp_path / "fp32", detector, steps=4), data=data, progress=False)
+    asked = train(tiny(tmp_path / "bf16", detector, steps=4, bf16=True), data=data, progress=False)
+    assert asked["train_precision"] == fp32["train_precision"] == "fp32"
+    assert asked["losses"] == fp32["losses"]
+    monkeypatch.setattr("training.finetune.cpu_has_native_bf16", lambda: True)
+    native = train(tiny(tmp_path / "native", detector, steps=4, bf16=True), data=data, progress=False)
+    assert native["train_precision"] == "bf16" and native["losses"] != fp32["losses"]
+
+
 def test_gemm_precision_sets_every_linear_inside_the_block_and_float32_after_it():
     model = build_model(FinetuneConfig(preset="u-visualbert", size="tiny", init_text=False), feature_dim=16, num_answers=5)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
