@@ -186,12 +186,17 @@ def markdown_table(rows: list[dict], peak: float, ort_peak: float | None) -> lis
 
 
 def cpu_name() -> str:
+    """The CPU's model name and its widest vector instructions: the machines lent here differ in them (an AVX2-only
+    Zen 3 and an AVX512-BF16 Zen 4 both call themselves "AMD EPYC"), and every figure depends on them."""
     cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
+    if not cpuinfo.is_file():
+        return platform.processor() or "unknown CPU"
+    text = cpuinfo.read_text()
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "unknown CPU")
+    flags = set(text.split())
+    isa = next((label for flag, label in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX512"),
+                                          ("avx2", "AVX2")) if flag in flags), None)
+    return f"{name} ({isa})" if isa else name
 
 
 def section(rows: list[dict], peak: float, ort_peak: float | None, threads: int) -> str:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))  # runs from a checkout without installing
 from encoder import cpu_name  # noqa: E402
 
 from models.checkpoint import load_checkpoint  # noqa: E402
-from training.finetune import TASKS, FinetuneConfig, train  # noqa: E402
+from training.finetune import TASKS, FinetuneConfig, train, train_precision  # noqa: E402
 from training.pretrain import PretrainConfig, pretrain  # noqa: E402
 from training.retrieval import evaluate_retrieval  # noqa: E402
 from training.vl_data import TaskData, prepare_task_data  # noqa: E402
@@ -92,10 +92,11 @@ def parse_args() -> argparse.Namespace:
 
 def budget(args: argparse.Namespace, fingerprint: str) -> dict:
     """Everything the numbers depend on: results recorded under another budget are not comparable."""
-    keys = ("train_scenes", "eval_scenes", "easy_vqa_images", "finetune_steps", "pretrain_steps", "lr", "bf16",
+    keys = ("train_scenes", "eval_scenes", "easy_vqa_images", "finetune_steps", "pretrain_steps", "lr",
             "seed", "eval_examples", "retrieval_pool", "retrieval_queries")
     return {"detector": fingerprint, "size": "small", "batch_size": BATCH_SIZE, "head_lr": FinetuneConfig.head_lr,
-            "pretrain_lr": PretrainConfig.lr, **{k: getattr(args, k) for k in keys}}
+            "pretrain_lr": PretrainConfig.lr, **{k: getattr(args, k) for k in keys},
+            "bf16": train_precision(args.bf16) == "bf16"}  # what ran: float32 where this CPU would emulate bf16
 
 
 def held_out(data: TaskData, limit: int) -> TaskData:

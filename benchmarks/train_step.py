@@ -34,6 +34,8 @@ CONTENDERS = {
     "bf16 + frozen + foreach": (True, True, True, 16, 0.1),
     "bf16 + frozen + foreach, 8 regions": (True, True, True, 8, 0.1),
     "bf16 + frozen + foreach, 8 regions, no dropout": (True, True, True, 8, 0.0),
+    # the demo's recipe on a CPU without native bf16, where training falls back to float32 (training.finetune.train_precision)
+    "fp32 + frozen + foreach, 8 regions, no dropout": (False, True, True, 8, 0.0),
 }
 
 

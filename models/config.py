@@ -46,6 +46,8 @@ class EncoderConfig:
     box_embedding: str = "linear"  # u-visualbert: "linear" = Linear(4, H)(box) summed with the feature projection;
     # "normalized" = LN(FC(feature)) + LN(FC(sin/cos box)), each half layer-normalised so the box is not drowned
     # by the features (as LXMERT's and UNITER's region embeddings)
+    region_tags: bool = False  # u-visualbert fine-tuned with tags: every region also carries its detector class word
+    # (tag_ids), in fine-tuning and at inference alike, as its pretraining does
     img_token_id: int = 1  # VL-BERT [IMG] / U-VisualBERT region token: reuses [unused0]
     end_token_id: int = 2  # VL-BERT [END]: reuses [unused1]
     pad_token_id: int = 0  # [PAD]
@@ -61,6 +63,8 @@ class EncoderConfig:
             raise ValueError(f"unknown box_embedding {self.box_embedding!r}; choose one of {', '.join(BOX_EMBEDDINGS)}")
         if self.box_embedding != "linear" and self.preset != "u-visualbert":
             raise ValueError(f"box_embedding {self.box_embedding!r} is u-visualbert's; {self.preset} embeds boxes as its paper does")
+        if self.region_tags and self.preset != "u-visualbert":
+            raise ValueError(f"region_tags is u-visualbert's; {self.preset} has no detector-tag embedding")
         for name, width, heads in (
             ("hidden_size", self.hidden_size, self.num_heads),
             ("image_hidden_size", self.image_width, self.image_heads),

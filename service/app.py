@@ -99,6 +99,9 @@ def load_models(settings: Settings) -> Loaded:
     want, have = model_config(checkpoint).encoder.visual_feat_dim, detector.config.feature_dim
     if want != have:
         raise StartupError(f"{settings.model_dir} reads {want}-d region features but the detector gives {have}-d")
+    if model_config(checkpoint).encoder.region_tags:
+        raise StartupError(f"{settings.model_dir} was fine-tuned with region tags (each region's detector class word), "
+                           f"which the service does not feed its encoder yet; serve a checkpoint trained without them")
     if isinstance(checkpoint, Repository) and checkpoint.detector_path is not None:
         from .runtime.onnx_runtime import exported_detector  # the repository's detector graph replaces torch's
 

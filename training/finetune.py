@@ -22,7 +22,7 @@ from models.tokenizer import VLTokenizer
 from .data.vl_tasks import collate
 from .evaluate import evaluate_tasks
 from .objectives import group_ranking_loss
-from .vl_data import TaskData, prepare_task_data
+from .vl_data import TaskData, prepare_task_data, tagged
 
 log = logging.getLogger(__name__)
 STATE = "train_state.pt"  # resumable state, written beside the checkpoint files
@@ -46,6 +46,7 @@ class FinetuneConfig:
     dropout: float | None = None  # hidden and attention dropout; None = the preset's (0.1)
     feature_norm: bool = True  # standardise region features with statistics of the training regions (models.layers.FeatureNorm)
     box_embedding: str = "linear"  # u-visualbert's region boxes: "linear" or "normalized" (models.config.EncoderConfig.box_embedding)
+    region_tags: bool = False  # u-visualbert: each region also carries its detector class word (EncoderConfig.region_tags)
     init_text: bool = True  # start the text side from the pretrained MiniLM-L6 (unless init_from is set)
     init_from: Path | None = None  # start the encoder (and same-named, same-shaped heads) from this checkpoint directory
     tasks: dict[str, float] = field(default_factory=lambda: {"vqa": 1.0, "refer": 1.0, "itm": 1.0, "nlvr2": 1.0})  # task -> sampling weight (itm_rank: ranking groups, trains the itm head)
@@ -81,6 +82,8 @@ def build_model(cfg: FinetuneConfig, feature_dim: int, num_answers: int) -> VLMo
     overrides = {} if cfg.dropout is None else {"dropout": cfg.dropout, "attention_dropout": cfg.dropout}
     if cfg.box_embedding != "linear":
         overrides["box_embedding"] = cfg.box_embedding
+    if cfg.region_tags:
+        overrides["region_tags"] = True
     names = dict.fromkeys("itm" if t == RANK_TASK else t for t in cfg.tasks)
     model = create_model(cfg.preset, cfg.size, heads={t: heads[t] for t in names}, visual_feat_dim=feature_dim,
                          feature_norm=cfg.feature_norm, **overrides)
@@ -204,6 +207,7 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
         raise ValueError(f"no training data for task(s) {', '.join(sorted(unknown))}")
     tokenizer = VLTokenizer.pretrained_minilm(max_length=cfg.max_length)
     model = build_model(cfg, data.feature_dim, len(data.answers))
+    data = tagged(data, model, tokenizer)
     if cfg.init_from is None:  # a pretrained encoder brings its own statistics
         fit_feature_norm(model, data.train_table)
     if cfg.freeze_word_embeddings:  # before the optimizer: param_groups skips frozen parameters

@@ -32,6 +32,7 @@ from models.registry import encoder_config
 from models.text_init import init_text_from_minilm
 from models.tokenizer import VLTokenizer
 
+from .data.region_table import tag_word_ids, tags_of
 from .evaluate import evaluate_tasks
 from .finetune import STATE, _jsonable, autocast, fit_feature_norm, load_state, lr_scale, param_groups, save_state, train_precision
 from .objectives import (
@@ -148,15 +149,6 @@ def check_data(cfg: PretrainConfig, data: TaskData, detector: DetectorConfig) ->
 def captions(data: TaskData) -> list:
     return [e for e in data.train.get("itm", []) if e.label == 1]
 
-
-def tag_word_ids(classes: list[str], tokenizer: VLTokenizer) -> np.ndarray:
-    """Detector class id -> word-piece id of its name (the first sub-word): U-VisualBERT's tags share the word table."""
-    return np.array([tokenizer.word_id(name) for name in classes], dtype=np.int64)
-
-
-def tags_of(obj_ids: np.ndarray, words: np.ndarray) -> torch.Tensor:
-    """(B, N) detector class ids (-1 = padding) -> (B, N) tag word ids (-1 = none)."""
-    return torch.from_numpy(np.where(obj_ids >= 0, words[obj_ids.clip(min=0)], -1))
 
 
 def pretraining_heads(objectives: tuple[str, ...], num_classes: int, num_answers: int) -> dict[str, HeadConfig]:

@@ -1,6 +1,7 @@
 """Everything a fine-tuning run or an evaluation reads: region tables (extracted once per detector) and task examples."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from models.detector import DetectorConfig
 from models.detector.io import load_detector
 
 from .data.easy_vqa import load_easy_vqa, load_image as load_easy_vqa_image
-from .data.region_table import RegionTable, extract_table
+from .data.region_table import RegionTable, extract_table, tag_word_ids
 from .data.shapes_cache import FORMAT_VERSION, ShapesConfig, ShapesSplit, cache_root, config_hash, load_split
 from .data.shapes_tasks import ANSWERS, TaskConfig
 from .data.shapes_world import WorldConfig
@@ -33,6 +34,16 @@ class TaskData:
     attributes: list[str]
     fingerprint: str
     feature_dim: int
+
+
+def tagged(data: TaskData, model, tokenizer) -> TaskData:
+    """The data as `model` reads it: with each region's detector class word as its tag when the encoder was trained
+    with region tags (EncoderConfig.region_tags), unchanged otherwise."""
+    if not model.config.encoder.region_tags:
+        return data
+    words = tag_word_ids(data.objects, tokenizer)
+    train = None if data.train_table is None else data.train_table.with_tags(words)
+    return dataclasses.replace(data, train_table=train, eval_table=data.eval_table.with_tags(words))
 
 
 def concat_tables(tables: list[RegionTable]) -> RegionTable:

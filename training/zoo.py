@@ -36,6 +36,7 @@ class Profile:
     detector_eval_images: int | None = None  # val scenes the trained detector is scored on (None = all 2,000)
     eval_every: int | None = None  # encoder steps between periodic evaluations; None = a third of the run
     box_embedding: str = "linear"  # FinetuneConfig.box_embedding
+    region_tags: bool = False  # FinetuneConfig.region_tags
 
 
 PROFILES = {
@@ -48,7 +49,7 @@ PROFILES = {
     "demo": Profile(detector_steps=200, train_scenes=3_000, eval_scenes=500, finetune_steps=1_500, batch_size=32,
                     easy_vqa_images=2_000, num_boxes=8, proposals=100, preset="u-visualbert", vqa_pool="regions",
                     vqa_loss="ce", lr=2e-4, bf16=True, freeze_word_embeddings=True, dropout=0.0,
-                    detector_eval_images=500, eval_every=1_500),
+                    detector_eval_images=500, eval_every=1_500, box_embedding="normalized"),
     # full: the demo's levers with all the data, a longer detector run and 3.3x the encoder steps (63 min measured on
     # a shared machine, about 55 alone: docs/RESULTS.md);
     # ITM/NLVR2 read the regions, with refer alone for the first 200 steps so every seed takes off (docs/RESULTS.md
@@ -100,7 +101,7 @@ def finetune_config(p: Profile, det_dir: Path, enc_dir: Path, threads: int = 2) 
                           itm_pool=p.itm_pool, nlvr2_pool=p.nlvr2_pool, lr=p.lr,
                           lead_tasks=p.lead_tasks, lead_steps=p.lead_steps,
                           bf16=p.bf16, freeze_word_embeddings=p.freeze_word_embeddings, dropout=p.dropout,
-                          box_embedding=p.box_embedding,
+                          box_embedding=p.box_embedding, region_tags=p.region_tags,
                           eval_every=p.eval_every or max(1, p.finetune_steps // 3), threads=threads)
 
 

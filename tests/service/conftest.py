@@ -171,7 +171,7 @@ SERVED_HEADS = {"vqa": {"kind": "vqa", "num_labels": len(VQA_ANSWERS)}, "refer":
 
 
 def build_tiny_checkpoint(out_dir: Path, fingerprint: str, preset: str = "visualbert", heads: dict | None = None,
-                          seed: int = 0) -> Path:
+                          seed: int = 0, **encoder) -> Path:
     """A tiny encoder (random weights, seeded) saved as a checkpoint that expects the detector `fingerprint`."""
     from models import create_model
     from models.checkpoint import save_checkpoint
@@ -179,7 +179,7 @@ def build_tiny_checkpoint(out_dir: Path, fingerprint: str, preset: str = "visual
 
     heads = SERVED_HEADS if heads is None else heads
     torch.manual_seed(seed)
-    model = create_model(preset, "tiny", visual_feat_dim=TINY_DETECTOR["feature_dim"], heads=heads)
+    model = create_model(preset, "tiny", visual_feat_dim=TINY_DETECTOR["feature_dim"], heads=heads, **encoder)
     labels = {"heads": {"vqa": VQA_ANSWERS}} if "vqa" in heads else {}
     return save_checkpoint(model, out_dir, tokenizer=VLTokenizer.pretrained_minilm(), labels=labels,
                            detector={"fingerprint": fingerprint})

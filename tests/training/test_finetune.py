@@ -18,7 +18,7 @@ from models.tokenizer import VLTokenizer
 from training.data.shapes_cache import ShapesConfig
 from training.data.vl_tasks import Example, collate
 from training.finetune import FinetuneConfig, build_model, eval_precision, gemm_precision, init_from_checkpoint, train
-from training.vl_data import prepare_task_data
+from training.vl_data import prepare_task_data, tagged
 from vlserve.cli import app
 from vlserve.commands.train import validate_finetune
 
@@ -128,6 +128,7 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(task_data, tmp_path):
         (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
         (["--preset", "u-visualbert", "--box-embedding", "sinusoid"], "unknown box_embedding 'sinusoid'"),
         (["--box-embedding", "normalized"], "box_embedding 'normalized' is u-visualbert's; visualbert embeds boxes"),
+        (["--preset", "lxmert", "--region-tags"], "region_tags is u-visualbert's; lxmert has no detector-tag embedding"),
     ],
 )
 def test_bad_configs_fail_before_training(task_data, tmp_path, args, message):
@@ -355,3 +356,22 @@ def test_lead_options_on_the_command_line_are_checked(task_data, tmp_path):
                                       "--tasks", "vqa:1,nlvr2:1", "--lead-tasks", "refer", "--lead-steps", "10"])
     assert result.exit_code == 2 and "lead task(s) refer not among the run's tasks (vqa, nlvr2)" in result.stderr, result.output
     assert not (tmp_path / "x").exists()
+
+
+def test_region_tags_give_each_region_its_detector_class_word(task_data, tmp_path):
+    detector, data = task_data
+    tokenizer = VLTokenizer.pretrained_minilm()
+    cfg = tiny(tmp_path / "tags", detector, preset="u-visualbert", region_tags=True, tasks={"vqa": 1.0}, steps=2)
+    model = build_model(cfg, data.feature_dim, len(data.answers)).eval()
+    assert tagged(data, build_model(tiny(tmp_path / "x", detector), data.feature_dim, len(data.answers)), tokenizer) is data
+    examples = data.train["vqa"][:4]
+    with_tags, _ = collate("vqa", examples, tagged(data, model, tokenizer).train_table, tokenizer, model.config.heads["vqa"])
+    without, _ = collate("vqa", examples, data.train_table, tokenizer, model.config.heads["vqa"])
+    classes = data.train_table.obj_ids[[e.rows[0] for e in examples]]  # (4, N), -1 = padding
+    words = np.array([tokenizer.word_id(name) for name in data.objects])
+    assert without.tag_ids is None
+    assert with_tags.tag_ids.tolist() == np.where(classes >= 0, words[classes.clip(min=0)], -1).tolist()
+    with torch.no_grad():
+        assert not torch.allclose(model(with_tags, "vqa").logits, model(without, "vqa").logits)
+    train(cfg, data=data, progress=False)
+    assert load_checkpoint(tmp_path / "tags").model.config.encoder.region_tags

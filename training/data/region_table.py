@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +24,11 @@ class RegionTable:
     mask: np.ndarray  # (M, N) int64, 1 = real region
     obj_ids: np.ndarray  # (M, N) int64 detector classes, -1 = padding
     image_feature: np.ndarray | None  # (M, D) float16
+    tag_words: np.ndarray | None = None  # (classes,) word id of each detector class: tensors() adds tag_ids (U-VisualBERT)
+
+    def with_tags(self, words: np.ndarray | None) -> RegionTable:
+        """The same regions, batched with each region's detector class word as its tag (None: without tags)."""
+        return replace(self, tag_words=words)
 
     def __len__(self) -> int:
         return self.features.shape[0]
@@ -52,7 +57,19 @@ class RegionTable:
         }
         if self.image_feature is not None:
             out["image_feature"] = torch.from_numpy(self.image_feature[rows].astype(np.float32))
+        if self.tag_words is not None:
+            out["tag_ids"] = tags_of(self.obj_ids[rows], self.tag_words)
         return out
+
+
+def tag_word_ids(classes: list[str], tokenizer) -> np.ndarray:
+    """Detector class id -> word-piece id of its name (the first sub-word): U-VisualBERT's tags share the word table."""
+    return np.array([tokenizer.word_id(name) for name in classes], dtype=np.int64)
+
+
+def tags_of(obj_ids: np.ndarray, words: np.ndarray) -> torch.Tensor:
+    """(..., N) detector class ids (-1 = padding) -> (..., N) tag word ids (-1 = none)."""
+    return torch.from_numpy(np.where(obj_ids >= 0, words[obj_ids.clip(min=0)], -1))
 
 
 def extract_table(

@@ -64,7 +64,7 @@ def encoder(
     from models.detector.io import load_detector
     from training.evaluate import evaluate_tasks, head_for
     from training.retrieval import DIRECTIONS, evaluate_retrieval
-    from training.vl_data import prepare_eval_data, shapes_config_from_dir
+    from training.vl_data import prepare_eval_data, shapes_config_from_dir, tagged
 
     def fail(message: str):
         typer.echo(f"error: {message}", err=True)
@@ -96,7 +96,7 @@ def encoder(
     model, tokenizer = checkpoint.model, checkpoint.tokenizer
     easy_vqa_images = easy_vqa_images if head_for(model, "vqa") else 0  # extract only what some head reads
     retrieval_pool = retrieval_pool if head_for(model, "itm") else 0
-    data = prepare_eval_data(detector_dir, split, scenes, easy_vqa_images, retrieval_pool, **shapes)
+    data = tagged(prepare_eval_data(detector_dir, split, scenes, easy_vqa_images, retrieval_pool, **shapes), model, tokenizer)
     result = {"encoder": str(path), "preset": enc.preset, "size": enc.size, "heads": model.tasks,
               "detector": fingerprint, "split": split, "scenes": scenes,
               **evaluate_tasks(model, data, tokenizer, head_answers=checkpoint.labels.get("heads"))}

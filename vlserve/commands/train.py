@@ -73,6 +73,8 @@ def finetune(
                                                        "makes CPU steps faster")] = None,
     feature_norm: Annotated[bool, typer.Option(help="standardise region features with the training regions' statistics")] = True,
     box_embedding: Annotated[str, typer.Option(help=BOX_EMBEDDING_HELP)] = "linear",
+    region_tags: Annotated[bool, typer.Option(help="u-visualbert: each region also carries its detector class word, as in "
+                                                   "its pretraining (the service does not serve such checkpoints yet)")] = False,
     seed: Annotated[int, typer.Option()] = 0,
     threads: Annotated[int, typer.Option(min=1)] = 2,
 ) -> None:
@@ -88,7 +90,8 @@ def finetune(
                              itm_pool=itm_pool, nlvr2_pool=nlvr2_pool,
                              lead_tasks=tuple(t.strip() for t in lead_tasks.split(",") if t.strip()), lead_steps=lead_steps,
                              freeze_word_embeddings=freeze_word_embeddings, dropout=dropout,
-                             feature_norm=feature_norm, box_embedding=box_embedding, seed=seed, threads=threads)
+                             feature_norm=feature_norm, box_embedding=box_embedding, region_tags=region_tags,
+                             seed=seed, threads=threads)
         validate_finetune(cfg)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -151,7 +154,7 @@ def validate_finetune(cfg) -> None:
     from models.registry import encoder_config
     from training.finetune import RANK_TASK, TASKS, check_lead
 
-    encoder_config(cfg.preset, cfg.size, box_embedding=cfg.box_embedding)  # raises for an unknown preset, size or box embedding
+    encoder_config(cfg.preset, cfg.size, box_embedding=cfg.box_embedding, region_tags=cfg.region_tags)  # unknown preset, size, ...
     if cfg.vqa_loss not in ("bce", "ce"):
         raise ValueError(f"--vqa-loss must be bce or ce, not {cfg.vqa_loss!r}")
     if cfg.vqa_pool not in ("pooled", "answer_slot", "regions"):
