@@ -49,7 +49,7 @@ PROFILES = {
     "demo": Profile(detector_steps=200, train_scenes=3_000, eval_scenes=500, finetune_steps=1_500, batch_size=32,
                     easy_vqa_images=2_000, num_boxes=8, proposals=100, preset="u-visualbert", vqa_pool="regions",
                     vqa_loss="ce", lr=2e-4, bf16=True, freeze_word_embeddings=True, dropout=0.0,
-                    detector_eval_images=500, eval_every=1_500, box_embedding="normalized"),
+                    detector_eval_images=500, eval_every=1_500),
     # full: the demo's levers with all the data, a longer detector run and 3.3x the encoder steps (63 min measured on
     # a shared machine, about 55 alone: docs/RESULTS.md);
     # ITM/NLVR2 read the regions, with refer alone for the first 200 steps so every seed takes off (docs/RESULTS.md
@@ -125,7 +125,10 @@ vqa, refer, itm, nlvr2, trained together for {p.finetune_steps} steps{lead} (bat
 {p.train_scenes} shapes-world scenes (VQA, referring expressions, captions with hard and random negatives, NLVR2
 pairs) plus the easy-VQA training questions, {p.num_boxes} regions per image; objectives: {vqa_objective} (VQA,
 read from {p.vqa_pool}; ITM from {p.itm_pool}, NLVR2 from {p.nlvr2_pool}), IoU>=0.5 soft-target cross-entropy (refer), cross-entropy (ITM, NLVR2).
-{"bfloat16 autocast" if p.bf16 else "float32"}{", word embeddings frozen" if p.freeze_word_embeddings else ""}, \
+{"bfloat16 autocast" if metrics.get("train_precision") == "bf16" else "float32"} training\
+{" (bf16 asked for; this CPU has no native bf16)" if p.bf16 and metrics.get("train_precision") == "fp32" else ""}\
+{", word embeddings frozen" if p.freeze_word_embeddings else ""}, {p.box_embedding} box embedding\
+{", detector class words as region tags" if p.region_tags else ""}, \
 dropout {0.1 if p.dropout is None else p.dropout:g}; metrics computed with {metrics.get("eval_precision", "fp32")} GEMMs.
 No pretraining stage in this profile. Training time {metrics["train_seconds"] / 60:.1f} min.
 

@@ -46,8 +46,13 @@ def test_demo_profile_reaches_the_finetune_config_and_the_card(tmp_path):
     (tmp_path / "det").mkdir()
     (tmp_path / "det" / "metrics.json").write_text(json.dumps({"val": {"map50": 0.98}, "fingerprint": "f" * 16}))
     card = training.zoo.model_card("demo", p, tmp_path / "det", {"final": {"vqa_acc": 0.75}, "train_seconds": 600,
-                                                                  "eval_precision": "bf16"}, det_seconds=180, total_seconds=900)
+                                                                  "train_precision": "bf16", "eval_precision": "bf16"},
+                                   det_seconds=180, total_seconds=900)
     assert "dropout 0; metrics computed with bf16 GEMMs." in card and "| vqa_acc | 0.75 |" in card and "15.0 min" in card
+    assert "bfloat16 autocast training, word embeddings frozen, linear box embedding, dropout 0" in card
+    fallback = training.zoo.model_card("demo", p, tmp_path / "det", {"final": {}, "train_seconds": 600, "train_precision": "fp32"},
+                                       det_seconds=180, total_seconds=900)
+    assert "float32 training (bf16 asked for; this CPU has no native bf16), word embeddings frozen" in fallback
 
 
 def test_the_card_names_the_lead_phase(tmp_path):
