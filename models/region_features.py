@@ -272,3 +272,9 @@ def stack(items: Sequence[RegionFeatures], pad_to: int | None = None) -> dict[st
     if with_image:
         batch["image_feature"] = np.stack([rf.image_feature.astype(feature_dtype, copy=False) for rf in padded])
     return batch
+
+
+def region_tag_ids(obj_ids: np.ndarray, tag_words: np.ndarray) -> np.ndarray:
+    """(..., N) detector class ids (PAD_ID = padding or unlabelled) -> (..., N) word ids of the classes' names
+    (`VLTokenizer.tag_words`), -1 where there is none: U-VisualBERT's region tags."""
+    return np.where(obj_ids >= 0, tag_words[obj_ids.clip(min=0)], -1).astype(np.int64)

@@ -82,6 +82,10 @@ class VLTokenizer:
         ids = self.token_ids(word)
         return ids[0] if ids else self.vocab["[UNK]"]
 
+    def tag_words(self, classes: list[str]) -> np.ndarray:
+        """Detector class id -> word id of its name (`word_id`): U-VisualBERT's region tags share the word table."""
+        return np.array([self.word_id(name) for name in classes], dtype=np.int64)
+
     def encode(
         self,
         texts: list[str],

@@ -99,9 +99,6 @@ def load_models(settings: Settings) -> Loaded:
     want, have = model_config(checkpoint).encoder.visual_feat_dim, detector.config.feature_dim
     if want != have:
         raise StartupError(f"{settings.model_dir} reads {want}-d region features but the detector gives {have}-d")
-    if model_config(checkpoint).encoder.region_tags:
-        raise StartupError(f"{settings.model_dir} was fine-tuned with region tags (each region's detector class word), "
-                           f"which the service does not feed its encoder yet; serve a checkpoint trained without them")
     if isinstance(checkpoint, Repository) and checkpoint.detector_path is not None:
         from .runtime.onnx_runtime import exported_detector  # the repository's detector graph replaces torch's
 
@@ -173,7 +170,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
         batchers = {spec.task: encoder_batcher(spec) for spec in specs.values()}
         limits = Limits(settings.max_text_chars, settings.max_text_tokens, settings.max_top_k, settings.max_candidates)
-        pipeline = Pipeline(regions, loaded.checkpoint.tokenizer, specs, batchers, limits, streams)
+        tokenizer = loaded.checkpoint.tokenizer
+        tags = tokenizer.tag_words(loaded.detector.config.classes) if model_config(loaded.checkpoint).encoder.region_tags else None
+        pipeline = Pipeline(regions, tokenizer, specs, batchers, limits, streams, tag_words=tags)
         metrics.watch({**batchers, "detector": regions}, store, regions, streams)
 
         await regions.start()

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from models.region_features import RegionFeatures, stack
+from models.region_features import RegionFeatures, region_tag_ids, stack
 from models.tokenizer import VLTokenizer
 
 from .batcher import Batcher
@@ -169,14 +169,17 @@ def fused_batch_fn(runtime: Runtime, task: str, cache: StreamCache) -> Callable[
     return run
 
 
-def region_arrays(images: Sequence[RegionFeatures]) -> Item:
-    """Encoder inputs of one image, or of an image pair (leading axis 2, NLVR2)."""
+def region_arrays(images: Sequence[RegionFeatures], tag_words: np.ndarray | None = None) -> Item:
+    """Encoder inputs of one image, or of an image pair (leading axis 2, NLVR2); with tag_words (detector class id
+    -> word id), each region's class word as its tag, for encoders fine-tuned with region tags."""
     if len(images) == 1:  # the common case, without stack()'s batch of every field
         rf = images[0]
         arrays = {"region_features": rf.features.astype(np.float32), "region_boxes": rf.normalized_boxes(),
                   "region_mask": rf.region_mask()}
         if rf.image_feature is not None:
             arrays["image_feature"] = rf.image_feature.astype(np.float32)
+        if tag_words is not None:
+            arrays["tag_ids"] = region_tag_ids(rf.obj_ids, tag_words)
         return arrays
     batch = stack(images)
     arrays = {
@@ -186,6 +189,8 @@ def region_arrays(images: Sequence[RegionFeatures]) -> Item:
     }
     if "image_feature" in batch:
         arrays["image_feature"] = batch["image_feature"].astype(np.float32)  # (k, D)
+    if tag_words is not None:
+        arrays["tag_ids"] = region_tag_ids(batch["obj_ids"], tag_words)  # (k, N)
     return arrays
 
 
@@ -194,8 +199,10 @@ class Pipeline:
     QueueFullError, which the app turns into problem+json answers."""
 
     def __init__(self, regions: RegionService, tokenizer: VLTokenizer, specs: dict[str, TaskSpec],
-                 batchers: dict[str, Batcher], limits: Limits, streams: StreamCache | None = None):
+                 batchers: dict[str, Batcher], limits: Limits, streams: StreamCache | None = None,
+                 tag_words: np.ndarray | None = None):
         self.regions = regions
+        self.tag_words = tag_words  # detector class id -> word id, for an encoder fine-tuned with region tags
         self.tokenizer = tokenizer
         self.specs = specs  # kind -> spec
         self.batchers = batchers  # task name -> batcher
@@ -280,7 +287,7 @@ class Pipeline:
         self.check_top_k(top_k)
         text = self.tokens(question, ("question",), timer, spec.answer_slot)
         image_id, rf = await self.image(data, image_id, timer)
-        (logits,) = await self.run(spec, [{**text, **region_arrays([rf])}], timer)
+        (logits,) = await self.run(spec, [{**text, **region_arrays([rf], self.tag_words)}], timer)
         names = spec.labels or tuple(f"answer_{i}" for i in range(logits.shape[-1]))
         answers = top_answers(logits, names, top_k, spec.softmax_scores)
         return {"image_id": image_id, "answers": [{"answer": a, "score": s} for a, s in answers]}
@@ -291,7 +298,7 @@ class Pipeline:
         image_id, rf = await self.image(data, image_id, timer)
         if rf.num_boxes == 0:
             raise InvalidInput(("image",), "the detector found no regions in this image")
-        (logits,) = await self.run(spec, [{**text, **region_arrays([rf])}], timer)
+        (logits,) = await self.run(spec, [{**text, **region_arrays([rf], self.tag_words)}], timer)
         regions = [{"index": i, "box": [float(v) for v in rf.boxes[i]], "score": s}
                    for i, s in ranked_regions(logits, rf.num_boxes, 1 + RUNNER_UP)]
         best = regions[0]
@@ -305,7 +312,7 @@ class Pipeline:
         tokens = self.tokens(text, ("text",), timer)
         images = await self.images([(None, i) for i in image_ids], timer)
         if self.streams is None:
-            items = [{**tokens, **region_arrays([rf])} for _, rf in images]
+            items = [{**tokens, **region_arrays([rf], self.tag_words)} for _, rf in images]
         else:
             text_key = self.streams.text_key(tokens)
             items = [self.streams.pair(text_key, tokens, image_id, rf) for image_id, rf in images]
@@ -322,7 +329,7 @@ class Pipeline:
         rows = [self.tokens(t, ("texts", i), timer) for i, t in enumerate(texts)]
         image_id, rf = await self.image(data, image_id, timer)
         if self.streams is None:
-            regions = region_arrays([rf])
+            regions = region_arrays([rf], self.tag_words)
             items = [{**row, **regions} for row in rows]
         else:
             items = [self.streams.pair(self.streams.text_key(row), row, image_id, rf) for row in rows]
@@ -336,7 +343,7 @@ class Pipeline:
         spec = self.spec("nlvr2")
         text = self.tokens(statement, ("statement",), timer)
         pair = await self.images(refs, timer)
-        (logits,) = await self.run(spec, [{**text, **region_arrays([rf for _, rf in pair])}], timer)
+        (logits,) = await self.run(spec, [{**text, **region_arrays([rf for _, rf in pair], self.tag_words)}], timer)
         p_true = true_probability(logits)
         return {"image_ids": [i for i, _ in pair], "answer": p_true >= 0.5, "probability": p_true}
 
@@ -352,5 +359,5 @@ class Pipeline:
         for spec in self.specs.values():
             encoded = self.tokenizer.encode(["warm up"], answer_slot=spec.answer_slot, max_length=8)  # no request limits
             text = {name: value[0] for name, value in encoded.items()}
-            regions = region_arrays([rf, rf] if spec.kind == "nlvr2" else [rf])
+            regions = region_arrays([rf, rf] if spec.kind == "nlvr2" else [rf], self.tag_words)
             batch_fn(runtime, spec.task)([{**text, **regions}])

@@ -27,7 +27,7 @@ from models.detector.io import load_detector
 from models.feature_files import FeatureFile
 from models.tokenizer import VLTokenizer
 
-from .data.region_table import RegionTable, extract_table, tag_word_ids
+from .data.region_table import RegionTable, extract_table
 from .data.shapes_cache import ShapesConfig, cache_root, config_hash
 from .data.shapes_tasks import TaskConfig, scene_annotations
 from .data.shapes_world import WorldConfig, generate_scene, render_scene
@@ -358,7 +358,7 @@ def analyze_grounding(model_dir: Path, detector_dir: Path, examples: int = 500, 
     data = grounding_examples(examples, split)
     table, scores = scene_regions(detector, fingerprint, data[-1].row + 1, split, progress=progress)
     if encoder.region_tags:  # the encoder reads each region's detector class word beside its feature
-        table = table.with_tags(tag_word_ids(detector.config.classes, ckpt.tokenizer))
+        table = table.with_tags(ckpt.tokenizer.tag_words(detector.config.classes))
     tally = tally_grounding(ckpt.model, ckpt.tokenizer, data, table, scores, batch_size,
                             progress=lambda it: tqdm(it, desc="grounding", unit="batch", disable=not progress))
     return summarize(tally, layer_kind(ckpt.model), model=str(model_dir), preset=encoder.preset, detector=fingerprint,

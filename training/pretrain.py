@@ -32,7 +32,7 @@ from models.registry import encoder_config
 from models.text_init import init_text_from_minilm
 from models.tokenizer import VLTokenizer
 
-from .data.region_table import tag_word_ids, tags_of
+from .data.region_table import tags_of
 from .evaluate import evaluate_tasks
 from .finetune import STATE, _jsonable, autocast, fit_feature_norm, load_state, lr_scale, param_groups, save_state, train_precision
 from .objectives import (
@@ -187,7 +187,7 @@ class BatchBuilder:
         self.captions = captions(data)
         self.questions = data.train.get("vqa", []) if "image_qa" in cfg.objectives else []
         self.num_answers, self.num_classes = len(data.answers), len(data.objects)
-        self.tag_words = tag_word_ids(data.objects, tokenizer) if cfg.preset == "u-visualbert" else None
+        self.tag_words = tokenizer.tag_words(data.objects) if cfg.preset == "u-visualbert" else None
         self.heads = set(pretraining_heads(cfg.objectives, self.num_classes, self.num_answers))
 
     def __call__(self, step: int, rng: np.random.Generator) -> Batch:

@@ -13,7 +13,7 @@ from models.detector import DetectorConfig
 from models.detector.io import load_detector
 
 from .data.easy_vqa import load_easy_vqa, load_image as load_easy_vqa_image
-from .data.region_table import RegionTable, extract_table, tag_word_ids
+from .data.region_table import RegionTable, extract_table
 from .data.shapes_cache import FORMAT_VERSION, ShapesConfig, ShapesSplit, cache_root, config_hash, load_split
 from .data.shapes_tasks import ANSWERS, TaskConfig
 from .data.shapes_world import WorldConfig
@@ -41,7 +41,7 @@ def tagged(data: TaskData, model, tokenizer) -> TaskData:
     with region tags (EncoderConfig.region_tags), unchanged otherwise."""
     if not model.config.encoder.region_tags:
         return data
-    words = tag_word_ids(data.objects, tokenizer)
+    words = tokenizer.tag_words(data.objects)
     train = None if data.train_table is None else data.train_table.with_tags(words)
     return dataclasses.replace(data, train_table=train, eval_table=data.eval_table.with_tags(words))
 

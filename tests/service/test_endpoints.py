@@ -290,13 +290,6 @@ def test_start_up_refuses_a_checkpoint_for_another_detector(tmp_path, tiny_check
     assert other.fingerprint in app.state.startup_error
 
 
-def test_start_up_refuses_a_checkpoint_fine_tuned_with_region_tags(tmp_path, tiny_detector, make_settings, make_checkpoint):
-    tagged = make_checkpoint(tmp_path / "tagged", tiny_detector.fingerprint, preset="u-visualbert", region_tags=True)
-    with pytest.raises(StartupError, match="fine-tuned with region tags"):
-        with TestClient(create_app(make_settings(model_dir=tagged))):
-            pass
-
-
 def test_no_model_means_the_demo_model_message(make_settings):
     with pytest.raises(StartupError) as err:
         create_app(make_settings(model_dir=None))

@@ -227,3 +227,21 @@ def test_tensorrt_runtime_matches_torch_in_fp16(repositories, tmp_path):
     reference = TorchRuntime(load_checkpoint(ckpt), threads=1)
     batch = synthetic_batch(load_repository(repo).config, "vqa", batch=3, text_len=9, regions=8, seed=1)
     np.testing.assert_allclose(trt.run("vqa", batch), reference.run("vqa", batch), atol=5e-2)  # fp16 engines
+
+
+def test_region_tags_are_fed_and_the_repository_answers_as_torch(tmp_path, tiny_detector, make_checkpoint, make_settings,
+                                                                  image_png, make_png):
+    """A u-visualbert checkpoint fine-tuned with region tags: both runtimes feed each region its detector class word
+    (the same weights served without tags answer otherwise), and the exported repository answers as torch does."""
+    tagged = make_checkpoint(tmp_path / "tagged", tiny_detector.fingerprint, preset="u-visualbert", region_tags=True)
+    untagged = make_checkpoint(tmp_path / "untagged", tiny_detector.fingerprint, preset="u-visualbert")
+    repo = tmp_path / "repo"
+    export_repository(tagged, repo, examples=16)
+    with TestClient(create_app(make_settings(model_dir=tagged, precision="fp32"))) as c:
+        ref = answers(c, image_png, make_png)
+    with TestClient(create_app(make_settings(model_dir=untagged, precision="fp32"))) as c:
+        plain = answers(c, image_png, make_png)
+    with TestClient(create_app(make_settings(model_dir=repo, runtime="onnxruntime"))) as c:
+        onnx = answers(c, image_png, make_png)
+    assert_same_answers(onnx, ref)
+    assert [a["score"] for a in plain["vqa"]["answers"]] != pytest.approx([a["score"] for a in ref["vqa"]["answers"]], abs=1e-4)

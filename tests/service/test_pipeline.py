@@ -6,8 +6,9 @@ import base64
 import numpy as np
 import pytest
 
-from service.pipeline import match_scores, rank, ranked_regions, task_specs, top_answers, true_probability
+from service.pipeline import match_scores, rank, ranked_regions, region_arrays, task_specs, top_answers, true_probability
 from service.schemas import decode_base64
+from tests.service.conftest import random_regions
 
 
 def test_top_answers_are_sigmoid_scores_best_first():
@@ -71,3 +72,13 @@ def test_base64_forms_accepted(text):
 def test_base64_refused(value):
     with pytest.raises(ValueError):
         decode_base64(value)
+
+
+def test_region_arrays_give_each_region_its_class_word_as_tag():
+    words = np.array([2000, 3000, 4000])  # detector class id -> word id
+    one, two = random_regions(1, n_real=3, n=5), random_regions(2, n_real=4, n=5)
+    assert "tag_ids" not in region_arrays([one])
+    single = region_arrays([one], words)["tag_ids"]
+    assert single.dtype == np.int64 and single.tolist() == [*words[one.obj_ids[:3]].tolist(), -1, -1]
+    pair = region_arrays([one, two], words)["tag_ids"]  # NLVR2: (2, N)
+    assert pair.tolist() == [single.tolist(), [*words[two.obj_ids[:4]].tolist(), -1]]

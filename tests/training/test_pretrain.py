@@ -18,7 +18,7 @@ from training.data.region_table import RegionTable
 from training.data.vl_tasks import Example
 from training.objectives import IGNORE
 from training.pretrain import (
-    DEFAULT_OBJECTIVES, BatchBuilder, PretrainConfig, PretrainConfigError, pretrain, pretraining_heads, tag_word_ids,
+    DEFAULT_OBJECTIVES, BatchBuilder, PretrainConfig, PretrainConfigError, pretrain, pretraining_heads,
 )
 from training.vl_data import TaskData
 from vlserve.cli import app
@@ -96,7 +96,7 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(preset, detector_dir, da
 def test_weak_batches_are_never_paired_and_reconstruct_tags(detector_dir, data, tmp_path):
     tokenizer = VLTokenizer.pretrained_minilm()
     builder = BatchBuilder(tiny(tmp_path, detector_dir, preset="u-visualbert"), data, tokenizer)
-    words = torch.from_numpy(tag_word_ids(CLASSES, tokenizer))
+    words = torch.from_numpy(tokenizer.tag_words(CLASSES))
     rng = np.random.default_rng(0)
     kinds = []
     for step in range(6):

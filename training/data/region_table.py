@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from models.detector import RegionDetector
 from models.feature_files import FeatureFile, FeatureFileWriter
-from models.region_features import RegionFeatures
+from models.region_features import RegionFeatures, region_tag_ids
 
 
 @dataclass
@@ -62,14 +62,9 @@ class RegionTable:
         return out
 
 
-def tag_word_ids(classes: list[str], tokenizer) -> np.ndarray:
-    """Detector class id -> word-piece id of its name (the first sub-word): U-VisualBERT's tags share the word table."""
-    return np.array([tokenizer.word_id(name) for name in classes], dtype=np.int64)
-
-
 def tags_of(obj_ids: np.ndarray, words: np.ndarray) -> torch.Tensor:
     """(..., N) detector class ids (-1 = padding) -> (..., N) tag word ids (-1 = none)."""
-    return torch.from_numpy(np.where(obj_ids >= 0, words[obj_ids.clip(min=0)], -1))
+    return torch.from_numpy(region_tag_ids(obj_ids, words))
 
 
 def extract_table(

@@ -74,7 +74,7 @@ def finetune(
     feature_norm: Annotated[bool, typer.Option(help="standardise region features with the training regions' statistics")] = True,
     box_embedding: Annotated[str, typer.Option(help=BOX_EMBEDDING_HELP)] = "linear",
     region_tags: Annotated[bool, typer.Option(help="u-visualbert: each region also carries its detector class word, as in "
-                                                   "its pretraining (the service does not serve such checkpoints yet)")] = False,
+                                                   "its pretraining (and so at inference: the service feeds them too)")] = False,
     seed: Annotated[int, typer.Option()] = 0,
     threads: Annotated[int, typer.Option(min=1)] = 2,
 ) -> None:
