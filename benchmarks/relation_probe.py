@@ -11,10 +11,14 @@ separate the causes of the demo's 0.50 on them (docs/RESULTS.md, session 8):
 - `--curriculum STEPS` first trains that many steps on one-object position questions made from the same scenes
   ("is the red circle on the left?": the object's centre in the outer 40% of the image on that axis; one hop: find
   the object, read its box), scored on the val scenes' ones, then the relation steps start from that encoder.
+- `--one-side STEPS` (with --curriculum) trains on "on the left?" and "at the top?" alone before that: there the
+  answer follows the object's position, while with both sides of an axis it is the exclusive-or of position and
+  question word, which a tiny encoder only learns after such a start (docs/RESULTS.md, session 9).
 Needs the demo's detector (`make zoo`). Prints the accuracy at each evaluation.
 
     python benchmarks/relation_probe.py NAME [--steps 500] [--lr 2e-4] [--head vqa|relation] [--init-from CKPT]
-                                             [--curriculum STEPS] [--box-embedding linear|normalized]
+                                             [--curriculum STEPS] [--one-side STEPS]
+                                             [--box-embedding linear|normalized]
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ RELATION = re.compile(r"^is .+ (left of|right of|above|below) .+\?$")  # shapes_
 SIDES = {"on the left": (0, False), "on the right": (0, True), "at the top": (1, False), "at the bottom": (1, True)}
 
 
-def position_questions(split_name: str, scenes: int, answers: list[str]) -> list[Example]:
+def position_questions(split_name: str, scenes: int, answers: list[str], sides=tuple(SIDES)) -> list[Example]:
     """'is the red circle on the left?' for every uniquely described object whose centre is in the outer 40% of the
     image along that axis (yes) or of the opposite side (no); rows are scene indices, as in prepare_task_data."""
     split, out = load_split(split_name), []
@@ -52,7 +56,7 @@ def position_questions(split_name: str, scenes: int, answers: list[str]) -> list
             if ref is None:
                 continue
             centre = (obj.center[0] / scene.width, obj.center[1] / scene.height)
-            for side, (axis, far) in SIDES.items():
+            for side, (axis, far) in ((s, SIDES[s]) for s in sides):
                 where = 1 - centre[axis] if far else centre[axis]  # 0 = at that side's edge
                 if where < 0.4 or where > 0.6:
                     out.append(Example((i,), f"is {ref.text()} {side}?", answers.index("yes" if where < 0.4 else "no")))
@@ -87,6 +91,9 @@ def main() -> None:
     ap.add_argument("--head", choices=("vqa", "relation"), default="vqa")
     ap.add_argument("--init-from", type=Path, default=None)
     ap.add_argument("--curriculum", type=int, default=0, help="steps on one-object position questions first")
+    ap.add_argument("--one-side", type=int, default=0,
+                    help="steps on position questions of one side per axis ('on the left?', 'at the top?') before "
+                         "--curriculum: each answer then follows the position alone, not its exclusive-or with the word")
     ap.add_argument("--box-init", choices=("model", "torch"), default="model",
                     help="torch: re-draw the box projection with nn.Linear's own init (column norm ~5.7, not ~0.4)")
     ap.add_argument("--box-embedding", choices=("linear", "normalized"), default=None,
@@ -123,6 +130,13 @@ def main() -> None:
                      "eval": position_questions("val", profile.eval_scenes, data.answers)}
         print(f"position questions: {len(positions['train'])} train, {len(positions['eval'])} val", flush=True)
         first = dataclasses.replace(cfg, out=args.root / f"{args.name}-positions", steps=args.curriculum)
+        if args.one_side:
+            sides = ("on the left", "at the top")
+            one_side = {"train": position_questions("train", profile.train_scenes, data.answers, sides),
+                        "eval": position_questions("val", profile.eval_scenes, data.answers, sides)}
+            zero = dataclasses.replace(cfg, out=args.root / f"{args.name}-one-side", steps=args.one_side)
+            report(args, "positions, one side per axis", zero, run(zero, data, one_side))
+            first = dataclasses.replace(first, init_from=zero.out)
         report(args, "positions", first, run(first, data, positions))
         cfg = dataclasses.replace(cfg, init_from=first.out)
     report(args, "relations", cfg, run(cfg, data, relations))
