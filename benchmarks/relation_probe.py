@@ -9,8 +9,9 @@ separate the causes of the demo's 0.50 on them (docs/RESULTS.md, session 8):
   pair of contextual regions with both boxes and the pooled question, averaged over the pairs, then a classifier.
   It is handed the pairwise geometry that the served head would have to assemble through attention.
 - `--curriculum STEPS` first trains that many steps on one-object position questions made from the same scenes
-  ("is the red circle on the left?": the object's centre in the outer 40% of the image on that axis; one hop: find
-  the object, read its box), scored on the val scenes' ones, then the relation steps start from that encoder.
+  (training.data.shapes_tasks.position_questions, "is the red circle on the left?": the object's centre in the
+  outer 40% of the image on that axis; one hop: find the object, read its box), scored on the val scenes' ones,
+  then the relation steps start from that encoder.
 - `--one-side STEPS` (with --curriculum) trains on "on the left?" and "at the top?" alone before that: there the
   answer follows the object's position, while with both sides of an axis it is the exclusive-or of position and
   question word, which a tiny encoder only learns after such a start (docs/RESULTS.md, session 9).
@@ -36,31 +37,11 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout without installing
 from models.heads import VQAHead  # noqa: E402
 from training import finetune, zoo  # noqa: E402
-from training.data.shapes_cache import load_split  # noqa: E402
-from training.data.shapes_tasks import simple_ref  # noqa: E402
-from training.data.vl_tasks import Example  # noqa: E402
+from training.data.shapes_tasks import ONE_SIDE  # noqa: E402
 from training.vl_data import prepare_task_data  # noqa: E402
 
 RELATION = re.compile(r"^is .+ (left of|right of|above|below) .+\?$")  # shapes_tasks.relation_questions' wording
-SIDES = {"on the left": (0, False), "on the right": (0, True), "at the top": (1, False), "at the bottom": (1, True)}
-
-
-def position_questions(split_name: str, scenes: int, answers: list[str], sides=tuple(SIDES)) -> list[Example]:
-    """'is the red circle on the left?' for every uniquely described object whose centre is in the outer 40% of the
-    image along that axis (yes) or of the opposite side (no); rows are scene indices, as in prepare_task_data."""
-    split, out = load_split(split_name), []
-    for i in range(scenes):
-        scene = split.scene(i)
-        for k, obj in enumerate(scene.objects):
-            ref = simple_ref(scene, k)
-            if ref is None:
-                continue
-            centre = (obj.center[0] / scene.width, obj.center[1] / scene.height)
-            for side, (axis, far) in ((s, SIDES[s]) for s in sides):
-                where = 1 - centre[axis] if far else centre[axis]  # 0 = at that side's edge
-                if where < 0.4 or where > 0.6:
-                    out.append(Example((i,), f"is {ref.text()} {side}?", answers.index("yes" if where < 0.4 else "no")))
-    return out
+ONE_SIDE_TEXT = tuple(f"{side}?" for side in ONE_SIDE)
 
 
 class RelationNetworkHead(VQAHead):
@@ -105,7 +86,8 @@ def main() -> None:
 
     profile = zoo.PROFILES["demo"]
     detector = zoo.zoo_dir("demo") / "detector"
-    data = prepare_task_data(detector, profile.train_scenes, profile.eval_scenes, easy_vqa=False, progress=False)
+    data = prepare_task_data(detector, profile.train_scenes, profile.eval_scenes, easy_vqa=False, progress=False,
+                             positions=True)
     relations = {"train": [e for e in data.train["vqa"] if RELATION.match(e.text)],
                  "eval": [e for e in data.eval["vqa"] if RELATION.match(e.text)]}
     print(f"relation questions: {len(relations['train'])} train, {len(relations['eval'])} val", flush=True)
@@ -126,14 +108,12 @@ def main() -> None:
                               box_embedding=args.box_embedding or cfg.box_embedding)
     start = time.time()
     if args.curriculum:
-        positions = {"train": position_questions("train", profile.train_scenes, data.answers),
-                     "eval": position_questions("val", profile.eval_scenes, data.answers)}
+        positions = {"train": data.train["positions"], "eval": data.eval["positions"]}
         print(f"position questions: {len(positions['train'])} train, {len(positions['eval'])} val", flush=True)
         first = dataclasses.replace(cfg, out=args.root / f"{args.name}-positions", steps=args.curriculum)
         if args.one_side:
-            sides = ("on the left", "at the top")
-            one_side = {"train": position_questions("train", profile.train_scenes, data.answers, sides),
-                        "eval": position_questions("val", profile.eval_scenes, data.answers, sides)}
+            one_side = {"train": data.train["positions_one_side"],
+                        "eval": [e for e in data.eval["positions"] if e.text.endswith(ONE_SIDE_TEXT)]}
             zero = dataclasses.replace(cfg, out=args.root / f"{args.name}-one-side", steps=args.one_side)
             report(args, "positions, one side per axis", zero, run(zero, data, one_side))
             first = dataclasses.replace(first, init_from=zero.out)

@@ -12,7 +12,7 @@ from .data.vl_tasks import Example, collate
 from .metrics import accuracy, answer_type, refer_accuracy, vqa_accuracy_by_type, vqa_soft_accuracy
 
 # eval set -> the kind of head it measures
-HEAD_OF = {"vqa": "vqa", "easy_vqa": "vqa", "refer": "refer", "itm": "itm", "nlvr2": "nlvr2", "mc": "multiple_choice"}
+HEAD_OF = {"vqa": "vqa", "easy_vqa": "vqa", "positions": "vqa", "refer": "refer", "itm": "itm", "nlvr2": "nlvr2", "mc": "multiple_choice"}
 
 
 def head_for(model: VLModel, kind: str) -> str | None:

@@ -22,12 +22,20 @@ from models.tokenizer import VLTokenizer
 from .data.vl_tasks import collate
 from .evaluate import evaluate_tasks
 from .objectives import group_ranking_loss
-from .vl_data import TaskData, prepare_task_data, tagged
+from .vl_data import POSITION_SETS, TaskData, prepare_task_data, tagged
 
 log = logging.getLogger(__name__)
 STATE = "train_state.pt"  # resumable state, written beside the checkpoint files
 TASKS = ("vqa", "refer", "itm", "nlvr2", "multiple_choice")  # heads fine-tuning trains
 RANK_TASK = "itm_rank"  # retrieval groups trained with a listwise ranking loss through the itm head
+# training sets beyond the heads' own tasks -> the head they train: the ranking groups, and one-object position
+# questions ("is the red circle on the left?", vl_data.POSITION_SETS) for a curriculum of the VQA head
+TRAINING_SETS = {RANK_TASK: "itm", "positions": "vqa", "positions_one_side": "vqa"}
+
+
+def head_of(task: str) -> str:
+    """The head a training task trains."""
+    return TRAINING_SETS.get(task, task)
 
 
 @dataclass
@@ -52,6 +60,9 @@ class FinetuneConfig:
     tasks: dict[str, float] = field(default_factory=lambda: {"vqa": 1.0, "refer": 1.0, "itm": 1.0, "nlvr2": 1.0})  # task -> sampling weight (itm_rank: ranking groups, trains the itm head)
     lead_tasks: tuple[str, ...] = ()  # tasks trained alone for the first lead_steps steps (a grounding curriculum: refer
     lead_steps: int = 0  # learns word-region binding alone in ~200 steps, but not while four fresh heads share the encoder)
+    curriculum: tuple[tuple[int, tuple[str, ...]], ...] = ()  # phases after the lead phase, in order: (steps, tasks
+    # trained alone), e.g. ((200, ("positions_one_side",)), (200, ("positions",))); a phase's tasks need not be in
+    # `tasks` (then they are not part of the mix after it)
     easy_vqa: bool = True  # add easy-VQA's training questions to the vqa task
     easy_vqa_images: int | None = None  # use only the first N easy-VQA training images (None = all 4,000)
     train_scenes: int = 20_000  # shapes-world training scenes used
@@ -84,7 +95,7 @@ def build_model(cfg: FinetuneConfig, feature_dim: int, num_answers: int) -> VLMo
         overrides["box_embedding"] = cfg.box_embedding
     if cfg.region_tags:
         overrides["region_tags"] = True
-    names = dict.fromkeys("itm" if t == RANK_TASK else t for t in cfg.tasks)
+    names = dict.fromkeys(head_of(t) for t in training_tasks(cfg))
     model = create_model(cfg.preset, cfg.size, heads={t: heads[t] for t in names}, visual_feat_dim=feature_dim,
                          feature_norm=cfg.feature_norm, **overrides)
     if cfg.init_from is not None:
@@ -102,7 +113,8 @@ def autocast(enabled: bool):
 
 def train_precision(bf16: bool) -> str:
     """The precision a run trains in: bf16 autocast when asked for and the CPU computes bf16 dot products natively;
-    float32 otherwise (oneDNN emulates bf16 on AVX2-only CPUs, measured 7x slower per step than float32 there)."""
+    float32 otherwise (oneDNN emulates bf16 on AVX2-only CPUs, several times slower per step than float32 there:
+    benchmarks/train_step.py, docs/BENCHMARKS.md)."""
     if bf16 and not cpu_has_native_bf16():
         log.warning("bf16 asked for, but this CPU has no native bfloat16 (AVX512-BF16 or AMX): training in float32")
         return "fp32"
@@ -162,7 +174,8 @@ def param_groups(model: VLModel, cfg: FinetuneConfig) -> list[dict]:
 
 
 def check_lead(cfg: FinetuneConfig) -> None:
-    """The lead phase trains some of the run's tasks (with a weight above 0) for fewer steps than the run."""
+    """The lead phase trains some of the run's tasks (with a weight above 0), then the curriculum's phases train
+    known tasks, all together for fewer steps than the run."""
     if cfg.lead_steps < 0 or cfg.lead_steps >= max(1, cfg.steps):
         raise ValueError(f"lead_steps={cfg.lead_steps} must be 0 or more and fewer than steps={cfg.steps}")
     if cfg.lead_steps and not cfg.lead_tasks:
@@ -170,6 +183,34 @@ def check_lead(cfg: FinetuneConfig) -> None:
     stray = [t for t in cfg.lead_tasks if cfg.tasks.get(t, 0) <= 0]
     if stray:
         raise ValueError(f"lead task(s) {', '.join(stray)} not among the run's tasks ({', '.join(cfg.tasks)})")
+    known = (*TASKS, *TRAINING_SETS)
+    for steps, tasks in cfg.curriculum:
+        if steps <= 0 or not tasks:
+            raise ValueError(f"curriculum phase ({steps}, {tasks}) needs a positive step count and at least one task")
+        unknown = [t for t in tasks if t not in known]
+        if unknown:
+            raise ValueError(f"curriculum task(s) {', '.join(unknown)} unknown (choose {', '.join(known)})")
+    total = cfg.lead_steps + sum(steps for steps, _ in cfg.curriculum)
+    if cfg.curriculum and total >= cfg.steps:
+        raise ValueError(f"the lead phase and the curriculum take {total} steps, not fewer than steps={cfg.steps}")
+
+
+def training_tasks(cfg: FinetuneConfig) -> list[str]:
+    """The run's tasks, then the curriculum's tasks that are not among them."""
+    return list(dict.fromkeys([*cfg.tasks, *(t for _, tasks in cfg.curriculum for t in tasks)]))
+
+
+def phase_weights(cfg: FinetuneConfig) -> list[tuple[int, np.ndarray]]:
+    """(first step after the phase, sampling weights over training_tasks) for the lead phase, each curriculum phase
+    and the mix (which runs to the end); a phase's tasks keep their weight in `tasks`, or 1."""
+    names = training_tasks(cfg)
+    mix = np.array([cfg.tasks.get(t, 0.0) for t in names], dtype=np.float64)
+    phases, end = [], 0
+    for steps, tasks in ((cfg.lead_steps, cfg.lead_tasks), *cfg.curriculum):
+        if steps:
+            end += steps
+            phases.append((end, np.array([cfg.tasks.get(t, 1.0) if t in tasks else 0.0 for t in names])))
+    return phases + [(cfg.steps, mix)]
 
 
 def lr_scale(step: int, cfg: FinetuneConfig) -> float:
@@ -201,8 +242,9 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
     torch.set_num_threads(cfg.threads)
     rng = np.random.default_rng(cfg.seed)
     data = data or prepare_task_data(cfg.detector_dir, cfg.train_scenes, cfg.eval_scenes, cfg.easy_vqa, progress,
-                                     easy_vqa_images=cfg.easy_vqa_images, ranking=RANK_TASK in cfg.tasks)
-    unknown = set(cfg.tasks) - set(data.train)
+                                     easy_vqa_images=cfg.easy_vqa_images, ranking=RANK_TASK in cfg.tasks,
+                                     positions=any(t in POSITION_SETS for t in training_tasks(cfg)))
+    unknown = set(training_tasks(cfg)) - set(data.train)
     if unknown:
         raise ValueError(f"no training data for task(s) {', '.join(sorted(unknown))}")
     tokenizer = VLTokenizer.pretrained_minilm(max_length=cfg.max_length)
@@ -216,8 +258,7 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     step, losses = (load_state(out / STATE, model, opt, rng) if (out / STATE).exists() else (0, []))
-    tasks, weights = list(cfg.tasks), np.array(list(cfg.tasks.values()), dtype=np.float64)
-    lead = np.array([w if t in cfg.lead_tasks else 0.0 for t, w in cfg.tasks.items()])
+    tasks, phases = training_tasks(cfg), phase_weights(cfg)
     history: list[dict] = []
     precision, bf16 = eval_precision(cfg.bf16), train_precision(cfg.bf16) == "bf16"
     start = time.perf_counter()
@@ -235,11 +276,10 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
             save_state(out / STATE, model, opt, step, rng, losses)
         # forward / backward
         model.train()
-        w = lead if step < cfg.lead_steps else weights
+        w = next(weights for end, weights in phases if step < end)
         task = tasks[int(rng.choice(len(tasks), p=w / w.sum()))]
         pool = data.train[task]
-        ranking = task == RANK_TASK
-        head = "itm" if ranking else task
+        ranking, head = task == RANK_TASK, head_of(task)
         group = len(pool[0].rows) if ranking else 1  # itm_rank: images per caption; a step scores batch_size pairs
         batch = [pool[int(i)] for i in rng.integers(0, len(pool), max(1, cfg.batch_size // group))]
         kind = RANK_TASK if ranking else model.config.heads[head].kind
@@ -248,7 +288,7 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
             if ranking:
                 loss = group_ranking_loss(model(inputs, head).logits, group, labels)
             else:
-                loss = model(inputs, task, labels).loss
+                loss = model(inputs, head, labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)

@@ -15,11 +15,15 @@ from models.detector.io import load_detector
 from .data.easy_vqa import load_easy_vqa, load_image as load_easy_vqa_image
 from .data.region_table import RegionTable, extract_table
 from .data.shapes_cache import FORMAT_VERSION, ShapesConfig, ShapesSplit, cache_root, config_hash, load_split
-from .data.shapes_tasks import ANSWERS, TaskConfig
+from .data.shapes_tasks import ANSWERS, ONE_SIDE, SIDES, TaskConfig
 from .data.shapes_world import WorldConfig
-from .data.vl_tasks import Example, easy_vqa_examples, ranking_examples, retrieval_examples, shapes_examples
+from .data.vl_tasks import (
+    Example, easy_vqa_examples, position_examples, ranking_examples, retrieval_examples, shapes_examples,
+)
 from .data.vl_tasks import easy_vqa_images as easy_vqa_image_ids
 
+# position question sets (shapes_tasks.position_questions), trained as tasks through the VQA head
+POSITION_SETS = {"positions": tuple(SIDES), "positions_one_side": ONE_SIDE}
 Extract = Callable[[str, Callable[[int], np.ndarray], int], RegionTable]  # (cache name, load image i, count)
 
 
@@ -73,10 +77,12 @@ def shapes_config_from_dir(path: Path) -> tuple[ShapesConfig, Path]:
 
 
 def shapes_part(extract: Extract, split_name: str, scenes: int, data: ShapesConfig, seed: int, retrieval_pool: int = 0,
-                root: Path | None = None, ranking: bool = False) -> tuple[RegionTable, dict[str, list[Example]]]:
+                root: Path | None = None, ranking: bool = False,
+                positions: tuple[str, ...] = ()) -> tuple[RegionTable, dict[str, list[Example]]]:
     """Regions of the first max(scenes, retrieval_pool) scenes of a split; task examples of the first `scenes`
-    (NLVR2 pairs inside them), with `ranking` the retrieval training groups (itm_rank) over them, and, with
-    retrieval_pool, one gold caption for each of the first pool scenes."""
+    (NLVR2 pairs inside them), with `ranking` the retrieval training groups (itm_rank) over them, with
+    `positions` the named sets of one-object position questions (POSITION_SETS), and, with retrieval_pool, one gold
+    caption for each of the first pool scenes."""
     split = load_split(split_name, data, root)
     scenes, pool = min(scenes, len(split)), min(retrieval_pool, len(split))
     table = extract(f"shapes-{config_hash(data)}-{split_name}", lambda i: np.asarray(split.image(i)), max(scenes, pool))
@@ -85,6 +91,9 @@ def shapes_part(extract: Extract, split_name: str, scenes: int, data: ShapesConf
                                ANSWERS, seed=seed)
     if ranking:
         examples["itm_rank"] = ranking_examples(ShapesSplit(split.directory, split.annotations[:scenes], []), seed=seed)
+    for name in positions:
+        examples[name] = position_examples(ShapesSplit(split.directory, split.annotations[:scenes], []), ANSWERS,
+                                           POSITION_SETS[name])
     if pool:
         examples["retrieval"] = retrieval_examples(ShapesSplit(split.directory, split.annotations[:pool], []))
     return table, examples
@@ -120,12 +129,15 @@ def _extractor(detector_dir: Path, progress: bool) -> tuple[DetectorConfig, str,
 
 def prepare_task_data(detector_dir: Path, train_scenes: int, eval_scenes: int, easy_vqa: bool = True,
                       progress: bool = True, data: ShapesConfig = ShapesConfig(), easy_vqa_images: int | None = None,
-                      shapes_root: Path | None = None, ranking: bool = False) -> TaskData:
+                      shapes_root: Path | None = None, ranking: bool = False, positions: bool = False) -> TaskData:
     """Extract (or load cached) regions for the data a run uses and build its task examples (eval on val);
-    with `ranking` also the itm_rank training groups."""
+    with `ranking` also the itm_rank training groups, with `positions` the position question sets (trained through
+    the VQA head; the val scenes' both-sided set is scored as `positions`)."""
     cfg, fingerprint, extract = _extractor(detector_dir, progress)
-    train_table, train = shapes_part(extract, "train", train_scenes, data, seed=0, root=shapes_root, ranking=ranking)
-    eval_table, evals = shapes_part(extract, "val", eval_scenes, data, seed=1, retrieval_pool=eval_scenes, root=shapes_root)
+    train_table, train = shapes_part(extract, "train", train_scenes, data, seed=0, root=shapes_root, ranking=ranking,
+                                     positions=tuple(POSITION_SETS) if positions else ())
+    eval_table, evals = shapes_part(extract, "val", eval_scenes, data, seed=1, retrieval_pool=eval_scenes, root=shapes_root,
+                                    positions=("positions",) if positions else ())
     train_tables, eval_tables, evals = [train_table], [eval_table], as_eval_sets(evals)
     if easy_vqa:
         table, examples = easy_vqa_part(extract, "train", easy_vqa_images, row_offset=len(train_table))

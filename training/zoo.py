@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .data.shapes_cache import ShapesConfig, cache_root
 from .detector_train import DetectorTrainConfig, train_detector
-from .finetune import FinetuneConfig, train
+from .finetune import FinetuneConfig, head_of, train
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,8 @@ class Profile:
     nlvr2_pool: str = "pooled"  # FinetuneConfig.nlvr2_pool
     lead_tasks: tuple[str, ...] = ()  # FinetuneConfig.lead_tasks: trained alone for the first lead_steps steps
     lead_steps: int = 0
+    curriculum: tuple[tuple[int, tuple[str, ...]], ...] = ()  # FinetuneConfig.curriculum: phases after the lead phase
+    extra_tasks: tuple[tuple[str, float], ...] = ()  # training sets added to the mix (finetune.TRAINING_SETS), with weights
     lr: float = 1e-4  # encoder peak learning rate
     bf16: bool = False  # bfloat16 autocast (AVX512-BF16 CPUs: about 1.6x per step)
     freeze_word_embeddings: bool = False  # no dense AdamW update of the 30522-row word table (1.24x per step)
@@ -99,7 +101,8 @@ def finetune_config(p: Profile, det_dir: Path, enc_dir: Path, threads: int = 2) 
                           eval_scenes=p.eval_scenes, steps=p.finetune_steps, batch_size=p.batch_size,
                           easy_vqa_images=p.easy_vqa_images, vqa_pool=p.vqa_pool, vqa_loss=p.vqa_loss,
                           itm_pool=p.itm_pool, nlvr2_pool=p.nlvr2_pool, lr=p.lr,
-                          lead_tasks=p.lead_tasks, lead_steps=p.lead_steps,
+                          lead_tasks=p.lead_tasks, lead_steps=p.lead_steps, curriculum=p.curriculum,
+                          tasks={"vqa": 1.0, "refer": 1.0, "itm": 1.0, "nlvr2": 1.0, **dict(p.extra_tasks)},
                           bf16=p.bf16, freeze_word_embeddings=p.freeze_word_embeddings, dropout=p.dropout,
                           box_embedding=p.box_embedding, region_tags=p.region_tags,
                           eval_every=p.eval_every or max(1, p.finetune_steps // 3), threads=threads)
@@ -109,7 +112,9 @@ def model_card(name: str, p: Profile, det_dir: Path, metrics: dict, det_seconds:
     det = json.loads((det_dir / "metrics.json").read_text())
     rows = "\n".join(f"| {k} | {v} |" for k, v in metrics["final"].items())
     vqa_objective = "softmax cross-entropy" if p.vqa_loss == "ce" else "soft-score BCE"
-    lead = f" (the first {p.lead_steps} on {', '.join(p.lead_tasks)} alone)" if p.lead_steps else ""
+    phases = [(n, tasks) for n, tasks in ((p.lead_steps, p.lead_tasks), *p.curriculum) if n]
+    lead = (" (the first " + ", then ".join(f"{n} on {' + '.join(tasks)} alone" for n, tasks in phases) + ")") if phases else ""
+    extra = "".join(f"; the mix also draws the {t} set (weight {w:g}, through the {head_of(t)} head)" for t, w in p.extra_tasks)
     return f"""# vlserve model set `{name}`
 
 Built by `vlserve zoo build --profile {name}` in {total_seconds / 60:.1f} min on this machine.
@@ -124,7 +129,7 @@ Fingerprint `{det["fingerprint"]}`.
 vqa, refer, itm, nlvr2, trained together for {p.finetune_steps} steps{lead} (batch {p.batch_size}, encoder lr {p.lr:g}) on
 {p.train_scenes} shapes-world scenes (VQA, referring expressions, captions with hard and random negatives, NLVR2
 pairs) plus the easy-VQA training questions, {p.num_boxes} regions per image; objectives: {vqa_objective} (VQA,
-read from {p.vqa_pool}; ITM from {p.itm_pool}, NLVR2 from {p.nlvr2_pool}), IoU>=0.5 soft-target cross-entropy (refer), cross-entropy (ITM, NLVR2).
+read from {p.vqa_pool}; ITM from {p.itm_pool}, NLVR2 from {p.nlvr2_pool}), IoU>=0.5 soft-target cross-entropy (refer), cross-entropy (ITM, NLVR2){extra}.
 {"bfloat16 autocast" if metrics.get("train_precision") == "bf16" else "float32"} training\
 {" (bf16 asked for; this CPU has no native bf16)" if p.bf16 and metrics.get("train_precision") == "fp32" else ""}\
 {", word embeddings frozen" if p.freeze_word_embeddings else ""}, {p.box_embedding} box embedding\

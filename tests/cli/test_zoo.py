@@ -1,4 +1,5 @@
 """`vlserve zoo build` options: --root moves every cache the build writes, unknown profiles exit 2."""
+import dataclasses
 import os
 
 from typer.testing import CliRunner
@@ -66,3 +67,13 @@ def test_the_card_names_the_lead_phase(tmp_path):
     demo = training.zoo.model_card("demo", training.zoo.PROFILES["demo"], tmp_path, {"final": {}, "train_seconds": 60},
                                    det_seconds=60, total_seconds=120)
     assert "alone" not in demo
+    phased = dataclasses.replace(training.zoo.PROFILES["demo"], lead_tasks=("refer",), lead_steps=200,
+                                 curriculum=((200, ("positions_one_side",)), (100, ("positions", "refer"))),
+                                 extra_tasks=(("positions", 0.25),))
+    cfg = training.zoo.finetune_config(phased, tmp_path, tmp_path)
+    assert cfg.curriculum == phased.curriculum and cfg.tasks["positions"] == 0.25 and cfg.tasks["vqa"] == 1.0
+    card = training.zoo.model_card("demo", phased, tmp_path, {"final": {}, "train_seconds": 60}, det_seconds=60,
+                                   total_seconds=120)
+    assert ("(the first 200 on refer alone, then 200 on positions_one_side alone, then 100 on positions + refer alone)"
+            in card)
+    assert "; the mix also draws the positions set (weight 0.25, through the vqa head)." in card

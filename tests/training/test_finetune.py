@@ -17,7 +17,9 @@ from models.layers import Linear, cpu_bf16_unavailable
 from models.tokenizer import VLTokenizer
 from training.data.shapes_cache import ShapesConfig
 from training.data.vl_tasks import Example, collate
-from training.finetune import FinetuneConfig, build_model, eval_precision, gemm_precision, init_from_checkpoint, train
+from training.finetune import (
+    FinetuneConfig, build_model, eval_precision, gemm_precision, init_from_checkpoint, phase_weights, train, training_tasks,
+)
 from training.vl_data import prepare_task_data, tagged
 from vlserve.cli import app
 from vlserve.commands.train import validate_finetune
@@ -36,7 +38,8 @@ def task_data(tmp_path_factory):
         cfg = DetectorConfig(classes=["circle", "rectangle", "triangle"], attributes=["red"], min_size=64, max_size=128,
                              rpn_pre_nms_top_n=100, rpn_post_nms_top_n=30, num_boxes=8, feature_dim=16)
         save_detector(RegionDetector(cfg), root / "detector")
-        data = prepare_task_data(root / "detector", 160, 80, easy_vqa=False, progress=False, data=SHAPES, ranking=True)
+        data = prepare_task_data(root / "detector", 160, 80, easy_vqa=False, progress=False, data=SHAPES, ranking=True,
+                                 positions=True)
         yield root / "detector", data
     finally:
         if old is None:
@@ -109,7 +112,8 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(task_data, tmp_path):
     assert first["interrupted_at"] == 5 and (tmp_path / "b" / "train_state.pt").exists()
     resumed = train(cfg, data=data, progress=False)
     assert resumed["losses"] == pytest.approx(straight["losses"], abs=1e-5)
-    assert {k for k in straight["final"] if not k.startswith("vqa_acc_")} == {"vqa_acc", "refer_acc", "itm_acc", "nlvr2_acc", "mc_acc"}
+    scored = {k for k in straight["final"] if not k.startswith(("vqa_acc_", "positions_acc_"))}
+    assert scored == {"vqa_acc", "refer_acc", "itm_acc", "nlvr2_acc", "mc_acc", "positions_acc"}  # the data has position questions
 
 
 @pytest.mark.parametrize(
@@ -118,7 +122,7 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(task_data, tmp_path):
         (["--preset", "resnet"], "unknown preset 'resnet'"),
         (["--size", "huge"], "unknown size 'huge'"),
         (["--tasks", "vqa:1,grounding:1"], "head not supported by fine-tuning: grounding (choose vqa, refer, itm, nlvr2, "
-                                           "multiple_choice, itm_rank)"),
+                                           "multiple_choice, itm_rank, positions, positions_one_side)"),
         (["--tasks", "vqa:0"], "task weights must be positive"),
         (["--size", "tiny"], "--init-text needs size small"),
         (["--vqa-loss", "mse"], "--vqa-loss must be bce or ce"),
@@ -348,6 +352,55 @@ def test_bad_lead_phase_fails_before_training(task_data, tmp_path, lead, message
     with pytest.raises(ValueError, match=re.escape(message)):
         train(tiny(tmp_path / "bad", detector, steps=40, **lead), data=data, progress=False)
     assert not (tmp_path / "bad").exists()
+
+
+def test_curriculum_phases_train_their_tasks_in_order_then_the_mix(task_data, tmp_path):
+    """refer alone, then one-side position questions through the vqa head, then both-sided ones, then the mix (vqa
+    and nlvr2): the sampler draws only a phase's tasks inside it; position questions are scored on val."""
+    detector, data = task_data
+    cfg = tiny(tmp_path / "curriculum", detector, tasks={"vqa": 1.0, "refer": 1.0, "nlvr2": 1.0}, steps=30,
+               lead_tasks=("refer",), lead_steps=5, curriculum=((5, ("positions_one_side",)), (5, ("positions",))))
+    names = training_tasks(cfg)
+    assert names == ["vqa", "refer", "nlvr2", "positions_one_side", "positions"]
+    phases = [(end, [n for n, w in zip(names, weights) if w > 0]) for end, weights in phase_weights(cfg)]
+    assert phases == [(5, ["refer"]), (10, ["positions_one_side"]), (15, ["positions"]), (30, ["vqa", "refer", "nlvr2"])]
+    assert data.train["positions_one_side"] and all(e.text.endswith(("on the left?", "at the top?"))
+                                                    for e in data.train["positions_one_side"])
+    assert len(data.train["positions"]) > len(data.train["positions_one_side"]) and "positions_one_side" not in data.eval
+    torch.manual_seed(0)
+    initial = build_model(cfg, data.feature_dim, len(data.answers)).state_dict()
+    train(cfg, data=data, progress=False, stop_after=10)  # lead + one-side phase: vqa and refer heads, never nlvr2
+    state = torch.load(tmp_path / "curriculum" / "train_state.pt", weights_only=True)["model"]
+    moved = {k.split(".")[1] for k in state if k.startswith("heads.") and not torch.equal(state[k], initial[k])}
+    assert moved == {"refer", "vqa"}
+    result = train(cfg, data=data, progress=False)
+    assert {"vqa_acc", "refer_acc", "nlvr2_acc", "positions_acc"} <= set(result["final"])
+    assert set(load_checkpoint(tmp_path / "curriculum").model.heads) == {"vqa", "refer", "nlvr2"}
+
+
+@pytest.mark.parametrize("curriculum, message", [
+    (((0, ("positions",)),), "needs a positive step count"),
+    (((5, ("where",)),), "curriculum task(s) where unknown"),
+    (((20, ("positions",)), (20, ("refer",))), "take 40 steps, not fewer than steps=40"),
+])
+def test_bad_curriculum_fails_before_training(task_data, tmp_path, curriculum, message):
+    detector, data = task_data
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train(tiny(tmp_path / "bad", detector, steps=40, curriculum=curriculum), data=data, progress=False)
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("curriculum, message", [
+    ("positions_one_side:200", "is not TASKS=STEPS"),
+    ("positions=many", "is not TASKS=STEPS"),
+    ("refer+where=10", "curriculum task(s) where unknown"),
+])
+def test_curriculum_option_on_the_command_line_is_checked(task_data, tmp_path, curriculum, message):
+    detector, _ = task_data
+    result = CliRunner().invoke(app, ["train", "finetune", "--out", str(tmp_path / "x"), "--detector", str(detector),
+                                      "--curriculum", curriculum])
+    assert result.exit_code == 2 and message in result.stderr, result.output
+    assert not (tmp_path / "x").exists()
 
 
 def test_lead_options_on_the_command_line_are_checked(task_data, tmp_path):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from training.data.shapes_cache import ShapesConfig, build_shapes, dataset_dir, load_split
-from training.data.shapes_tasks import ANSWERS, TaskConfig, nlvr2_examples, scene_annotations
+from training.data.shapes_tasks import ANSWERS, ONE_SIDE, TaskConfig, nlvr2_examples, position_questions, scene_annotations
 from training.data.shapes_world import COLORS, SHAPES, SIZES, Scene, WorldConfig, generate_scene, render_scene
 
 WORLD = WorldConfig(seed=3)
@@ -152,6 +152,34 @@ def test_objects_counts_sizes_overlap_and_pixels(scenes):
 
 
 # ---- task labels ----------------------------------------------------------------------------------------
+
+def test_position_questions_rederived(scenes):
+    """'is the red circle on the left?': yes when the centre is in the asked side's outer 40% of the image, no when in
+    the opposite side's; objects near the middle are not asked. Asked both ways, so the word alone tells nothing."""
+    asked, answers, by_word = 0, Counter(), Counter()
+    for scene in scenes:
+        d = json.loads(json.dumps(scene_annotations(scene)))
+        questions = position_questions(scene)
+        for q in questions:
+            m = re.fullmatch(r"is (the .+) (on the left|on the right|at the top|at the bottom)\?", q["question"])
+            obj = d["objects"][unique_referent(m.group(1), d)]
+            axis, far = {"on the left": (0, False), "on the right": (0, True), "at the top": (1, False),
+                         "at the bottom": (1, True)}[m.group(2)]
+            extent = d["width"] if axis == 0 else d["height"]
+            centre = (obj["box"][axis] + obj["box"][axis + 2]) / 2 / extent
+            near_asked = centre > 0.6 if far else centre < 0.4
+            near_opposite = centre < 0.4 if far else centre > 0.6
+            assert near_asked or near_opposite, q
+            assert q["answer"] == ("yes" if near_asked else "no") and q["type"] == "position"
+            answers[q["answer"]] += 1
+            by_word[m.group(2), q["answer"]] += 1
+        asked += len(questions)
+        one_side = position_questions(scene, ONE_SIDE)
+        assert one_side == [q for q in questions if q["question"].endswith(("on the left?", "at the top?"))]
+    assert asked > 2 * N_SCENES and answers["yes"] == answers["no"]
+    for word, opposite in (("on the left", "on the right"), ("at the top", "at the bottom")):  # each object both ways
+        assert by_word[word, "yes"] == by_word[opposite, "no"] and by_word[word, "no"] == by_word[opposite, "yes"]
+
 
 def test_vqa_answers_rederived(annotations):
     types = Counter()

@@ -158,6 +158,31 @@ def relation_questions(scene: Scene) -> list[dict]:
     return out
 
 
+# side -> (axis, far): "on the left" asks whether the centre is near x = 0, "on the right" near x = width
+SIDES = {"on the left": (0, False), "on the right": (0, True), "at the top": (1, False), "at the bottom": (1, True)}
+ONE_SIDE = ("on the left", "at the top")  # one side per axis: the answer follows the position alone
+
+
+def position_questions(scene: Scene, sides: tuple[str, ...] = tuple(SIDES)) -> list[dict]:
+    """'is the red circle on the left?' for every object with an attribute-only description whose centre lies in the
+    outer 40% of the image along that axis: "yes" on the asked side, "no" on the opposite one (objects near the
+    middle are not asked about). With all four sides every object is asked both ways, so the answer is the
+    exclusive-or of position and word; with ONE_SIDE it follows the position alone (a curriculum's first step,
+    training.finetune.FinetuneConfig.curriculum). Training material only: not part of a split's VQA questions."""
+    out = []
+    for i, obj in enumerate(scene.objects):
+        ref = simple_ref(scene, i)
+        if ref is None:
+            continue
+        centre = (obj.center[0] / scene.width, obj.center[1] / scene.height)
+        for side in sides:
+            axis, far = SIDES[side]
+            where = 1 - centre[axis] if far else centre[axis]  # 0 = at that side's edge
+            if where < 0.4 or where > 0.6:
+                out.append(qa(f"is {ref.text()} {side}?", "yes" if where < 0.4 else "no", "position"))
+    return out
+
+
 def vqa_questions(scene: Scene, rng: np.random.Generator, per_type: int) -> list[dict]:
     pools = [attribute_questions(scene, a) for a in ("color", "shape", "size")] + [relation_questions(scene)]
     picked = [q for pool in pools for q in pick(rng, pool, per_type)]

@@ -14,6 +14,7 @@ from models.tokenizer import VLTokenizer
 from .easy_vqa import EasyVQASplit
 from .region_table import RegionTable
 from .shapes_cache import ShapesSplit
+from .shapes_tasks import position_questions
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,13 @@ def shapes_examples(split: ShapesSplit, answers: list[str], seed: int = 0, row_o
         out["multiple_choice"] += [Example((row,), q["question"], q["answer"], tuple(q["choices"])) for q in ann["mc"]]
     out["nlvr2"] = [Example((row_of[p["left"]], row_of[p["right"]]), p["statement"], int(p["label"])) for p in split.nlvr2]
     return out
+
+
+def position_examples(split: ShapesSplit, answers: list[str], sides: tuple[str, ...], row_offset: int = 0) -> list[Example]:
+    """One-object position questions (shapes_tasks.position_questions) of every scene of a split, as VQA examples."""
+    index = {a: i for i, a in enumerate(answers)}
+    return [Example((i + row_offset,), q["question"], index[q["answer"]])
+            for i in range(len(split.annotations)) for q in position_questions(split.scene(i), sides)]
 
 
 def retrieval_examples(split: ShapesSplit, row_offset: int = 0) -> list[Example]:

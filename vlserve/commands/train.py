@@ -50,6 +50,9 @@ def finetune(
     lead_tasks: Annotated[str, typer.Option(help="comma-separated tasks trained alone for the first --lead-steps steps "
                                                  "(a grounding curriculum, e.g. refer)")] = "",
     lead_steps: Annotated[int, typer.Option(min=0, help="steps of the lead phase (0: every task from the start)")] = 0,
+    curriculum: Annotated[str, typer.Option(help="phases after the lead phase, in order, as TASKS=STEPS items (TASKS "
+                                                 "joined by +), e.g. positions_one_side=200,positions=200: one-object "
+                                                 "position questions through the vqa head")] = "",
     steps: Annotated[int, typer.Option(min=1)] = 2000,
     batch_size: Annotated[int, typer.Option(min=1)] = 32,
     lr: Annotated[float, typer.Option(min=0.0, help="encoder peak learning rate")] = 1e-4,
@@ -89,6 +92,7 @@ def finetune(
                              eval_every=eval_every, warmup=warmup, clip=clip, vqa_loss=vqa_loss, vqa_pool=vqa_pool, bf16=bf16,
                              itm_pool=itm_pool, nlvr2_pool=nlvr2_pool,
                              lead_tasks=tuple(t.strip() for t in lead_tasks.split(",") if t.strip()), lead_steps=lead_steps,
+                             curriculum=parse_curriculum(curriculum),
                              freeze_word_embeddings=freeze_word_embeddings, dropout=dropout,
                              feature_norm=feature_norm, box_embedding=box_embedding, region_tags=region_tags,
                              seed=seed, threads=threads)
@@ -146,13 +150,24 @@ def pretrain(
                            "last": metrics["history"][-1], "train_seconds": metrics["train_seconds"]}, indent=2))
 
 
+def parse_curriculum(text: str) -> tuple[tuple[int, tuple[str, ...]], ...]:
+    """'positions_one_side=200,refer+positions=100' -> ((200, ('positions_one_side',)), (100, ('refer', 'positions')))."""
+    phases = []
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        tasks, _, steps = item.partition("=")
+        if not steps.strip().isdigit():
+            raise ValueError(f"--curriculum item {item!r} is not TASKS=STEPS (e.g. positions_one_side=200)")
+        phases.append((int(steps), tuple(t.strip() for t in tasks.split("+") if t.strip())))
+    return tuple(phases)
+
+
 def validate_finetune(cfg) -> None:
     """Fail before any data is prepared: unknown preset/size/task, missing detector, an --init-from checkpoint of
     another preset, size or feature dim."""
     from models.checkpoint import CheckpointError, load_checkpoint
     from models.detector.io import load_detector
     from models.registry import encoder_config
-    from training.finetune import RANK_TASK, TASKS, check_lead
+    from training.finetune import TASKS, TRAINING_SETS, check_lead
 
     encoder_config(cfg.preset, cfg.size, box_embedding=cfg.box_embedding, region_tags=cfg.region_tags)  # unknown preset, size, ...
     if cfg.vqa_loss not in ("bce", "ce"):
@@ -162,9 +177,9 @@ def validate_finetune(cfg) -> None:
     for name, pool in (("--itm-pool", cfg.itm_pool), ("--nlvr2-pool", cfg.nlvr2_pool)):
         if pool not in ("pooled", "regions"):
             raise ValueError(f"{name} must be pooled or regions, not {pool!r}")
-    unknown = set(cfg.tasks) - {*TASKS, RANK_TASK}
+    unknown = set(cfg.tasks) - {*TASKS, *TRAINING_SETS}
     if unknown:
-        raise ValueError(f"head not supported by fine-tuning: {', '.join(sorted(unknown))} (choose {', '.join((*TASKS, RANK_TASK))})")
+        raise ValueError(f"head not supported by fine-tuning: {', '.join(sorted(unknown))} (choose {', '.join((*TASKS, *TRAINING_SETS))})")
     if cfg.dropout is not None and not 0.0 <= cfg.dropout < 1.0:
         raise ValueError(f"--dropout must be in [0, 1), not {cfg.dropout}")
     if any(w <= 0 for w in cfg.tasks.values()):
