@@ -50,7 +50,7 @@ def test_demo_profile_reaches_the_finetune_config_and_the_card(tmp_path):
                                                                   "train_precision": "bf16", "eval_precision": "bf16"},
                                    det_seconds=180, total_seconds=900)
     assert "dropout 0; metrics computed with bf16 GEMMs." in card and "| vqa_acc | 0.75 |" in card and "15.0 min" in card
-    assert "bfloat16 autocast training, word embeddings frozen, linear box embedding, dropout 0" in card
+    assert "bfloat16 autocast training, word embeddings frozen, normalized box embedding, dropout 0" in card
     fallback = training.zoo.model_card("demo", p, tmp_path / "det", {"final": {}, "train_seconds": 600, "train_precision": "fp32"},
                                        det_seconds=180, total_seconds=900)
     assert "float32 training (bf16 asked for; this CPU has no native bf16), word embeddings frozen" in fallback
@@ -66,7 +66,10 @@ def test_the_card_names_the_lead_phase(tmp_path):
     assert "ITM from regions, NLVR2 from regions" in card
     demo = training.zoo.model_card("demo", training.zoo.PROFILES["demo"], tmp_path, {"final": {}, "train_seconds": 60},
                                    det_seconds=60, total_seconds=120)
-    assert "alone" not in demo
+    assert ("trained together for 1800 steps (the first 200 on refer alone, then 400 on vqa + refer + itm + nlvr2 alone, "
+            "then 200 on positions_one_side + vqa alone, then 200 on positions + vqa alone)") in demo
+    assert "; the mix also draws the positions set (weight 0.5, through the vqa head)." in demo
+    assert "normalized box embedding" in demo
     phased = dataclasses.replace(training.zoo.PROFILES["demo"], lead_tasks=("refer",), lead_steps=200,
                                  curriculum=((200, ("positions_one_side",)), (100, ("positions", "refer"))),
                                  extra_tasks=(("positions", 0.25),))
