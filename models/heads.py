@@ -80,6 +80,10 @@ class Head(nn.Module):
     def loss(self, logits: torch.Tensor, labels, inputs: VLInputs) -> torch.Tensor:
         return F.cross_entropy(logits, labels)
 
+    def training_loss(self, enc: EncoderOutput, inputs: VLInputs, labels) -> torch.Tensor:
+        """The loss straight from the encoder's output (training needs no logits): heads may skip unscored positions."""
+        return self.loss(self(enc, inputs).float(), labels, inputs)  # float32 under bf16 autocast too
+
 
 class VQAHead(Head):
     """Answer scores (B, A) from the pooled vector, from the [MASK] answer slot before the final [SEP], or
@@ -265,14 +269,26 @@ class MaskedLMHead(Head):
         self.bias = nn.Parameter(torch.zeros(enc.vocab_size))
         self._tied = [word_embeddings]  # a list, so the tied weight is not registered (saved) twice
 
-    def forward(self, enc: EncoderOutput, inputs: VLInputs) -> torch.Tensor:
-        h = self.transform(enc.image if self.head.kind == "tag" else enc.text)
+    def decode(self, states: torch.Tensor) -> torch.Tensor:
+        h = self.transform(states)
         if self.project is not None:
             h = self.project(h)
-        return F.linear(h, self._tied[0].weight, self.bias)  # (B, L, V)
+        return F.linear(h, self._tied[0].weight, self.bias)
+
+    def forward(self, enc: EncoderOutput, inputs: VLInputs) -> torch.Tensor:
+        return self.decode(enc.image if self.head.kind == "tag" else enc.text)  # (B, L, V)
 
     def loss(self, logits, labels, inputs):
         return masked_cross_entropy(logits, labels)
+
+    def training_loss(self, enc: EncoderOutput, inputs: VLInputs, labels) -> torch.Tensor:
+        """Decode only the masked positions: the vocabulary projection of every position costs as much as the
+        encoder, and the per-position transform makes the result the same."""
+        states = enc.image if self.head.kind == "tag" else enc.text
+        scored = labels != -100
+        if not scored.any():
+            return self.decode(states[:, :1]).sum() * 0.0  # keeps the graph (and the tied weight's grad) defined
+        return F.cross_entropy(self.decode(states[scored]).float(), labels[scored])
 
 
 class RegionFeatureHead(Head):

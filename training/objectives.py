@@ -248,7 +248,7 @@ def pretraining_losses(
     if not tasks:
         raise ValueError(f"no pretraining head ({', '.join(PRETRAINING_KINDS)}) of the model has targets")
     enc = model.forward_features(inputs)
-    losses = {t: model.heads[t].loss(model.forward_head(t, enc, inputs).float(), targets[t], inputs) for t in tasks}  # float32 under autocast
+    losses = {t: model.heads[t].training_loss(enc, inputs, targets[t]) for t in tasks}
     losses["total"] = sum(weights.get(t, 1.0) * loss for t, loss in losses.items())
     return losses
 

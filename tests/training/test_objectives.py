@@ -318,3 +318,28 @@ def test_group_ranking_loss_by_hand():
     assert group_ranking_loss(logits, 3, own).item() == pytest.approx(sum(expected) / 2, rel=1e-6)
     with pytest.raises(ValueError, match="do not split into groups of 4"):
         group_ranking_loss(logits, 4)
+
+
+@pytest.mark.parametrize("kind", ["mlm", "tag"])
+def test_masked_lm_training_loss_decodes_only_masked_positions_with_the_same_gradients(kind, make_model, make_batch):
+    """training_loss (what pretraining calls) skips the vocabulary projection of unmasked positions; loss and
+    gradients equal those of the full (B, L, V) logits, and a batch with nothing masked gives 0 with grads defined."""
+    model = make_model("visualbert", kind, dropout=0.0, attention_dropout=0.0).train()
+    enc = model.config.encoder
+    inputs, labels = objective_batch(kind, "ce", make_batch(enc, batch=3), enc, 0)
+    assert (labels != -100).any() and (labels == -100).any()
+    head = model.heads[kind]
+
+    def loss_and_grads(fn):
+        model.zero_grad()
+        loss = fn()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in head.parameters()] + [model.encoder.embeddings.word_embeddings.weight.grad.clone()]
+
+    full, full_grads = loss_and_grads(lambda: model(inputs, kind, labels=labels).loss)
+    fast, fast_grads = loss_and_grads(lambda: pretraining_losses(model, inputs, {kind: labels})[kind])
+    assert fast.item() == pytest.approx(full.item(), rel=1e-5)
+    for a, b in zip(full_grads, fast_grads):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+    none, grads = loss_and_grads(lambda: pretraining_losses(model, inputs, {kind: torch.full_like(labels, -100)})[kind])
+    assert none.item() == 0.0 and all(torch.isfinite(g).all() for g in grads)
