@@ -7,11 +7,7 @@ contenders take turns; median of several timed steps each.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -19,7 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from encoder import cpu_name, write_section  # noqa: E402
+from train_step import publish, take_turns, timed_step  # noqa: E402
 
 from models import HeadConfig, VLInputs, create_model  # noqa: E402
 from training.objectives import TokenIds, mask_tokens, pretraining_losses  # noqa: E402
@@ -51,15 +47,7 @@ def contender(preset: str, batch: int, text: int, masked_only: bool):
         mlm, itm = model.heads["mlm"], model.heads["itm"]
         return mlm.loss(mlm(enc, inputs).float(), labels, inputs) + itm.loss(itm(enc, inputs).float(), matched, inputs)
 
-    def step() -> float:
-        start = time.perf_counter()
-        value = loss()
-        opt.zero_grad(set_to_none=True)
-        value.backward()
-        opt.step()
-        return time.perf_counter() - start
-
-    return step
+    return timed_step(loss, opt)
 
 
 def main() -> None:
@@ -74,32 +62,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     names = {"every position decoded (before)": False, "masked positions only": True}
     steps = {name: contender(args.preset, args.batch, args.text, flag) for name, flag in names.items()}
-    for step in steps.values():
-        for _ in range(2):
-            step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(args.runs):  # taking turns, so a busy moment hits every contender
-        for name, step in steps.items():
-            times[name].append(step())
-    base = statistics.median(times[next(iter(names))])
-    rows = [f"| {name} | {statistics.median(t) * 1000:.0f} | **{base / statistics.median(t):.2f}x** |" for name, t in times.items()]
-    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    section = "\n".join([
-        f"Command: `python benchmarks/pretrain_step.py --preset {args.preset} --batch {args.batch} --text {args.text} --runs {args.runs}` · "
-        f"{datetime.date.today()} · {cpu_name()}, {args.threads} threads, load average after the runs {load} · torch {torch.__version__}.",
-        "",
-        f"One float32 pretraining step (forward, backward, foreach AdamW; word table trained, as pretraining does) of "
-        f"`{args.preset}` small with masked LM (15% of {args.text} tokens, decoder tied to the 30,522-word table) and ITM, "
-        f"batch {args.batch}, {REGIONS} regions, random inputs; median of {args.runs} steps per contender, taking turns.",
-        "",
-        "| contender | ms per step | speed-up |",
-        "|---|---|---|",
-        *rows,
-    ])
-    print(section)
-    if not args.no_write:
-        write_section(ROOT / "docs" / "BENCHMARKS.md", f"{HEADING}\n\n{section}", HEADING)
-
+    medians = take_turns(steps, args.runs)
+    base = medians[next(iter(names))]
+    rows = [f"| {name} | {t * 1000:.0f} | **{base / t:.2f}x** |" for name, t in medians.items()]
+    publish(f"python benchmarks/pretrain_step.py --preset {args.preset} --batch {args.batch} --text {args.text} --runs {args.runs}",
+            args.threads,
+            "One float32 pretraining step (forward, backward, foreach AdamW; word table trained, as pretraining does) of "
+            f"`{args.preset}` small with masked LM (15% of {args.text} tokens, decoder tied to the 30,522-word table) and "
+            f"ITM, batch {args.batch}, {REGIONS} regions, random inputs; median of {args.runs} steps per contender, taking turns.",
+            ["| contender | ms per step | speed-up |", "|---|---|---|", *rows], HEADING, not args.no_write)
 
 if __name__ == "__main__":
     main()

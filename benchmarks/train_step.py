@@ -14,6 +14,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -54,16 +55,37 @@ def contender(preset: str, batch: int, text: int, bf16: bool, freeze: bool, fore
     labels = torch.zeros(batch, 30)
     labels[:, 3] = 1.0
 
+    def loss() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            return model(inputs, "vqa", labels).loss
+
+    return timed_step(loss, opt)
+
+
+def timed_step(loss: Callable[[], torch.Tensor], opt: torch.optim.Optimizer) -> Callable[[], float]:
+    """A function that runs one training step (loss, backward, optimizer) and returns its seconds."""
     def step() -> float:
         start = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = model(inputs, "vqa", labels).loss
+        value = loss()
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        value.backward()
         opt.step()
         return time.perf_counter() - start
 
     return step
+
+
+def take_turns(steps: dict[str, Callable[[], float]], runs: int, warmup: int = 2) -> dict[str, float]:
+    """Median seconds per step of each contender: warm-up steps, then contenders taking turns, so that a busy
+    moment of the machine hits every one of them."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(runs):
+        for name, step in steps.items():
+            times[name].append(step())
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -77,32 +99,27 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     steps = {name: contender(args.preset, args.batch, args.text, *levers) for name, levers in CONTENDERS.items()}
-    for step in steps.values():
-        for _ in range(2):
-            step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(args.runs):  # taking turns, so a busy moment hits every contender
-        for name, step in steps.items():
-            times[name].append(step())
-    base = statistics.median(times[next(iter(CONTENDERS))])
-    rows = [f"| {name} | {statistics.median(t) * 1000:.0f} | **{base / statistics.median(t):.2f}x** | "
-            f"{args.batch / statistics.median(t):.0f} |" for name, t in times.items()]
+    medians = take_turns(steps, args.runs)
+    base = medians[next(iter(CONTENDERS))]
+    rows = [f"| {name} | {t * 1000:.0f} | **{base / t:.2f}x** | {args.batch / t:.0f} |" for name, t in medians.items()]
+    publish(f"python benchmarks/train_step.py --preset {args.preset} --batch {args.batch} --text {args.text} --runs {args.runs}",
+            args.threads,
+            f"One training step (forward, backward, AdamW) of `{args.preset}` small (hidden 384, 6 layers) with a VQA head, "
+            f"batch {args.batch}, {args.text} text tokens, random inputs; median of {args.runs} steps per contender, taking turns.",
+            ["| contender | ms per step | speed-up | examples/s |", "|---|---|---|---|", *rows], HEADING, not args.no_write)
+
+
+def publish(command: str, threads: int, description: str, table: list[str], heading: str, write: bool) -> None:
+    """Print the section (command, date, machine, load, what was timed, the table) and replace it in docs/BENCHMARKS.md."""
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     section = "\n".join([
-        f"Command: `python benchmarks/train_step.py --preset {args.preset} --batch {args.batch} --text {args.text} --runs {args.runs}` · "
-        f"{datetime.date.today()} · {cpu_name()}, {args.threads} threads, load average after the runs {load} · torch {torch.__version__}.",
-        "",
-        f"One training step (forward, backward, AdamW) of `{args.preset}` small (hidden 384, 6 layers) with a VQA head, "
-        f"batch {args.batch}, {args.text} text tokens, random inputs; median of {args.runs} steps per contender, taking turns.",
-        "",
-        "| contender | ms per step | speed-up | examples/s |",
-        "|---|---|---|---|",
-        *rows,
+        f"Command: `{command}` · {datetime.date.today()} · {cpu_name()}, {threads} threads, load average after the runs "
+        f"{load} · torch {torch.__version__}.",
+        "", description, "", *table,
     ])
     print(section)
-    if not args.no_write:
-        write_section(ROOT / "docs" / "BENCHMARKS.md", f"{HEADING}\n\n{section}", HEADING)
-
+    if write:
+        write_section(ROOT / "docs" / "BENCHMARKS.md", f"{heading}\n\n{section}", heading)
 
 if __name__ == "__main__":
     main()
