@@ -65,16 +65,21 @@ def random_regular_ids(shape: torch.Size, ids: TokenIds, generator: torch.Genera
 
 
 def mask_tokens(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, tokenizer_ids: TokenIds, generator: torch.Generator, prob: float = 0.15
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, tokenizer_ids: TokenIds, generator: torch.Generator, prob: float = 0.15,
+    only: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked LM inputs and labels with BERT's 80/10/10 rule (Devlin et al. 2019, "BERT"), as every seed system.
 
     Of the real non-special tokens, each is chosen with `prob` (at least one per row that has any); a chosen
     token becomes [MASK] 80% of the time, a random regular token 10%, and stays itself 10%. Returns
     (masked input_ids, labels): the original id where chosen, -100 elsewhere. Works on (..., T).
+    `only` (1-D token ids) restricts the choice to those tokens, e.g. the words the detector names
+    (`grounded_token_ids`); a row without any of them gets no label.
     """
     specials = torch.tensor(tokenizer_ids.specials, device=input_ids.device)
     candidates = attention_mask.bool() & ~torch.isin(input_ids, specials)
+    if only is not None:
+        candidates &= torch.isin(input_ids, only.to(input_ids.device))
     chosen = select_positions(candidates, generator, prob)
     labels = input_ids.masked_fill(~chosen, IGNORE)
     roll = torch.rand(input_ids.shape, generator=generator, device=input_ids.device)
@@ -82,6 +87,16 @@ def mask_tokens(
     masked = torch.where(chosen & (roll < 0.8), tokenizer_ids.mask_id, input_ids)
     masked = torch.where(chosen & (roll >= 0.8) & (roll < 0.9), replacements, masked)
     return masked, labels
+
+
+def grounded_token_ids(tokenizer, words: list[str]) -> torch.Tensor:
+    """Sorted ids of every sub-word of `words` and of their plurals ("circle", "circles"): the words an image decides.
+
+    With the detector's class and attribute names, masked LM restricted to them (`mask_tokens(only=...)`) can only
+    be solved by reading the image, as ERNIE-ViL's object and attribute prediction (Yu et al. 2021).
+    """
+    ids = {i for word in words for form in (word, word + "s") for i in tokenizer.token_ids(form)}
+    return torch.tensor(sorted(ids), dtype=torch.long)
 
 
 def mask_regions(

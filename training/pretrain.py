@@ -36,7 +36,7 @@ from .data.region_table import tags_of
 from .evaluate import evaluate_tasks
 from .finetune import STATE, _jsonable, autocast, fit_feature_norm, load_state, lr_scale, param_groups, save_state, train_precision
 from .objectives import (
-    IGNORE, TokenIds, image_only_batch, image_qa_labels, itm_pairs, mask_regions, mask_tokens, pretraining_losses,
+    IGNORE, TokenIds, grounded_token_ids, image_only_batch, image_qa_labels, itm_pairs, mask_regions, mask_tokens, pretraining_losses,
     region_class_labels, text_only_batch, with_images,
 )
 from .vl_data import TaskData, prepare_task_data
@@ -52,7 +52,8 @@ DEFAULT_OBJECTIVES = {  # each paper's pretraining tasks
     "u-visualbert": ("weak",),  # unpaired text and images, detector tags as anchors
 }
 ONLY_FOR = {"tag": "u-visualbert", "weak": "u-visualbert"}  # objectives that read detector tags as input
-WEAK_HEADS = ("mlm", "mrc", "tag")  # text-only batches train mlm, image-only batches mrc and tag
+WEAK_HEADS = ("mlm", "mrc", "tag")
+MLM_WORDS = ("all", "grounded")  # PretrainConfig.mlm_words  # text-only batches train mlm, image-only batches mrc and tag
 
 
 class PretrainConfigError(ValueError):
@@ -83,6 +84,8 @@ class PretrainConfig:
     weight_decay: float = 0.01
     clip: float = 1.0  # gradient norm clip
     mask_prob: float = 0.15  # text tokens masked (BERT's 80/10/10)
+    mlm_words: str = "all"  # masked LM targets: "all" words, or "grounded": only the detector's class and attribute names
+    mlm_matched_only: bool = False  # with itm: no masked LM target in a mismatched pair (UNITER's conditional masking)
     region_mask_prob: float = 0.15  # regions masked (LXMERT, ViLBERT)
     mismatch_prob: float = 0.5  # itm: pairs whose image is swapped for another one
     image_qa_batches: float = 0.5  # image_qa: share of steps whose sentences are questions (the rest captions)
@@ -117,6 +120,12 @@ def validate_config(cfg: PretrainConfig) -> DetectorConfig:
     for name in ("mask_prob", "region_mask_prob", "mismatch_prob", "image_qa_batches"):
         if not 0.0 < getattr(cfg, name) <= 1.0:
             raise PretrainConfigError(f"{name} must be in (0, 1], not {getattr(cfg, name)}")
+    if cfg.mlm_words not in MLM_WORDS:
+        raise PretrainConfigError(f"unknown mlm_words {cfg.mlm_words!r}; choose from {', '.join(MLM_WORDS)}")
+    if cfg.mlm_words == "grounded" and ("mlm" not in cfg.objectives or "weak" in cfg.objectives):
+        raise PretrainConfigError("mlm_words 'grounded' needs the mlm objective on paired text and images (not 'weak')")
+    if cfg.mlm_matched_only and not {"mlm", "itm"} <= set(cfg.objectives):
+        raise PretrainConfigError("mlm_matched_only needs both the mlm and the itm objective")
     if "itm" in cfg.objectives and cfg.batch_size < 2:
         raise PretrainConfigError("itm needs batch_size >= 2 (a mismatched pair borrows another row's image)")
     if cfg.init_text and cfg.size != "small":
@@ -189,6 +198,8 @@ class BatchBuilder:
         self.num_answers, self.num_classes = len(data.answers), len(data.objects)
         self.tag_words = tokenizer.tag_words(data.objects) if cfg.preset == "u-visualbert" else None
         self.heads = set(pretraining_heads(cfg.objectives, self.num_classes, self.num_answers))
+        # masked LM targets restricted to the words the detector names (None: every word)
+        self.grounded = grounded_token_ids(tokenizer, data.objects + data.attributes) if cfg.mlm_words == "grounded" else None
 
     def __call__(self, step: int, rng: np.random.Generator) -> Batch:
         g = torch.Generator().manual_seed(int(rng.integers(2**62)))  # every mask and pairing of this batch
@@ -241,8 +252,10 @@ class BatchBuilder:
             answers = torch.nn.functional.one_hot(torch.tensor([e.label for e in examples]), self.num_answers).float()
             targets["image_qa"] = image_qa_labels(answers, matched)
         if "mlm" in cfg.objectives:
-            input_ids, targets["mlm"] = mask_tokens(inputs.input_ids, inputs.attention_mask, self.ids, g, cfg.mask_prob)
-            inputs = inputs.replace(input_ids=input_ids)
+            input_ids, labels = mask_tokens(inputs.input_ids, inputs.attention_mask, self.ids, g, cfg.mask_prob, self.grounded)
+            if cfg.mlm_matched_only:  # a word of a mismatched pair is not decided by its image
+                labels = labels.masked_fill(~matched.bool().unsqueeze(-1), IGNORE)
+            inputs, targets["mlm"] = inputs.replace(input_ids=input_ids), labels
         return Batch("paired", self.mask_image(inputs, classes, g, targets), targets)
 
     def text_only(self, rng: np.random.Generator, g: torch.Generator) -> Batch:
@@ -310,6 +323,8 @@ def pretrain(cfg: PretrainConfig, data: TaskData | None = None, progress: bool =
     history = [{"step": min(s + cfg.log_every, len(records)), **window_means(records[s : s + cfg.log_every])}
                for s in range(0, len(records), cfg.log_every)]
     final = evaluate_tasks(model, data, tokenizer, cfg.eval_examples)  # zero-shot ITM accuracy when there is an itm head
+    if "weak" not in cfg.objectives:  # weak mode never sees a caption with its image
+        final.update(grounded_word_accuracy(model, data, tokenizer, cfg.eval_examples))
     metrics = {"final": final, "history": history, "train_seconds": round(train_seconds, 1), "train_precision": precision,
                "config": _jsonable(asdict(cfg))}
     head_labels = {"mrc": data.objects, "image_qa": data.answers}
@@ -323,6 +338,37 @@ def pretrain(cfg: PretrainConfig, data: TaskData | None = None, progress: bool =
     (out / STATE).unlink(missing_ok=True)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return {**metrics, "losses": [r["total"] for r in records], "records": records}
+
+
+@torch.inference_mode()
+def grounded_word_accuracy(model: VLModel, data: TaskData, tokenizer: VLTokenizer, limit: int | None = None,
+                           batch_size: int = 64) -> dict[str, float]:
+    """Masked LM on the words only the image decides: in each held-out caption every sub-word of a detector class or
+    attribute name is masked at once and predicted with the caption's own image (`mlm_grounded_acc`) and with the
+    next caption's image (`mlm_grounded_acc_other_image`: what the text alone gives, plus chance agreement). The gap
+    between the two is what masked LM reads off the image. {} for a model without an mlm head."""
+    if "mlm" not in model.heads:
+        return {}
+    examples = [e for e in data.eval.get("itm", []) if e.label == 1][:limit]
+    grounded = grounded_token_ids(tokenizer, data.objects + data.attributes)
+    correct, total = {"own": 0, "other": 0}, 0
+    model.eval()
+    for s in range(0, len(examples) - 1, batch_size):  # the last batch needs two captions to swap images
+        batch = examples[s : s + batch_size]
+        text = {k: torch.from_numpy(v) for k, v in tokenizer.encode([e.text for e in batch]).items()}
+        ids = text["input_ids"]
+        target = torch.isin(ids, grounded) & text["attention_mask"].bool()
+        text["input_ids"] = ids.masked_fill(target, tokenizer.mask_id)
+        rows = np.array([e.rows[0] for e in batch])
+        for image, image_rows in (("own", rows), ("other", np.roll(rows, 1))):
+            enc = model.forward_features(VLInputs(**text, **data.eval_table.tensors(image_rows)))
+            guess = model.heads["mlm"].decode(enc.text[target]).argmax(-1)
+            correct[image] += int((guess == ids[target]).sum())
+        total += int(target.sum())
+    if not total:
+        return {}
+    return {"mlm_grounded_acc": round(correct["own"] / total, 4),
+            "mlm_grounded_acc_other_image": round(correct["other"] / total, 4)}
 
 
 def window_means(records: list[dict[str, float]]) -> dict[str, float]:

@@ -8,7 +8,7 @@ import torch
 
 from models import PRESETS, VLInputs
 from training.objectives import (
-    IGNORE, TokenIds, image_only_batch, image_qa_labels, itm_pairs, mask_regions, mask_tags, mask_tokens,
+    IGNORE, TokenIds, grounded_token_ids, image_only_batch, image_qa_labels, itm_pairs, mask_regions, mask_tags, mask_tokens,
     pretraining_losses, random_regular_ids, region_class_labels, select_positions, text_only_batch, with_images,
 )
 
@@ -71,6 +71,31 @@ def test_mask_tokens_at_least_one_per_non_empty_row():
         per_row = (labels != IGNORE).sum(1)
         assert per_row.tolist() == [1, 0, 1]
         assert labels[0, 1] == 2000 and torch.equal(masked[1], ids[1])
+
+
+def test_mask_tokens_only_chooses_the_given_words():
+    ids, mask = text_batch(rows=256, width=64)
+    only = torch.arange(1000, 4000)  # about an eighth of the regular ids the batch draws from
+    masked, labels = mask_tokens(ids, mask, IDS, gen(2), prob=0.5, only=only)
+    chosen = labels != IGNORE
+    candidates = mask.bool() & torch.isin(ids, only)
+    assert chosen.any() and not (chosen & ~candidates).any()  # never a word outside `only`
+    assert chosen.sum() / candidates.sum() == pytest.approx(0.5, abs=0.05)
+    assert torch.equal(masked[~chosen], ids[~chosen])
+    rows_without = ~candidates.any(1)
+    assert rows_without.any() and not chosen[rows_without].any()  # a row without those words gets no label
+
+
+def test_grounded_token_ids_cover_every_sub_word_and_the_plural():
+    from models.tokenizer import VLTokenizer
+
+    tokenizer = VLTokenizer.pretrained_minilm()
+    ids = grounded_token_ids(tokenizer, ["rectangle", "red"])
+    expected = {*tokenizer.token_ids("rectangle"), *tokenizer.token_ids("rectangles"), *tokenizer.token_ids("red"),
+                *tokenizer.token_ids("reds")}
+    assert len(tokenizer.token_ids("rectangle")) == 2  # a word of two sub-words: both are targets
+    assert ids.tolist() == sorted(expected)
+    assert not torch.isin(torch.tensor(tokenizer.token_ids("a blue circle")), ids).any()
 
 
 def test_forced_position_is_uniform_among_candidates():

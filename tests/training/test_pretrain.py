@@ -16,7 +16,7 @@ from models.detector.io import save_detector
 from models.tokenizer import VLTokenizer
 from training.data.region_table import RegionTable
 from training.data.vl_tasks import Example
-from training.objectives import IGNORE
+from training.objectives import IGNORE, grounded_token_ids
 from training.pretrain import (
     DEFAULT_OBJECTIVES, BatchBuilder, PretrainConfig, PretrainConfigError, pretrain, pretraining_heads,
 )
@@ -78,6 +78,10 @@ def test_every_preset_pretrains_its_paper_objectives_and_saves_a_checkpoint(pres
     assert ckpt.labels["heads"] == {t: names for t, names in (("mrc", CLASSES), ("image_qa", ANSWERS)) if t in heads}
     assert ckpt.manifest["training"]["config"]["objectives"] == list(cfg.objectives)
     assert ("itm_acc" in result["final"]) == ("itm" in heads)  # zero-shot retrieval reads the itm head
+    # masked LM of the words the image decides, with each caption's own image and with another one
+    grounded = {k: v for k, v in result["final"].items() if k.startswith("mlm_grounded")}
+    assert set(grounded) == (set() if preset == "u-visualbert" else {"mlm_grounded_acc", "mlm_grounded_acc_other_image"})
+    assert all(0.0 <= v <= 1.0 for v in grounded.values())
     assert not (tmp_path / "enc" / "train_state.pt").exists()
 
 
@@ -140,10 +144,35 @@ def test_paired_batches_swap_images_with_their_labels(detector_dir, data, tmp_pa
     assert dist.shape[-1] == len(CLASSES) and torch.allclose(dist.sum(-1)[dist.sum(-1) > 0], torch.tensor(1.0))
 
 
+def test_grounded_masked_lm_targets_detector_words_of_matched_pairs_only(detector_dir, data, tmp_path):
+    tokenizer = VLTokenizer.pretrained_minilm()
+    cfg = tiny(tmp_path, detector_dir, preset="visualbert", batch_size=16, mask_prob=0.5, mlm_words="grounded",
+               mlm_matched_only=True)
+    builder = BatchBuilder(cfg, data, tokenizer)
+    grounded = grounded_token_ids(tokenizer, CLASSES + ["red"])
+    rng, labelled = np.random.default_rng(0), 0
+    for step in range(4):
+        batch = builder(step, rng)
+        labels, matched = batch.targets["mlm"], batch.targets["itm"].bool()
+        chosen = labels != IGNORE
+        assert torch.isin(labels[chosen], grounded).all()  # only class and attribute words are targets
+        assert not chosen[~matched].any()  # a mismatched pair's words are not decided by its image
+        assert chosen[matched].any(-1).all()  # every matched caption names a class: at least one target each
+        labelled += int(chosen.sum())
+    assert labelled > 0
+    plain = BatchBuilder(tiny(tmp_path, detector_dir, preset="visualbert", batch_size=16), data, tokenizer)(0, np.random.default_rng(0))
+    chosen = plain.targets["mlm"] != IGNORE
+    assert not torch.isin(plain.targets["mlm"][chosen], grounded).all()  # by default every word is a target
+    assert chosen[plain.targets["itm"] == 0].any()
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [
         (dict(preset="resnet"), "unknown preset 'resnet'"),
+        (dict(mlm_words="nouns"), "unknown mlm_words 'nouns'"),
+        (dict(preset="u-visualbert", mlm_words="grounded"), "mlm_words 'grounded' needs the mlm objective on paired"),
+        (dict(preset="vl-bert", mlm_matched_only=True), "mlm_matched_only needs both the mlm and the itm objective"),
         (dict(size="huge"), "unknown size 'huge'"),
         (dict(objectives=("mlm", "mim")), "unknown objective 'mim'"),
         (dict(preset="lxmert", objectives=("weak",)), "objective 'weak' is not supported by preset 'lxmert'"),
@@ -182,6 +211,8 @@ def test_data_that_does_not_fit_fails_before_training(bad_data, message, detecto
         (["--preset", "resnet"], "unknown preset 'resnet'"),
         (["--preset", "visualbert", "--objectives", "mlm,weak"], "objective 'weak' is not supported by preset 'visualbert'"),
         (["--visual-feat-dim", "2048"], "feature dim mismatch"),
+        (["--mlm-words", "nouns"], "unknown mlm_words 'nouns'"),
+        (["--preset", "vl-bert", "--mlm-matched-only"], "mlm_matched_only needs both the mlm and the itm objective"),
     ],
 )
 def test_cli_bad_configs_exit_2_with_one_message(args, message, detector_dir, tmp_path):

@@ -119,6 +119,9 @@ def pretrain(
     warmup: Annotated[int, typer.Option(min=0, help="linear warm-up steps, then linear decay to 0")] = 100,
     clip: Annotated[float, typer.Option(min=0.0, help="gradient norm clip")] = 1.0,
     mask_prob: Annotated[float, typer.Option(help="text tokens masked")] = 0.15,
+    mlm_words: Annotated[str, typer.Option(help="masked LM targets: all words, or grounded: only the detector's class "
+                                                "and attribute names, which only the image decides")] = "all",
+    mlm_matched_only: Annotated[bool, typer.Option(help="with itm: no masked LM target in a mismatched pair (UNITER)")] = False,
     region_mask_prob: Annotated[float, typer.Option(help="regions masked")] = 0.15,
     visual_feat_dim: Annotated[int | None, typer.Option(help="expected region feature width (default: the detector's)")] = None,
     train_scenes: Annotated[int, typer.Option(min=1)] = 20_000,
@@ -140,7 +143,7 @@ def pretrain(
                          visual_feat_dim=visual_feat_dim, easy_vqa=easy_vqa, train_scenes=train_scenes,
                          eval_scenes=eval_scenes, steps=steps, batch_size=batch_size, lr=lr, head_lr=head_lr,
                          warmup=warmup, clip=clip, mask_prob=mask_prob, region_mask_prob=region_mask_prob,
-                         bf16=bf16, feature_norm=feature_norm, box_embedding=box_embedding, seed=seed, threads=threads)
+                         mlm_words=mlm_words, mlm_matched_only=mlm_matched_only, bf16=bf16, feature_norm=feature_norm, box_embedding=box_embedding, seed=seed, threads=threads)
     try:
         metrics = run_pretrain(cfg)  # validates the config, then the data, before the first step
     except PretrainConfigError as exc:
