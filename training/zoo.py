@@ -9,6 +9,7 @@ from pathlib import Path
 from .data.shapes_cache import ShapesConfig, cache_root
 from .detector_train import DetectorTrainConfig, train_detector
 from .finetune import FinetuneConfig, head_of, train
+from .pretrain import PretrainConfig, pretrain
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,12 @@ class Profile:
     eval_every: int | None = None  # encoder steps between periodic evaluations; None = a third of the run
     box_embedding: str = "linear"  # FinetuneConfig.box_embedding
     region_tags: bool = False  # FinetuneConfig.region_tags
+    # a pretraining stage before fine-tuning (training.pretrain, on the same scenes' captions); 0 steps = none
+    pretrain_steps: int = 0
+    pretrain_objectives: tuple[str, ...] = ("mlm", "itm")  # PretrainConfig.objectives
+    pretrain_mlm_words: str = "grounded"  # PretrainConfig.mlm_words
+    pretrain_mlm_matched_only: bool = True  # PretrainConfig.mlm_matched_only
+    pretrain_mask_prob: float = 0.5  # PretrainConfig.mask_prob
 
 
 PROFILES = {
@@ -96,14 +103,30 @@ def build_zoo(profile: str = "demo", root: Path | None = None, force: bool = Fal
                                            detector={"num_boxes": p.num_boxes, "rpn_post_nms_top_n": p.proposals}),
                        progress=progress)
     det_seconds = time.perf_counter() - started
-    metrics = train(finetune_config(p, det_dir, enc_dir, threads), progress=progress)
-    card = model_card(profile, p, det_dir, metrics, det_seconds, time.perf_counter() - started)
+    pretrained = None
+    if p.pretrain_steps:
+        pre_dir = out / "pretrained"
+        if force or not (pre_dir / "metrics.json").exists():
+            pretrain(pretrain_config(p, det_dir, pre_dir, threads), progress=progress)
+        pretrained = json.loads((pre_dir / "metrics.json").read_text())
+    cfg = finetune_config(p, det_dir, enc_dir, threads)
+    metrics = train(cfg, progress=progress)
+    card = model_card(profile, p, det_dir, metrics, det_seconds, time.perf_counter() - started, pretrained)
     (out / "MODEL_CARD.md").write_text(card)
     return out
 
 
+def pretrain_config(p: Profile, det_dir: Path, pre_dir: Path, threads: int = 2) -> PretrainConfig:
+    """The pretraining stage of a profile: captions of the fine-tuning scenes (easy-VQA has none)."""
+    return PretrainConfig(out=pre_dir, detector_dir=det_dir, preset=p.preset, size=p.size, bf16=p.bf16,
+                          box_embedding=p.box_embedding, objectives=p.pretrain_objectives, easy_vqa=False,
+                          train_scenes=p.train_scenes, eval_scenes=p.eval_scenes, steps=p.pretrain_steps,
+                          batch_size=p.batch_size, mask_prob=p.pretrain_mask_prob, mlm_words=p.pretrain_mlm_words,
+                          mlm_matched_only=p.pretrain_mlm_matched_only, eval_examples=500, threads=threads)
+
+
 def finetune_config(p: Profile, det_dir: Path, enc_dir: Path, threads: int = 2) -> FinetuneConfig:
-    """The encoder stage of a profile."""
+    """The encoder stage of a profile (from the profile's pretraining checkpoint when it has one)."""
     return FinetuneConfig(out=enc_dir, detector_dir=det_dir, preset=p.preset, size=p.size, train_scenes=p.train_scenes,
                           eval_scenes=p.eval_scenes, steps=p.finetune_steps, batch_size=p.batch_size,
                           easy_vqa_images=p.easy_vqa_images, vqa_pool=p.vqa_pool, vqa_loss=p.vqa_loss,
@@ -112,10 +135,29 @@ def finetune_config(p: Profile, det_dir: Path, enc_dir: Path, threads: int = 2) 
                           tasks={"vqa": 1.0, "refer": 1.0, "itm": 1.0, "nlvr2": 1.0, **dict(p.extra_tasks)},
                           bf16=p.bf16, freeze_word_embeddings=p.freeze_word_embeddings, dropout=p.dropout,
                           box_embedding=p.box_embedding, region_tags=p.region_tags,
-                          eval_every=p.eval_every or max(1, p.finetune_steps // 3), threads=threads)
+                          eval_every=p.eval_every or max(1, p.finetune_steps // 3), threads=threads,
+                          init_from=enc_dir.parent / "pretrained" if p.pretrain_steps else None)
 
 
-def model_card(name: str, p: Profile, det_dir: Path, metrics: dict, det_seconds: float, total_seconds: float) -> str:
+def pretraining_line(p: Profile, pretrained: dict | None) -> str:
+    """The card's sentence on the pretraining stage."""
+    if not p.pretrain_steps:
+        return "No pretraining stage in this profile."
+    words = {"grounded": "of the detector's class and attribute words only", "all": "of every word"}[p.pretrain_mlm_words]
+    pairs = ", on matched pairs only" if p.pretrain_mlm_matched_only else ""
+    line = (f"Pretrained first for {p.pretrain_steps} steps ({' + '.join(p.pretrain_objectives)}; masked LM {words}"
+            f"{pairs}, mask rate {p.pretrain_mask_prob:g}) on the same scenes' captions")
+    if pretrained:
+        final = pretrained.get("final", {})
+        line += f" in {pretrained['train_seconds'] / 60:.1f} min"
+        if "mlm_grounded_acc" in final:
+            line += (f"; masked class and attribute words recovered {final['mlm_grounded_acc']:.3f} with the caption's "
+                     f"image, {final['mlm_grounded_acc_other_image']:.3f} with another")
+    return line + "; fine-tuning starts from that encoder."
+
+
+def model_card(name: str, p: Profile, det_dir: Path, metrics: dict, det_seconds: float, total_seconds: float,
+               pretrained: dict | None = None) -> str:
     det = json.loads((det_dir / "metrics.json").read_text())
     rows = "\n".join(f"| {k} | {v} |" for k, v in metrics["final"].items())
     vqa_objective = "softmax cross-entropy" if p.vqa_loss == "ce" else "soft-score BCE"
@@ -142,7 +184,7 @@ read from {p.vqa_pool}; ITM from {p.itm_pool}, NLVR2 from {p.nlvr2_pool}), IoU>=
 {", word embeddings frozen" if p.freeze_word_embeddings else ""}, {p.box_embedding} box embedding\
 {", detector class words as region tags" if p.region_tags else ""}, \
 dropout {0.1 if p.dropout is None else p.dropout:g}; metrics computed with {metrics.get("eval_precision", "fp32")} GEMMs.
-No pretraining stage in this profile. Training time {metrics["train_seconds"] / 60:.1f} min.
+{pretraining_line(p, pretrained)} Training time {metrics["train_seconds"] / 60:.1f} min.
 
 | metric (val / easy-VQA test) | value |
 |---|---|
