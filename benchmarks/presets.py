@@ -35,7 +35,7 @@ from encoder import cpu_name  # noqa: E402
 
 from models.checkpoint import load_checkpoint  # noqa: E402
 from training.finetune import TASKS, FinetuneConfig, train, train_precision  # noqa: E402
-from training.pretrain import PretrainConfig, pretrain  # noqa: E402
+from training.pretrain import DEFAULT_OBJECTIVES, PretrainConfig, pretrain  # noqa: E402
 from training.retrieval import evaluate_retrieval  # noqa: E402
 from training.vl_data import TaskData, prepare_task_data  # noqa: E402
 from training.zoo import zoo_dir  # noqa: E402
@@ -71,6 +71,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--easy-vqa-images", type=int, default=2000, help="easy-VQA training images")
     p.add_argument("--finetune-steps", type=int, default=300)
     p.add_argument("--pretrain-steps", type=int, default=200)
+    p.add_argument("--grounded-mlm", action="store_true",
+                   help="masked LM of the detector's class and attribute words only, rate 0.5, matched pairs only where "
+                        "there is ITM (PretrainConfig.mlm_words); u-visualbert's unpaired weak mode keeps BERT's masking")
     p.add_argument("--lr", type=float, default=2e-4, help="fine-tuning encoder peak learning rate")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bfloat16 autocast in training")
     p.add_argument("--seed", type=int, default=0)
@@ -96,7 +99,8 @@ def budget(args: argparse.Namespace, fingerprint: str) -> dict:
             "seed", "eval_examples", "retrieval_pool", "retrieval_queries")
     return {"detector": fingerprint, "size": "small", "batch_size": BATCH_SIZE, "head_lr": FinetuneConfig.head_lr,
             "pretrain_lr": PretrainConfig.lr, **{k: getattr(args, k) for k in keys},
-            "bf16": train_precision(args.bf16) == "bf16"}  # what ran: float32 where this CPU would emulate bf16
+            "bf16": train_precision(args.bf16) == "bf16",  # what ran: float32 where this CPU would emulate bf16
+            **({"grounded_mlm": True} if args.grounded_mlm else {})}  # absent: BERT's masking (older results)
 
 
 def held_out(data: TaskData, limit: int) -> TaskData:
@@ -122,11 +126,20 @@ def fresh(path: Path) -> Path:
     return path
 
 
+def masking(preset: str, grounded: bool) -> dict:
+    """PretrainConfig masked-LM fields: BERT's, or with --grounded-mlm the detector's words of matched pairs."""
+    objectives = DEFAULT_OBJECTIVES[preset]
+    if not grounded or "mlm" not in objectives or "weak" in objectives:
+        return {}
+    return {"mlm_words": "grounded", "mask_prob": 0.5, "mlm_matched_only": "itm" in objectives}
+
+
 def run_pretrain(preset: str, data: TaskData, args: argparse.Namespace, out: Path) -> dict:
     cfg = PretrainConfig(out=fresh(out), detector_dir=args.detector_dir, preset=preset, size="small", bf16=args.bf16,
                          train_scenes=args.train_scenes, eval_scenes=args.eval_scenes,
                          easy_vqa_images=args.easy_vqa_images, steps=args.pretrain_steps, batch_size=BATCH_SIZE,
-                         checkpoint_every=NEVER, eval_examples=args.eval_examples, seed=args.seed, threads=args.threads)
+                         checkpoint_every=NEVER, eval_examples=args.eval_examples, seed=args.seed, threads=args.threads,
+                         **masking(preset, args.grounded_mlm))
     metrics, seconds = timed(pretrain, cfg, data=data, progress=False)
     zero_shot, retrieval_seconds = timed(retrieval, out, data, args)
     return {"dir": str(out), "objectives": list(cfg.objectives), "seconds": seconds,
@@ -242,7 +255,7 @@ def table(results: dict) -> str:
         "",
         f"Budget: fine-tuning {b['finetune_steps']} steps at batch {b['batch_size']} (encoder lr {b['lr']:g}, heads "
         f"{b['head_lr']:g}, softmax VQA loss), pretraining {b['pretrain_steps']} steps at batch {b['batch_size']} (lr "
-        f"{b['pretrain_lr']:g}); {'bfloat16 autocast' if b['bf16'] else 'fp32'}, seed {b['seed']}. Training data: "
+        f"{b['pretrain_lr']:g}{', masked LM of the detector words of matched pairs' if b.get('grounded_mlm') else ''}); {'bfloat16 autocast' if b['bf16'] else 'fp32'}, seed {b['seed']}. Training data: "
         f"{b['train_scenes']} shapes-world train scenes + {b['easy_vqa_images']} easy-VQA train images (detector "
         f"{b['detector']}). Held-out examples: {eval_sizes} (val scenes, easy-VQA test); retrieval: "
         f"{b['retrieval_queries']} query captions ranking {b['retrieval_pool']} val scenes. Bold: better than the same "
