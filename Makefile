@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install test serve zoo zoo-full bench results clean
+.PHONY: install test serve zoo zoo-pretrained zoo-full bench results clean
 
 # torch first (pins read from pyproject.toml), so no dependency pulls another torch build.
 # redis-server comes from Debian: the tests start their own on a free loopback port.
@@ -21,6 +21,9 @@ serve: install
 
 zoo: install
 	vlserve zoo build --profile demo
+
+zoo-pretrained: install
+	vlserve zoo build --profile pretrained
 
 zoo-full: install
 	vlserve zoo build --profile full

@@ -51,6 +51,8 @@ def main() -> None:
         ap.error(f"unknown field(s) {', '.join(sorted(unknown))}")
     tuples = {k: tuple(v) if isinstance(v, list) else v for k, v in over.items()}
     p = dataclasses.replace(zoo.PROFILES[args.profile], **{k: v for k, v in tuples.items() if k in profile_fields})
+    if p.pretrain_steps and "init_from" not in over:
+        ap.error(f"profile {args.profile!r} fine-tunes from its pretraining stage: pass its checkpoint as init_from")
     out = args.root / args.name
     cfg = zoo.finetune_config(p, zoo.zoo_dir(args.profile) / "detector", out, threads=args.threads)
     cfg = dataclasses.replace(cfg, **{k: v for k, v in tuples.items() if k in config_fields and k not in profile_fields})

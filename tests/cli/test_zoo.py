@@ -101,3 +101,10 @@ def test_a_pretraining_stage_feeds_the_finetuning_and_the_card(tmp_path):
             "recovered 0.762 with the caption's image, 0.566 with another; fine-tuning starts from that encoder.") in card
     assert "No pretraining stage" in training.zoo.model_card("demo", demo, tmp_path, {"final": {}, "train_seconds": 60},
                                                               det_seconds=60, total_seconds=120)
+
+
+def test_the_pretrained_profile_is_the_demo_after_a_grounded_pretraining(tmp_path):
+    demo, pretrained = training.zoo.PROFILES["demo"], training.zoo.PROFILES["pretrained"]
+    assert dataclasses.replace(pretrained, pretrain_steps=0) == demo and pretrained.pretrain_steps == 1500
+    cfg = training.zoo.finetune_config(pretrained, tmp_path / "det", tmp_path / "zoo" / "encoder")
+    assert cfg.init_from == tmp_path / "zoo" / "pretrained" and cfg.steps == demo.finetune_steps

@@ -12,7 +12,7 @@ app = typer.Typer(help="Build the model sets the service runs on.", no_args_is_h
 
 @app.command("build")
 def build(
-    profile: Annotated[str, typer.Option(help="demo (CPU, minutes) or full (up to an hour)")] = "demo",
+    profile: Annotated[str, typer.Option(help="demo (CPU, minutes), pretrained (the demo after a grounded pretraining, about twice as long) or full (up to an hour)")] = "demo",
     root: Annotated[Path | None, typer.Option(help="cache root of everything the build writes: shapes-world data, "
                                               "region features, the model set (default $VLSERVE_CACHE or "
                                               "~/.cache/vlserve)")] = None,
