@@ -52,8 +52,8 @@ DEFAULT_OBJECTIVES = {  # each paper's pretraining tasks
     "u-visualbert": ("weak",),  # unpaired text and images, detector tags as anchors
 }
 ONLY_FOR = {"tag": "u-visualbert", "weak": "u-visualbert"}  # objectives that read detector tags as input
-WEAK_HEADS = ("mlm", "mrc", "tag")
-MLM_WORDS = ("all", "grounded")  # PretrainConfig.mlm_words  # text-only batches train mlm, image-only batches mrc and tag
+WEAK_HEADS = ("mlm", "mrc", "tag")  # text-only batches train mlm, image-only batches mrc and tag
+MLM_WORDS = ("all", "grounded")  # PretrainConfig.mlm_words
 
 
 class PretrainConfigError(ValueError):
@@ -345,22 +345,25 @@ def grounded_word_accuracy(model: VLModel, data: TaskData, tokenizer: VLTokenize
                            batch_size: int = 64) -> dict[str, float]:
     """Masked LM on the words only the image decides: in each held-out caption every sub-word of a detector class or
     attribute name is masked at once and predicted with the caption's own image (`mlm_grounded_acc`) and with the
-    next caption's image (`mlm_grounded_acc_other_image`: what the text alone gives, plus chance agreement). The gap
+    image of another scene (`mlm_grounded_acc_other_image`: what the text alone gives, plus chance agreement). The gap
     between the two is what masked LM reads off the image. {} for a model without an mlm head."""
     if "mlm" not in model.heads:
         return {}
     examples = [e for e in data.eval.get("itm", []) if e.label == 1][:limit]
+    rows = np.array([e.rows[0] for e in examples], dtype=np.int64)
+    other = other_scenes(rows)
+    if other is None:
+        return {}
     grounded = grounded_token_ids(tokenizer, data.objects + data.attributes)
     correct, total = {"own": 0, "other": 0}, 0
     model.eval()
-    for s in range(0, len(examples) - 1, batch_size):  # the last batch needs two captions to swap images
+    for s in range(0, len(examples), batch_size):
         batch = examples[s : s + batch_size]
         text = {k: torch.from_numpy(v) for k, v in tokenizer.encode([e.text for e in batch]).items()}
         ids = text["input_ids"]
         target = torch.isin(ids, grounded) & text["attention_mask"].bool()
         text["input_ids"] = ids.masked_fill(target, tokenizer.mask_id)
-        rows = np.array([e.rows[0] for e in batch])
-        for image, image_rows in (("own", rows), ("other", np.roll(rows, 1))):
+        for image, image_rows in (("own", rows[s : s + batch_size]), ("other", other[s : s + batch_size])):
             enc = model.forward_features(VLInputs(**text, **data.eval_table.tensors(image_rows)))
             guess = model.heads["mlm"].decode(enc.text[target]).argmax(-1)
             correct[image] += int((guess == ids[target]).sum())
@@ -369,6 +372,17 @@ def grounded_word_accuracy(model: VLModel, data: TaskData, tokenizer: VLTokenize
         return {}
     return {"mlm_grounded_acc": round(correct["own"] / total, 4),
             "mlm_grounded_acc_other_image": round(correct["other"] / total, 4)}
+
+
+def other_scenes(rows: np.ndarray) -> np.ndarray | None:
+    """For each caption's image row, the row of another caption half the list away that shows another image (a scene's
+    captions are consecutive, so a neighbour's image is usually its own); None when all show one image."""
+    if len(np.unique(rows)) < 2:
+        return None
+    other = np.roll(rows, len(rows) // 2)
+    for i in np.flatnonzero(other == rows):
+        other[i] = rows[rows != rows[i]][i % int((rows != rows[i]).sum())]
+    return other
 
 
 def window_means(records: list[dict[str, float]]) -> dict[str, float]:

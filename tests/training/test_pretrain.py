@@ -233,3 +233,11 @@ def test_cli_pretrains(detector_dir, data, tmp_path, monkeypatch):
                                       "--batch-size", "4", "--threads", "1"])
     assert result.exit_code == 0, result.output
     assert set(load_checkpoint(tmp_path / "enc").model.heads) == {"mlm", "mrc"}
+
+
+def test_grounded_words_are_also_scored_with_another_scenes_image():
+    """A scene's captions are consecutive: the image a caption is scored against must be another scene's."""
+    rows = np.array([0, 0, 0, 1, 1, 2, 2, 2, 2, 2])
+    other = pretrain_module.other_scenes(rows)
+    assert (other != rows).all() and set(other) <= set(rows)
+    assert pretrain_module.other_scenes(np.array([4, 4, 4])) is None  # one image: nothing to compare with
