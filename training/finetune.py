@@ -27,10 +27,12 @@ from .vl_data import POSITION_SETS, TaskData, prepare_task_data, tagged
 log = logging.getLogger(__name__)
 STATE = "train_state.pt"  # resumable state, written beside the checkpoint files
 TASKS = ("vqa", "refer", "itm", "nlvr2", "multiple_choice")  # heads fine-tuning trains
-RANK_TASK = "itm_rank"  # retrieval groups trained with a listwise ranking loss through the itm head
+RANK_TASK = "itm_rank"  # retrieval groups trained with a listwise ranking loss through the itm head: a caption
+RANK_TEXT_TASK = "itm_rank_text"  # with its image and others (itm_rank), or an image with its caption and near misses
+RANK_TASKS = (RANK_TASK, RANK_TEXT_TASK)
 # training sets beyond the heads' own tasks -> the head they train: the ranking groups, and one-object position
 # questions ("is the red circle on the left?", vl_data.POSITION_SETS) for a curriculum of the VQA head
-TRAINING_SETS = {RANK_TASK: "itm", "positions": "vqa", "positions_one_side": "vqa"}
+TRAINING_SETS = {RANK_TASK: "itm", RANK_TEXT_TASK: "itm", "positions": "vqa", "positions_one_side": "vqa"}
 
 
 def head_of(task: str) -> str:
@@ -57,7 +59,7 @@ class FinetuneConfig:
     region_tags: bool = False  # u-visualbert: each region also carries its detector class word (EncoderConfig.region_tags)
     init_text: bool = True  # start the text side from the pretrained MiniLM-L6 (unless init_from is set)
     init_from: Path | None = None  # start the encoder (and same-named, same-shaped heads) from this checkpoint directory
-    tasks: dict[str, float] = field(default_factory=lambda: {"vqa": 1.0, "refer": 1.0, "itm": 1.0, "nlvr2": 1.0})  # task -> sampling weight (itm_rank: ranking groups, trains the itm head)
+    tasks: dict[str, float] = field(default_factory=lambda: {"vqa": 1.0, "refer": 1.0, "itm": 1.0, "nlvr2": 1.0})  # task -> sampling weight (itm_rank, itm_rank_text: ranking groups, train the itm head)
     lead_tasks: tuple[str, ...] = ()  # tasks trained alone for the first lead_steps steps (a grounding curriculum: refer
     lead_steps: int = 0  # learns word-region binding alone in ~200 steps, but not while four fresh heads share the encoder)
     curriculum: tuple[tuple[int, tuple[str, ...]], ...] = ()  # phases after the lead phase, in order: (steps, tasks
@@ -242,7 +244,7 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
     torch.set_num_threads(cfg.threads)
     rng = np.random.default_rng(cfg.seed)
     data = data or prepare_task_data(cfg.detector_dir, cfg.train_scenes, cfg.eval_scenes, cfg.easy_vqa, progress,
-                                     easy_vqa_images=cfg.easy_vqa_images, ranking=RANK_TASK in cfg.tasks,
+                                     easy_vqa_images=cfg.easy_vqa_images, ranking=any(t in RANK_TASKS for t in training_tasks(cfg)),
                                      positions=any(t in POSITION_SETS for t in training_tasks(cfg)))
     unknown = set(training_tasks(cfg)) - set(data.train)
     if unknown:
@@ -279,10 +281,11 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
         w = next(weights for end, weights in phases if step < end)
         task = tasks[int(rng.choice(len(tasks), p=w / w.sum()))]
         pool = data.train[task]
-        ranking, head = task == RANK_TASK, head_of(task)
-        group = len(pool[0].rows) if ranking else 1  # itm_rank: images per caption; a step scores batch_size pairs
+        ranking, head = task in RANK_TASKS, head_of(task)
+        # pairs per group: images per caption (itm_rank), captions per image (itm_rank_text); a step scores batch_size pairs
+        group = (len(pool[0].rows) if task == RANK_TASK else 1 + len(pool[0].choices)) if ranking else 1
         batch = [pool[int(i)] for i in rng.integers(0, len(pool), max(1, cfg.batch_size // group))]
-        kind = RANK_TASK if ranking else model.config.heads[head].kind
+        kind = task if ranking else model.config.heads[head].kind
         inputs, labels = collate(kind, batch, data.train_table, tokenizer, model.config.heads[head], cfg.max_length)
         with autocast(bf16):
             if ranking:

@@ -18,7 +18,7 @@ from .data.shapes_cache import FORMAT_VERSION, ShapesConfig, ShapesSplit, cache_
 from .data.shapes_tasks import ANSWERS, ONE_SIDE, SIDES, TaskConfig
 from .data.shapes_world import WorldConfig
 from .data.vl_tasks import (
-    Example, easy_vqa_examples, position_examples, ranking_examples, retrieval_examples, shapes_examples,
+    Example, caption_ranking_examples, easy_vqa_examples, position_examples, ranking_examples, retrieval_examples, shapes_examples,
 )
 from .data.vl_tasks import easy_vqa_images as easy_vqa_image_ids
 
@@ -80,7 +80,7 @@ def shapes_part(extract: Extract, split_name: str, scenes: int, data: ShapesConf
                 root: Path | None = None, ranking: bool = False,
                 positions: tuple[str, ...] = ()) -> tuple[RegionTable, dict[str, list[Example]]]:
     """Regions of the first max(scenes, retrieval_pool) scenes of a split; task examples of the first `scenes`
-    (NLVR2 pairs inside them), with `ranking` the retrieval training groups (itm_rank) over them, with
+    (NLVR2 pairs inside them), with `ranking` the retrieval training groups (itm_rank, itm_rank_text) over them, with
     `positions` the named sets of one-object position questions (POSITION_SETS), and, with retrieval_pool, one gold
     caption for each of the first pool scenes."""
     split = load_split(split_name, data, root)
@@ -90,7 +90,9 @@ def shapes_part(extract: Extract, split_name: str, scenes: int, data: ShapesConf
     examples = shapes_examples(ShapesSplit(split.directory, split.annotations[:scenes], list(filter(inside, split.nlvr2))),
                                ANSWERS, seed=seed)
     if ranking:
-        examples["itm_rank"] = ranking_examples(ShapesSplit(split.directory, split.annotations[:scenes], []), seed=seed)
+        scene_split = ShapesSplit(split.directory, split.annotations[:scenes], [])
+        examples["itm_rank"] = ranking_examples(scene_split, seed=seed)
+        examples["itm_rank_text"] = caption_ranking_examples(scene_split, seed=seed)
     for name in positions:
         examples[name] = position_examples(ShapesSplit(split.directory, split.annotations[:scenes], []), ANSWERS,
                                            POSITION_SETS[name])
@@ -131,7 +133,7 @@ def prepare_task_data(detector_dir: Path, train_scenes: int, eval_scenes: int, e
                       progress: bool = True, data: ShapesConfig = ShapesConfig(), easy_vqa_images: int | None = None,
                       shapes_root: Path | None = None, ranking: bool = False, positions: bool = False) -> TaskData:
     """Extract (or load cached) regions for the data a run uses and build its task examples (eval on val);
-    with `ranking` also the itm_rank training groups, with `positions` the position question sets (trained through
+    with `ranking` also the itm_rank and itm_rank_text training groups, with `positions` the position question sets (trained through
     the VQA head; the val scenes' both-sided set is scored as `positions`)."""
     cfg, fingerprint, extract = _extractor(detector_dir, progress)
     train_table, train = shapes_part(extract, "train", train_scenes, data, seed=0, root=shapes_root, ranking=ranking,

@@ -122,7 +122,7 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(task_data, tmp_path):
         (["--preset", "resnet"], "unknown preset 'resnet'"),
         (["--size", "huge"], "unknown size 'huge'"),
         (["--tasks", "vqa:1,grounding:1"], "head not supported by fine-tuning: grounding (choose vqa, refer, itm, nlvr2, "
-                                           "multiple_choice, itm_rank, positions, positions_one_side)"),
+                                           "multiple_choice, itm_rank, itm_rank_text, positions, positions_one_side)"),
         (["--tasks", "vqa:0"], "task weights must be positive"),
         (["--size", "tiny"], "--init-text needs size small"),
         (["--vqa-loss", "mse"], "--vqa-loss must be bce or ce"),
@@ -280,37 +280,58 @@ def test_ranking_groups_put_the_closest_scenes_among_the_negatives():
     assert 2 not in groups[0].rows and 0 not in groups[2].rows  # a scene with the same objects is never a negative
 
 
-def test_itm_rank_collates_every_caption_with_each_of_its_images(task_data):
+def test_caption_ranking_groups_hold_the_listing_first_then_false_near_misses(task_data):
+    from training.data.shapes_cache import load_split
+
+    _, data = task_data
+    groups = data.train["itm_rank_text"]
+    split = load_split("train", SHAPES)
+    assert len(groups) == 160 and "itm_rank_text" not in data.eval
+    for g, e in enumerate(groups):
+        assert e.rows == (g,) and e.label == 0 and len(e.choices) == 7
+        assert e.text == split.annotations[g]["captions"][0] and e.text not in e.choices
+        assert len(set(e.choices)) == 7
+
+
+@pytest.mark.parametrize("task", ["itm_rank", "itm_rank_text"])
+def test_ranking_groups_collate_to_one_pair_per_candidate(task_data, task):
+    """itm_rank: a caption with each of its 8 images; itm_rank_text: an image with each of its 8 captions."""
     _, data = task_data
     tok = VLTokenizer.pretrained_minilm(max_length=40)
-    groups = data.train["itm_rank"][:3]
-    inputs, labels = collate("itm_rank", groups, data.train_table, tok, HeadConfig(kind="itm"))
+    groups = data.train[task][:3]
+    inputs, labels = collate(task, groups, data.train_table, tok, HeadConfig(kind="itm"))
     assert inputs.input_ids.shape[0] == 24 and labels.tolist() == [0, 0, 0]
-    rows = [r for e in groups for r in e.rows]
+    images = task == "itm_rank"
+    rows = [r for e in groups for r in (e.rows if images else e.rows * 8)]
+    texts = [t for e in groups for t in ([e.text] * 8 if images else (e.text, *e.choices))]
     torch.testing.assert_close(inputs.region_features, torch.from_numpy(data.train_table.features[rows]).float())
+    expected = tok.encode(texts, max_length=40)["input_ids"][:, :inputs.input_ids.shape[1]]
+    assert inputs.input_ids.tolist() == expected.tolist()
 
 
-def test_itm_rank_trains_the_itm_head_to_rank_each_caption_s_own_image_first(task_data, tmp_path):
+@pytest.mark.parametrize("task", ["itm_rank", "itm_rank_text"])
+def test_ranking_trains_the_itm_head_to_rank_the_true_pair_first(task_data, tmp_path, task):
+    """itm_rank: each caption's own image among 8; itm_rank_text: each image's listing among 8 captions."""
     import dataclasses
 
     detector, data = task_data
-    groups = data.train["itm_rank"][:8]  # few enough for a tiny model to fit in a test's time
-    data = dataclasses.replace(data, train={"itm_rank": groups})
+    groups = data.train[task][:8]  # few enough for a tiny model to fit in a test's time
+    data = dataclasses.replace(data, train={task: groups})
     tok = VLTokenizer.pretrained_minilm(max_length=40)
 
     def top1(model) -> float:
-        inputs, _ = collate("itm_rank", groups, data.train_table, tok, model.config.heads["itm"])
+        inputs, _ = collate(task, groups, data.train_table, tok, model.config.heads["itm"])
         with torch.no_grad():
             logits = model.eval()(inputs, "itm").logits
         return ((logits[:, 1] - logits[:, 0]).view(len(groups), -1).argmax(1) == 0).float().mean().item()
 
     torch.manual_seed(0)
-    before = top1(build_model(tiny(tmp_path / "r", detector, tasks={"itm_rank": 1.0}), data.feature_dim, len(data.answers)))
-    result = train(tiny(tmp_path / "r", detector, tasks={"itm_rank": 1.0}, steps=150), data=data, progress=False)
+    before = top1(build_model(tiny(tmp_path / "r", detector, tasks={task: 1.0}), data.feature_dim, len(data.answers)))
+    result = train(tiny(tmp_path / "r", detector, tasks={task: 1.0}, steps=150), data=data, progress=False)
     model = load_checkpoint(tmp_path / "r").model
     assert set(model.heads) == {"itm"}  # the ranking task trains the served itm head; no head of its own
     assert np.mean(result["losses"][-20:]) < np.mean(result["losses"][:20])
-    assert top1(model) >= max(before, 1 / 8) + 0.375, before  # chance: 1 of 8 images; untrained: 0 of 8 here
+    assert top1(model) >= max(before, 1 / 8) + 0.375, before  # chance: 1 of 8; untrained: 0 of 8 here
 
 
 

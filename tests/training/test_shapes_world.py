@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from training.data.shapes_cache import ShapesConfig, build_shapes, dataset_dir, load_split
-from training.data.shapes_tasks import ANSWERS, ONE_SIDE, TaskConfig, nlvr2_examples, position_questions, scene_annotations
+from training.data.shapes_tasks import ANSWERS, ONE_SIDE, TaskConfig, false_listings, nlvr2_examples, position_questions, scene_annotations
 from training.data.shapes_world import COLORS, SHAPES, SIZES, Scene, WorldConfig, generate_scene, render_scene
 
 WORLD = WorldConfig(seed=3)
@@ -232,6 +232,31 @@ def test_retrieval_captions_true_and_negatives_false(annotations):
                 assert words[-1].rstrip(".s") == positive[-1].rstrip(".s")
             else:  # exactly one word (an attribute or the relation) differs
                 assert len(words) == len(positive) and sum(a != b for a, b in zip(words, positive)) == 1
+
+
+def test_false_listings_are_false_near_misses_of_the_listing(scenes, annotations):
+    """Each is false of its scene (checked by the independent parser above) and one step from the true listing:
+    the same number of objects with exactly one word changed, or one object more or fewer."""
+    steps = Counter()
+    for scene, ann in zip(scenes, annotations):
+        listing = ann["captions"][0]
+        false = false_listings(scene, np.random.default_rng(0), 7)
+        assert len(false) == len(set(false)) == 7 and listing not in false
+        n = len(re.split(r", | and ", listing))
+        for caption in false:
+            assert caption_truth(caption, ann) is False, caption
+            items = re.split(r", | and ", caption.rstrip("."))
+            assert abs(len(items) - n) <= 1
+            if len(items) == n:
+                words, true_words = caption.split(), listing.split()
+                changed = [(a, b) for a, b in zip(words, true_words) if a != b]
+                # an attribute swapped in place (one word; 'a' -> 'an' may follow it)
+                assert 1 <= len(changed) <= 2 and len(words) == len(true_words), (caption, listing)
+                steps["attribute"] += 1
+            else:
+                steps["fewer" if len(items) < n else "more"] += 1
+    assert steps["attribute"] and steps["fewer"] and steps["more"], steps
+    assert false_listings(scenes[0], np.random.default_rng(0), 7) == false_listings(scenes[0], np.random.default_rng(0), 7)
 
 
 def test_nlvr2_labels_and_balance(scenes, annotations):

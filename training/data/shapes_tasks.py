@@ -15,6 +15,7 @@ from .shapes_world import (
 # One answer vocabulary for every VQA question (and the VQA head's label list).
 ANSWERS = ["yes", "no", *COLOR_NAMES, *SHAPES, *SIZES, *(str(n) for n in range(MAX_OBJECTS + 1))]
 ATTRIBUTE_VALUES = {"shape": SHAPES, "color": COLOR_NAMES, "size": SIZES}
+FULL_DESCS = tuple(Desc(s, c, z) for s in SHAPES for c in COLOR_NAMES for z in SIZES)  # every object that can be drawn
 TASK_STREAM, PAIR_STREAM = 1, 2  # rng streams of scene_rng, apart from the scene's own draws (stream 0)
 
 
@@ -286,6 +287,22 @@ def retrieval_captions(scene: Scene, rng: np.random.Generator, config: TaskConfi
     return [statement_text(st) for st in chosen], negatives
 
 
+def false_listings(scene: Scene, rng: np.random.Generator, k: int) -> list[str]:
+    """Up to k listing captions false of the scene, each one step from its true listing: one attribute of one
+    object changed, one object left out, or one more object put in (the near misses a ranking must tell apart)."""
+    listing = caption_pools(scene)["listing"][0]
+    descs = listing[1]
+    near = [m for m, _ in statement_mutations(listing)]
+    if len(descs) > 1:
+        near += [("listing", descs[:j] + descs[j + 1:]) for j in range(len(descs))]
+    if len(descs) < MAX_OBJECTS:
+        near += [("listing", descs[:j] + (FULL_DESCS[int(rng.integers(len(FULL_DESCS)))],) + descs[j:])
+                 for j in range(len(descs) + 1)]
+    texts = dict.fromkeys(statement_text(near[m]) for m in rng.permutation(len(near))
+                          if statement_truth(scene, near[m]) is False)
+    return list(texts)[:k]
+
+
 # ---- grounding: phrase -> box links and word -> word relations, as character spans -----------------------
 
 def _append(parts: list[str], text: str) -> list[int]:
@@ -413,6 +430,6 @@ def scene_annotations(scene: Scene, config: TaskConfig = TaskConfig()) -> dict:
 
 
 __all__ = [
-    "ANSWERS", "Ref", "TaskConfig", "describe", "grounding_caption", "is_unique_ref", "mc_questions",
+    "ANSWERS", "Ref", "TaskConfig", "describe", "false_listings", "grounding_caption", "is_unique_ref", "mc_questions",
     "nlvr2_examples", "refer_expressions", "retrieval_captions", "scene_annotations", "vqa_questions",
 ]

@@ -14,7 +14,7 @@ from models.tokenizer import VLTokenizer
 from .easy_vqa import EasyVQASplit
 from .region_table import RegionTable
 from .shapes_cache import ShapesSplit
-from .shapes_tasks import position_questions
+from .shapes_tasks import false_listings, position_questions
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,19 @@ def ranking_examples(split: ShapesSplit, group_size: int = 8, hard: int = 3, nei
     return out
 
 
+def caption_ranking_examples(split: ShapesSplit, group_size: int = 8, seed: int = 0, row_offset: int = 0) -> list[Example]:
+    """Retrieval training groups seen from the image: each scene with its listing caption (text, the first
+    candidate) and, as choices, group_size - 1 false listings one step from it (an attribute changed, an object
+    left out or added). Label 0: the true caption. Scenes with too few near misses are skipped."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, ann in enumerate(split.annotations):
+        false = false_listings(split.scene(i), rng, group_size - 1)
+        if len(false) == group_size - 1:
+            out.append(Example((i + row_offset,), ann["captions"][0], 0, tuple(false)))
+    return out
+
+
 def objects_key(annotation: dict) -> tuple[tuple[str, str, str], ...]:
     """The scene's objects as a sorted tuple of (size, color, shape): equal keys, same listing truth."""
     return tuple(sorted((o["size"], o["color"], o["shape"]) for o in annotation["objects"]))
@@ -139,8 +152,10 @@ def collate(
     max_length: int = 40,
 ) -> tuple[VLInputs, torch.Tensor]:
     """One padded batch of a task (head kind) and its labels in the head's format."""
-    if kind == "itm_rank":  # groups: every caption with each of its images, flattened; label = its own image
-        flat = [Example((row,), e.text, 0) for e in examples for row in e.rows]
+    if kind in ("itm_rank", "itm_rank_text"):  # groups, flattened: a caption with each of its images (itm_rank) or
+        # an image with each of its captions (itm_rank_text); label = the true pair's place in its group
+        flat = ([Example((row,), e.text, 0) for e in examples for row in e.rows] if kind == "itm_rank" else
+                [Example(e.rows, text, 0) for e in examples for text in (e.text, *e.choices)])
         inputs, _ = collate("itm", flat, table, tokenizer, head, max_length)
         return inputs, torch.tensor([e.label for e in examples], dtype=torch.long)
     if kind == "multiple_choice":
