@@ -22,6 +22,7 @@ from models.tokenizer import VLTokenizer
 from .data.vl_tasks import collate
 from .evaluate import evaluate_tasks
 from .objectives import group_ranking_loss
+from .retrieval import card_metrics, evaluate_retrieval
 from .vl_data import POSITION_SETS, TaskData, prepare_task_data, tagged
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,8 @@ class FinetuneConfig:
     clip: float = 1.0  # gradient norm clip
     eval_every: int = 500
     eval_examples: int = 500  # per task, periodic evaluation
+    retrieval_queries: int = 0  # with an itm head, the final metrics add text -> image R@K of this many listing captions
+    # over the whole eval pool (retrieval.card_metrics; 0 = none; queries x eval_scenes pairs are scored)
     checkpoint_every: int = 250  # steps between resumable-state saves
     seed: int = 0
     threads: int = 2
@@ -185,6 +188,8 @@ def check_lead(cfg: FinetuneConfig) -> None:
     stray = [t for t in cfg.lead_tasks if cfg.tasks.get(t, 0) <= 0]
     if stray:
         raise ValueError(f"lead task(s) {', '.join(stray)} not among the run's tasks ({', '.join(cfg.tasks)})")
+    if cfg.retrieval_queries and "itm" not in {head_of(t) for t in training_tasks(cfg)}:
+        raise ValueError("retrieval_queries needs a task that trains the itm head (itm, itm_rank or itm_rank_text)")
     known = (*TASKS, *TRAINING_SETS)
     for steps, tasks in cfg.curriculum:
         if steps <= 0 or not tasks:
@@ -307,6 +312,9 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
     train_seconds = time.perf_counter() - start
     with gemm_precision(model, precision):
         final = evaluate_tasks(model, data, tokenizer, None)
+        if cfg.retrieval_queries:
+            found = evaluate_retrieval(model, data, tokenizer, cfg.retrieval_queries, directions=("text_to_image",))
+            final.update(card_metrics(found) if found else {})
     metrics = {"final": final, "history": history, "train_seconds": round(train_seconds, 1),
                "train_precision": "bf16" if bf16 else "fp32", "eval_precision": precision,
                "config": _jsonable(asdict(cfg))}

@@ -119,3 +119,14 @@ def evaluate_retrieval(model: VLModel, data, tokenizer: VLTokenizer, queries: in
     scorer = itm_scorer(model, task, examples, data.eval_table, tokenizer)
     return retrieval_recall(scorer, len(examples), queries, keys=[e.label for e in examples], seed=seed,
                             batch_size=batch_size, directions=directions)
+
+
+def card_metrics(result: dict, direction: str = "text_to_image") -> dict[str, float]:
+    """One direction of a retrieval result as flat metrics: retrieval_<t2i|i2t>_R@K (the gold image / caption) and,
+    where the result has keys, retrieval_<t2i|i2t>_any_true_R@1 (any pool item the caption is true of counts)."""
+    short = {"text_to_image": "t2i", "image_to_text": "i2t"}[direction]
+    out = {"retrieval_pool": result["pool"], "retrieval_queries": result["queries"]}
+    out.update({f"retrieval_{short}_{k}": v for k, v in result[direction].items()})
+    if f"{direction}_any_true" in result:
+        out[f"retrieval_{short}_any_true_R@1"] = result[f"{direction}_any_true"]["R@1"]
+    return out

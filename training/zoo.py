@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .data.shapes_cache import ShapesConfig, cache_root
 from .detector_train import DetectorTrainConfig, train_detector
-from .finetune import FinetuneConfig, head_of, train
+from .finetune import RANK_TASK, RANK_TEXT_TASK, FinetuneConfig, head_of, train
 from .pretrain import PretrainConfig, pretrain
 
 
@@ -47,6 +47,12 @@ class Profile:
     pretrain_mlm_words: str = "grounded"  # PretrainConfig.mlm_words
     pretrain_mlm_matched_only: bool = True  # PretrainConfig.mlm_matched_only
     pretrain_mask_prob: float = 0.5  # PretrainConfig.mask_prob
+    # a retrieval stage after the multi-task run, from its checkpoint with every head: the ranking sets (itm_rank:
+    # a listing caption with its image and 7 others; itm_rank_text: an image with its listing and 7 near misses), each
+    # at retrieval_weight beside the mix's tasks; 0 steps = none
+    retrieval_steps: int = 0
+    retrieval_weight: float = 6.0
+    retrieval_queries: int = 100  # text -> image queries over the eval scenes on the card (0 = none)
 
 
 # The measured levers of docs/BENCHMARKS.md ("Training step") and docs/RESULTS.md: 8 regions (shapes scenes
@@ -84,6 +90,9 @@ PROFILES = {
 }
 
 
+MULTITASK = "multitask"  # a profile with a retrieval stage keeps its multi-task checkpoint here (the stage's start)
+
+
 def zoo_dir(profile: str, root: Path | None = None) -> Path:
     return Path(root or cache_root()) / "zoo" / profile
 
@@ -116,9 +125,15 @@ def build_zoo(profile: str = "demo", root: Path | None = None, force: bool = Fal
         if force or not (pre_dir / "metrics.json").exists():
             pretrain(pretrain_config(p, det_dir, pre_dir, threads), progress=progress)
         pretrained = json.loads((pre_dir / "metrics.json").read_text())
-    cfg = finetune_config(p, det_dir, enc_dir, threads)
+    cfg = finetune_config(p, det_dir, out / MULTITASK if p.retrieval_steps else enc_dir, threads)
+    multitask = None
+    if p.retrieval_steps:  # the multi-task run, then the retrieval stage from it into encoder/
+        if force or not (out / MULTITASK / "metrics.json").exists():
+            train(cfg, progress=progress)
+        multitask = json.loads((out / MULTITASK / "metrics.json").read_text())
+        cfg = retrieval_config(p, cfg, enc_dir)
     metrics = train(cfg, progress=progress)
-    card = model_card(profile, p, det_dir, metrics, det_seconds, time.perf_counter() - started, pretrained)
+    card = model_card(profile, p, det_dir, metrics, det_seconds, time.perf_counter() - started, pretrained, multitask)
     (out / "MODEL_CARD.md").write_text(card)
     return out
 
@@ -143,7 +158,17 @@ def finetune_config(p: Profile, det_dir: Path, enc_dir: Path, threads: int = 2) 
                           bf16=p.bf16, freeze_word_embeddings=p.freeze_word_embeddings, dropout=p.dropout,
                           box_embedding=p.box_embedding, region_tags=p.region_tags,
                           eval_every=p.eval_every or max(1, p.finetune_steps // 3), threads=threads,
-                          init_from=enc_dir.parent / "pretrained" if p.pretrain_steps else None)
+                          init_from=enc_dir.parent / "pretrained" if p.pretrain_steps else None,
+                          retrieval_queries=0 if p.retrieval_steps else p.retrieval_queries)
+
+
+def retrieval_config(p: Profile, multitask: FinetuneConfig, enc_dir: Path) -> FinetuneConfig:
+    """The retrieval stage: from the multi-task checkpoint (every head), its mix plus both ranking sets at
+    retrieval_weight each, a fresh 50-step warm-up and linear decay."""
+    return dataclasses.replace(multitask, out=enc_dir, init_from=multitask.out, steps=p.retrieval_steps, warmup=50,
+                               lead_tasks=(), lead_steps=0, curriculum=(), eval_every=p.retrieval_steps,
+                               tasks={**multitask.tasks, RANK_TASK: p.retrieval_weight, RANK_TEXT_TASK: p.retrieval_weight},
+                               retrieval_queries=p.retrieval_queries)
 
 
 def pretraining_line(p: Profile, pretrained: dict | None) -> str:
@@ -163,8 +188,23 @@ def pretraining_line(p: Profile, pretrained: dict | None) -> str:
     return line + "; fine-tuning starts from that encoder."
 
 
+def retrieval_line(p: Profile, multitask: dict | None) -> str:
+    """The card's sentence on the retrieval stage."""
+    if not p.retrieval_steps:
+        return ""
+    line = (f" Then a retrieval stage of {p.retrieval_steps} steps from that checkpoint (every head kept): the mix plus "
+            f"ranking groups at weight {p.retrieval_weight:g} each, a listing caption with its image and 7 others "
+            f"(5 of them from the 20 scenes that share most objects with it) and an image with its listing and 7 false "
+            f"near misses (one attribute changed, an object left out or added), listwise cross-entropy through the itm head")
+    if multitask:
+        before = multitask["final"]
+        line += (f"; before it: {', '.join(f'{k} {v}' for k, v in before.items() if k.endswith('_acc'))}, "
+                 f"in {multitask['train_seconds'] / 60:.1f} min")
+    return line + "."
+
+
 def model_card(name: str, p: Profile, det_dir: Path, metrics: dict, det_seconds: float, total_seconds: float,
-               pretrained: dict | None = None) -> str:
+               pretrained: dict | None = None, multitask: dict | None = None) -> str:
     det = json.loads((det_dir / "metrics.json").read_text())
     rows = "\n".join(f"| {k} | {v} |" for k, v in metrics["final"].items())
     vqa_objective = "softmax cross-entropy" if p.vqa_loss == "ce" else "soft-score BCE"
@@ -185,15 +225,16 @@ Fingerprint `{det["fingerprint"]}`.
 vqa, refer, itm, nlvr2, trained together for {p.finetune_steps} steps{lead} (batch {p.batch_size}, encoder lr {p.lr:g}) on
 {p.train_scenes} shapes-world scenes (VQA, referring expressions, captions with hard and random negatives, NLVR2
 pairs) plus the easy-VQA training questions, {p.num_boxes} regions per image; objectives: {vqa_objective} (VQA,
-read from {p.vqa_pool}; ITM from {p.itm_pool}, NLVR2 from {p.nlvr2_pool}), IoU>=0.5 soft-target cross-entropy (refer), cross-entropy (ITM, NLVR2){extra}.
+read from {p.vqa_pool}; ITM from {p.itm_pool}, NLVR2 from {p.nlvr2_pool}), IoU>=0.5 soft-target cross-entropy (refer), cross-entropy (ITM, NLVR2){extra}.{retrieval_line(p, multitask)}
 {"bfloat16 autocast" if metrics.get("train_precision") == "bf16" else "float32"} training\
 {" (bf16 asked for; this CPU has no native bf16)" if p.bf16 and metrics.get("train_precision") == "fp32" else ""}\
 {", word embeddings frozen" if p.freeze_word_embeddings else ""}, {p.box_embedding} box embedding\
 {", detector class words as region tags" if p.region_tags else ""}, \
 dropout {0.1 if p.dropout is None else p.dropout:g}; metrics computed with {metrics.get("eval_precision", "fp32")} GEMMs.
-{pretraining_line(p, pretrained)} Training time {metrics["train_seconds"] / 60:.1f} min.
+{pretraining_line(p, pretrained)} Training time {metrics["train_seconds"] / 60:.1f} min\
+{" (the retrieval stage)" if p.retrieval_steps else ""}.
 
-| metric (val / easy-VQA test) | value |
+| metric (val / easy-VQA test; retrieval: text -> image over the val scenes) | value |
 |---|---|
 {rows}
 """

@@ -108,3 +108,21 @@ def test_the_pretrained_profile_is_the_demo_after_a_grounded_pretraining(tmp_pat
     assert dataclasses.replace(pretrained, pretrain_steps=0) == demo and pretrained.pretrain_steps == 1500
     cfg = training.zoo.finetune_config(pretrained, tmp_path / "det", tmp_path / "zoo" / "encoder")
     assert cfg.init_from == tmp_path / "zoo" / "pretrained" and cfg.steps == demo.finetune_steps
+
+
+def test_a_retrieval_stage_goes_on_the_card(tmp_path):
+    import json
+
+    (tmp_path / "metrics.json").write_text(json.dumps({"val": {"map50": 0.98}, "fingerprint": "f" * 16}))
+    p = dataclasses.replace(training.zoo.PROFILES["demo"], retrieval_steps=1200)
+    assert training.zoo.finetune_config(p, tmp_path, tmp_path / "multitask").retrieval_queries == 0  # scored after the stage
+    multitask = {"train_seconds": 480, "final": {"vqa_acc": 0.83, "itm_acc": 0.72, "vqa_acc_number": 0.71}}
+    metrics = {"final": {"vqa_acc": 0.84, "retrieval_t2i_R@1": 0.74}, "train_seconds": 420}
+    card = training.zoo.model_card("demo", p, tmp_path, metrics, det_seconds=60, total_seconds=1200, multitask=multitask)
+    assert "Then a retrieval stage of 1200 steps from that checkpoint (every head kept)" in card
+    assert "; before it: vqa_acc 0.83, itm_acc 0.72, in 8.0 min." in card
+    assert "Training time 7.0 min (the retrieval stage)." in card and "| retrieval_t2i_R@1 | 0.74 |" in card
+    plain = training.zoo.model_card("demo", training.zoo.PROFILES["demo"], tmp_path, {"final": {}, "train_seconds": 60},
+                                    det_seconds=60, total_seconds=120)
+    assert "retrieval stage" not in plain and training.zoo.finetune_config(
+        training.zoo.PROFILES["demo"], tmp_path, tmp_path).retrieval_queries == 100

@@ -133,6 +133,7 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(task_data, tmp_path):
         (["--preset", "u-visualbert", "--box-embedding", "sinusoid"], "unknown box_embedding 'sinusoid'"),
         (["--box-embedding", "normalized"], "box_embedding 'normalized' is u-visualbert's; visualbert embeds boxes"),
         (["--preset", "lxmert", "--region-tags"], "region_tags is u-visualbert's; lxmert has no detector-tag embedding"),
+        (["--tasks", "vqa:1", "--retrieval-queries", "50"], "retrieval_queries needs a task that trains the itm head"),
     ],
 )
 def test_bad_configs_fail_before_training(task_data, tmp_path, args, message):
@@ -449,3 +450,27 @@ def test_region_tags_give_each_region_its_detector_class_word(task_data, tmp_pat
         assert not torch.allclose(model(with_tags, "vqa").logits, model(without, "vqa").logits)
     train(cfg, data=data, progress=False)
     assert load_checkpoint(tmp_path / "tags").model.config.encoder.region_tags
+
+
+def test_a_retrieval_stage_starts_from_the_multitask_checkpoint_keeps_every_head_and_reports_retrieval(task_data, tmp_path):
+    import dataclasses
+
+    from training.zoo import PROFILES, retrieval_config
+
+    detector, data = task_data
+    first = tiny(tmp_path / "multitask", detector, tasks={"vqa": 1.0, "itm": 1.0}, steps=30)
+    train(first, data=data, progress=False)
+    p = dataclasses.replace(PROFILES["demo"], retrieval_steps=30, retrieval_weight=4.0, retrieval_queries=20)
+    cfg = retrieval_config(p, first, tmp_path / "encoder")
+    assert (cfg.init_from, cfg.steps, cfg.lead_steps, cfg.curriculum) == (first.out, 30, 0, ())
+    assert cfg.tasks == {"vqa": 1.0, "itm": 1.0, "itm_rank": 4.0, "itm_rank_text": 4.0}
+    result = train(cfg, data=data, progress=False)
+    assert set(load_checkpoint(tmp_path / "encoder").model.heads) == {"vqa", "itm"}
+    final = result["final"]
+    assert {"vqa_acc", "itm_acc"} <= set(final)
+    assert (final["retrieval_pool"], final["retrieval_queries"]) == (80, 20)  # every val scene, 20 listing captions
+    for k in ("R@1", "R@5", "R@10", "any_true_R@1"):
+        assert 0.0 <= final[f"retrieval_t2i_{k}"] <= 1.0
+    assert final["retrieval_t2i_R@1"] <= final["retrieval_t2i_any_true_R@1"] and final["retrieval_t2i_R@5"] <= final["retrieval_t2i_R@10"]
+    assert "retrieval_t2i_R@1" not in train(dataclasses.replace(first, out=tmp_path / "again", steps=2), data=data,
+                                             progress=False)["final"]  # retrieval_queries=0: no retrieval scoring

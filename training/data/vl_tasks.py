@@ -66,7 +66,7 @@ def retrieval_examples(split: ShapesSplit, row_offset: int = 0) -> list[Example]
     return [Example((i + row_offset,), ann["captions"][0], objects_key(ann)) for i, ann in enumerate(split.annotations)]
 
 
-def ranking_examples(split: ShapesSplit, group_size: int = 8, hard: int = 3, neighbours: int = 10, seed: int = 0,
+def ranking_examples(split: ShapesSplit, group_size: int = 8, hard: int = 5, neighbours: int = 20, seed: int = 0,
                      row_offset: int = 0) -> list[Example]:
     """Retrieval training groups: each scene's listing caption (captions[0]) with its own image first, then
     `hard` scenes drawn from the `neighbours` whose objects overlap its own most, then random scenes; never a

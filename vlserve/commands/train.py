@@ -65,6 +65,8 @@ def finetune(
     init_from: Annotated[Path | None, typer.Option(help="start the encoder (and same-named heads) from this checkpoint, "
                                                         "e.g. a pretraining run")] = None,
     eval_every: Annotated[int, typer.Option(min=1)] = 500,
+    retrieval_queries: Annotated[int, typer.Option(min=0, help="final text -> image R@1/5/10 of this many listing "
+                                                               "captions over all eval scenes (0: none)")] = 0,
     warmup: Annotated[int, typer.Option(min=0, help="linear warm-up steps, then linear decay to 0")] = 100,
     clip: Annotated[float, typer.Option(min=0.0, help="gradient norm clip")] = 1.0,
     vqa_loss: Annotated[str, typer.Option(help="bce (soft scores, the VQA standard) or ce (softmax; faster on single-answer data)")] = "bce",
@@ -90,7 +92,7 @@ def finetune(
         cfg = FinetuneConfig(out=out, detector_dir=detector, preset=preset, size=size, tasks=weights, steps=steps,
                              batch_size=batch_size, lr=lr, head_lr=head_lr, train_scenes=train_scenes,
                              eval_scenes=eval_scenes, easy_vqa=easy_vqa, init_text=init_text, init_from=init_from,
-                             eval_every=eval_every, warmup=warmup, clip=clip, vqa_loss=vqa_loss, vqa_pool=vqa_pool, bf16=bf16,
+                             eval_every=eval_every, retrieval_queries=retrieval_queries, warmup=warmup, clip=clip, vqa_loss=vqa_loss, vqa_pool=vqa_pool, bf16=bf16,
                              itm_pool=itm_pool, nlvr2_pool=nlvr2_pool,
                              lead_tasks=tuple(t.strip() for t in lead_tasks.split(",") if t.strip()), lead_steps=lead_steps,
                              curriculum=parse_curriculum(curriculum),
