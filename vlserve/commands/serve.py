@@ -78,12 +78,13 @@ def serve(
 
 
 def demo_model_dirs() -> dict[str, Path]:
-    """The embedded default: the demo model set in the cache, built first (about 10 minutes on 2 cores) if absent."""
+    """The embedded default: the demo model set in the cache, built first if absent (about 25 minutes on 2 cores with
+    native bf16, docs/RESULTS.md session 14)."""
     from training.zoo import build_zoo, is_built, zoo_dir
 
     path = zoo_dir("demo")
     if not is_built(path):
-        typer.echo(f"no model given: building the demo model set into {path} (first run only; `make zoo` does the same)", err=True)
+        typer.echo(f"no model given: building the demo model set into {path} (first run only, about 25 min on 2 cores; `make zoo` does the same)", err=True)
         build_zoo("demo")
     return {"model_dir": path / "encoder", "detector_dir": path / "detector"}
 

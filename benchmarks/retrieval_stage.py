@@ -1,0 +1,101 @@
+"""A retrieval stage from a fine-tuned encoder: train the given task mix from it, then text -> image R@K of listing
+captions over the val pool, with the kinds of top-1 misses (the experiments of docs/RESULTS.md, session 14).
+
+    python benchmarks/retrieval_stage.py --out /tmp/rank1200 --steps 1200 --tasks itm_rank:1,itm_rank_text:1
+    python benchmarks/retrieval_stage.py --out /tmp/stage --steps 1500 \
+        --tasks vqa:1,refer:1,itm:1,nlvr2:1,positions:0.5,itm_rank:6,itm_rank_text:6
+    python benchmarks/retrieval_stage.py --out /tmp/base --steps 0   # the starting encoder alone
+
+The run is the demo profile's fine-tuning config (data, bf16, lr, frozen word table) started from --init-from with
+a 50-step warm-up, no lead phase or curriculum; --hard/--neighbours set the image groups (itm_rank) of
+`training.data.vl_tasks.ranking_examples`. Each run prints one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout without installing
+import training.vl_data  # noqa: E402
+from models.checkpoint import load_checkpoint  # noqa: E402
+from training.data.vl_tasks import ranking_examples  # noqa: E402
+from training.finetune import gemm_precision, train  # noqa: E402
+from training.metrics import gold_ranks  # noqa: E402
+from training.retrieval import KS, at_k, itm_scorer, query_sample, score_grid  # noqa: E402
+from training.vl_data import prepare_task_data, tagged  # noqa: E402
+from training.zoo import DEMO, MULTITASK, finetune_config, zoo_dir  # noqa: E402
+
+
+def miss_kind(query: tuple, top: tuple) -> str:
+    """How the top-ranked scene's objects differ from those of the query caption's scene."""
+    want, got = Counter(query), Counter(top)
+    missing, extra = want - got, got - want
+    m, e = sum(missing.values()), sum(extra.values())
+    if m == 1 and e == 1:
+        (a,), (b,) = missing, extra
+        return "one object's " + "+".join(f for f, x, y in zip(("size", "color", "shape"), a, b) if x != y)
+    if e == 0:
+        return f"{m} object(s) fewer"
+    if m == 0:
+        return f"{e} object(s) more"
+    return f"{m} missing and {e} other objects"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="checkpoint directory of the stage")
+    ap.add_argument("--init-from", type=Path, default=zoo_dir("demo") / MULTITASK, help="the encoder the stage starts from")
+    ap.add_argument("--detector-dir", type=Path, default=zoo_dir("demo") / "detector")
+    ap.add_argument("--steps", type=int, default=1200, help="stage steps (0: evaluate --init-from alone)")
+    ap.add_argument("--tasks", default="itm_rank:1,itm_rank_text:1", help="task:weight list of the stage")
+    ap.add_argument("--hard", type=int, default=5, help="itm_rank: negatives drawn from the closest scenes")
+    ap.add_argument("--neighbours", type=int, default=20, help="itm_rank: how many closest scenes they come from")
+    ap.add_argument("--queries", type=int, default=100, help="listing captions, each ranks the whole val pool")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    tasks = {name: float(w) for name, w in (item.split(":") for item in args.tasks.split(","))}
+    cfg = dataclasses.replace(finetune_config(DEMO, args.detector_dir, args.out), init_from=args.init_from, tasks=tasks,
+                              steps=max(1, args.steps), lead_tasks=(), lead_steps=0, curriculum=(), warmup=50,
+                              eval_every=10**9, retrieval_queries=0, seed=args.seed)
+    training.vl_data.ranking_examples = functools.partial(ranking_examples, hard=args.hard, neighbours=args.neighbours)
+    data = prepare_task_data(cfg.detector_dir, cfg.train_scenes, cfg.eval_scenes, cfg.easy_vqa, False,
+                             easy_vqa_images=cfg.easy_vqa_images, ranking=True, positions=True)
+    result: dict = {"init_from": str(args.init_from), "steps": args.steps, "tasks": tasks, "hard": args.hard,
+                    "neighbours": args.neighbours}
+    if args.steps:
+        metrics = train(cfg, data=data, progress=False)
+        result.update(final=metrics["final"], train_seconds=metrics["train_seconds"])
+        ckpt = load_checkpoint(args.out)
+    else:
+        ckpt = load_checkpoint(args.init_from)
+    model, tokenizer = ckpt.model, ckpt.tokenizer
+    data = tagged(data, model, tokenizer)
+    examples = data.eval["retrieval"]
+    keys = [e.label for e in examples]
+    q = query_sample(len(examples), args.queries, 0)
+    started = time.perf_counter()
+    with gemm_precision(model, "bf16"):
+        grid = score_grid(itm_scorer(model, "itm", examples, data.eval_table, tokenizer), q, np.arange(len(examples)))
+    gold = torch.zeros_like(grid, dtype=torch.bool)
+    gold[torch.arange(len(q)), torch.from_numpy(q)] = True
+    true = torch.tensor([[keys[i] == keys[j] for j in range(len(keys))] for i in q])
+    top = grid.argmax(1).tolist()
+    misses = Counter(miss_kind(keys[i], keys[t]) for i, t in zip(q, top) if keys[i] != keys[t])
+    result.update(pool=len(examples), queries=len(q), gold_r1_ceiling=round(float((1 / true.sum(1).float()).mean()), 4),
+                  text_to_image=at_k(gold_ranks(grid, gold), KS), text_to_image_any_true=at_k(gold_ranks(grid, true), KS),
+                  top1_misses=dict(misses.most_common()), retrieval_seconds=round(time.perf_counter() - started, 1))
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
