@@ -43,11 +43,11 @@ def miss_kind(query: tuple, top: tuple) -> str:
     if m == 1 and e == 1:
         (a,), (b,) = missing, extra
         return "one object's " + "+".join(f for f, x, y in zip(("size", "color", "shape"), a, b) if x != y)
-    if e == 0:
-        return f"{m} object(s) fewer"
-    if m == 0:
-        return f"{e} object(s) more"
-    return f"{m} missing and {e} other objects"
+    if (m, e) == (1, 0):
+        return "one object fewer"
+    if (m, e) == (0, 1):
+        return "one object more"
+    return "two or more objects differ"
 
 
 def main() -> None:
