@@ -55,7 +55,9 @@ def main() -> None:
         ap.error(f"profile {args.profile!r} fine-tunes from its pretraining stage: pass its checkpoint as init_from")
     out = args.root / args.name
     cfg = zoo.finetune_config(p, zoo.zoo_dir(args.profile) / "detector", out, threads=args.threads)
-    cfg = dataclasses.replace(cfg, **{k: v for k, v in tuples.items() if k in config_fields and k not in profile_fields})
+    # a config field wins over what the profile made of it (retrieval_queries, which finetune_config zeroes for a
+    # profile with a retrieval stage; eval_every, which it derives)
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in tuples.items() if k in config_fields})
     shutil.rmtree(out, ignore_errors=True)
     print("config", cfg, flush=True)
 
