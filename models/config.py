@@ -120,8 +120,9 @@ class HeadConfig:
     kind: str  # one of HEAD_KINDS
     num_labels: int = 0  # answers (vqa, image_qa), object classes (mrc); ignored where fixed
     pool: str = "pooled"  # vqa: "pooled" (CLS / fused), "answer_slot" (the [MASK] before the final [SEP]) or
-    #                       "regions" (pooled + question-guided attention pooling of the regions); itm and
-    #                       nlvr2 (each image): "pooled" or "regions"
+    #                       "regions" (pooled + question-guided attention pooling of the regions) or
+    #                       "regions_geometry" (regions + the boxes of question-located regions); itm and nlvr2
+    #                       (each image): "pooled" or "regions"
     classifier: str = "mlp"  # vqa/nlvr2/image_qa: "mlp" (Linear-GELU-LN-Linear, LXMERT/ViLBERT) or "linear"
     nlvr2_mode: str = "pair"  # nlvr2: "pair" (two passes, concatenated pooled) or "joint" (one pass, both images)
     mrc_loss: str = "ce"  # mrc: "ce" against the detector's top class or "kl" to its distribution
@@ -132,7 +133,7 @@ class HeadConfig:
         if self.kind not in HEAD_KINDS:
             raise ValueError(f"unknown head kind {self.kind!r}; choose one of {', '.join(HEAD_KINDS)}")
         checks = {
-            "pool": (self.pool, ("pooled", "answer_slot", "regions")),
+            "pool": (self.pool, ("pooled", "answer_slot", "regions", "regions_geometry")),
             "classifier": (self.classifier, ("mlp", "linear")),
             "nlvr2_mode": (self.nlvr2_mode, ("pair", "joint")),
             "mrc_loss": (self.mrc_loss, ("ce", "kl")),
@@ -141,7 +142,8 @@ class HeadConfig:
         for name, (value, allowed) in checks.items():
             if value not in allowed:
                 raise ValueError(f"head {self.kind}: {name}={value!r} is not one of {allowed}")
-        readers = {"answer_slot": ("vqa", "image_qa"), "regions": ("vqa", "image_qa", "itm", "nlvr2")}
+        readers = {"answer_slot": ("vqa", "image_qa"), "regions": ("vqa", "image_qa", "itm", "nlvr2"),
+                   "regions_geometry": ("vqa", "image_qa")}
         if self.pool in readers and self.kind not in readers[self.pool]:
             raise ValueError(f"head {self.kind}: pool={self.pool!r} is for {', '.join(readers[self.pool])} heads only")
         if self.kind in ("vqa", "image_qa", "mrc") and self.num_labels <= 0:

@@ -60,9 +60,32 @@ def with_attended_regions(region_query: nn.Linear, enc: EncoderOutput, region_ma
     return torch.cat([enc.pooled, pooled_regions], dim=-1)
 
 
+GEOMETRY_QUERIES = 4  # pool="regions_geometry": how many regions a question may locate at once
+
+
+def with_located_regions(region_query: nn.Linear, where_query: nn.Linear, enc: EncoderOutput, region_mask: torch.Tensor,
+                         boxes: torch.Tensor) -> torch.Tensor:
+    """with_attended_regions joined with where the question's objects are (B, P + Hv + 4K): K pooled-vector-guided
+    attentions over the real regions, each reading out its expected box (normalised x1, y1, x2, y2).
+
+    The contextual regions carry their boxes only mixed into Hv features; relation questions ("is the red object
+    left of the triangle?") compare two objects' coordinates, which the classifier can do in its first layer once
+    the coordinates of the attended objects are among its inputs.
+    """
+    attended = with_attended_regions(region_query, enc, region_mask)
+    b, n, hv = enc.image.shape
+    query = where_query(enc.pooled).reshape(b, GEOMETRY_QUERIES, hv)  # (B, K, Hv)
+    logits = torch.einsum("bnh,bkh->bkn", enc.image, query).float() / hv ** 0.5  # (B, K, N)
+    weights = logits.masked_fill(region_mask[:, None, :] == 0, torch.finfo(logits.dtype).min).softmax(-1)
+    where = torch.einsum("bkn,bnc->bkc", weights, boxes.float()).flatten(1)  # (B, 4K)
+    return torch.cat([attended, where.to(attended.dtype)], dim=-1)
+
+
 def pooled_width(head: HeadConfig, enc: EncoderConfig) -> int:
-    """Width of what a head reads: the pooled vector, or with pool="regions" the pooled vector and the attended regions."""
-    return enc.pooled_size + (enc.image_width if head.pool == "regions" else 0)
+    """Width of what a head reads: the pooled vector, with pool="regions" also the attended regions, and with
+    pool="regions_geometry" also the boxes of the located regions."""
+    extra = {"regions": enc.image_width, "regions_geometry": enc.image_width + 4 * GEOMETRY_QUERIES}
+    return enc.pooled_size + extra.get(head.pool, 0)
 
 
 class Head(nn.Module):
@@ -88,13 +111,16 @@ class Head(nn.Module):
 class VQAHead(Head):
     """Answer scores (B, A) from the pooled vector, from the [MASK] answer slot before the final [SEP], or
     ("regions") from the pooled vector joined with a question-guided attention pooling of the contextual regions
-    (the top-down attention of bottom-up/top-down VQA): a direct path from the answer to the regions."""
+    (the top-down attention of bottom-up/top-down VQA): a direct path from the answer to the regions; and
+    ("regions_geometry") with the boxes of question-located regions as well (with_located_regions)."""
 
     def __init__(self, head: HeadConfig, enc: EncoderConfig):
         super().__init__(head, enc)
         width = enc.hidden_size if head.pool == "answer_slot" else pooled_width(head, enc)
-        if head.pool == "regions":
+        if head.pool in ("regions", "regions_geometry"):
             self.region_query = nn.Linear(enc.pooled_size, enc.image_width)
+        if head.pool == "regions_geometry":
+            self.where_query = nn.Linear(enc.pooled_size, GEOMETRY_QUERIES * enc.image_width)
         self.dropout = nn.Dropout(enc.dropout)
         self.cls = classifier(head.classifier, width, head.num_labels, enc.layer_norm_eps)
 
@@ -103,6 +129,8 @@ class VQAHead(Head):
             h = enc.pooled  # (B, P)
         elif self.head.pool == "regions":
             h = with_attended_regions(self.region_query, enc, inputs.region_mask)  # (B, P + Hv)
+        elif self.head.pool == "regions_geometry":
+            h = with_located_regions(self.region_query, self.where_query, enc, inputs.region_mask, inputs.region_boxes)
         else:
             slot = (inputs.attention_mask.sum(1) - 2).long()  # (B,) index of [MASK] before the last [SEP]
             h = enc.text[torch.arange(slot.shape[0], device=slot.device), slot]  # (B, H)

@@ -60,9 +60,10 @@ def test_nothing_masked_is_zero_loss_not_nan(kind, make_model, make_batch, make_
     "kind,options",
     [("vqa", dict(pool="answer_slot")), ("vqa", dict(classifier="linear")), ("nlvr2", dict(nlvr2_mode="joint")),
      ("nlvr2", dict(classifier="linear")), ("mrc", dict(mrc_loss="kl")), ("itm", dict(pool="regions")),
-     ("nlvr2", dict(pool="regions")), ("nlvr2", dict(pool="regions", nlvr2_mode="joint"))],
+     ("nlvr2", dict(pool="regions")), ("nlvr2", dict(pool="regions", nlvr2_mode="joint")),
+     ("vqa", dict(pool="regions_geometry"))],
     ids=["vqa-answer-slot", "vqa-linear", "nlvr2-joint", "nlvr2-linear", "mrc-kl", "itm-regions", "nlvr2-regions",
-         "nlvr2-joint-regions"],
+         "nlvr2-joint-regions", "vqa-regions-geometry"],
 )
 @pytest.mark.parametrize("preset", PRESETS)
 def test_head_options_on_every_preset(preset, kind, options, make_model, make_batch, make_labels):
@@ -195,6 +196,36 @@ def test_vqa_region_pooling_reads_real_regions_only(preset):
     assert not torch.allclose(a, pooled_only)  # the region pooling does reach the answer
     with pytest.raises(ValueError, match="pool"):
         HeadConfig(kind="vqa", num_labels=5, pool="mean")
+
+
+def test_located_regions_read_out_the_boxes_of_the_attended_regions():
+    """pool="regions_geometry": each of the K location queries reads out the expected box under its attention over
+    the real regions (a padded region never counts), beside the pooled vector and the attended regions."""
+    from models import HeadConfig
+    from models.heads import GEOMETRY_QUERIES, with_attended_regions, with_located_regions
+    from models.outputs import EncoderOutput
+
+    assert GEOMETRY_QUERIES == 4
+    hv, p = 4, 3
+    regions = torch.eye(hv)[None]  # (1, 4, 4): region n is the unit vector e_n
+    boxes = torch.tensor([[[0.0, 0.0, 0.2, 0.2], [0.5, 0.1, 0.7, 0.3], [0.1, 0.6, 0.3, 0.9], [0.6, 0.6, 1.0, 1.0]]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])  # the fourth region is padding
+    region_query, where_query = torch.nn.Linear(p, hv), torch.nn.Linear(p, GEOMETRY_QUERIES * hv)
+    with torch.no_grad():
+        where_query.weight.zero_()
+        where_query.bias.copy_(60.0 * torch.eye(hv).flatten())  # query k = 60 e_k: it attends to region k
+    enc = EncoderOutput(text=torch.zeros(1, 2, hv), image=regions, pooled=torch.randn(1, p))
+    with torch.no_grad():
+        out = with_located_regions(region_query, where_query, enc, mask, boxes)
+        moved = with_located_regions(region_query, where_query, enc, mask, boxes + torch.tensor([0, 0, 0, 1.0])[None, :, None])
+    assert out.shape == (1, p + hv + 4 * GEOMETRY_QUERIES)
+    torch.testing.assert_close(out[:, : p + hv], with_attended_regions(region_query, enc, mask))
+    where = out[0, p + hv:].reshape(GEOMETRY_QUERIES, 4)
+    torch.testing.assert_close(where[:3], boxes[0, :3], atol=1e-6, rtol=0)  # queries 0-2 locate regions 0-2
+    torch.testing.assert_close(where[3], boxes[0, :3].mean(0))  # query 3's region is padding: the real ones, evenly
+    torch.testing.assert_close(moved, out)  # moving the padded region's box changes nothing
+    with pytest.raises(ValueError, match="pool='regions_geometry' is for vqa, image_qa"):
+        HeadConfig(kind="itm", pool="regions_geometry")
 
 
 @pytest.mark.parametrize("kind", ["itm", "nlvr2"])

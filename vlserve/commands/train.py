@@ -71,7 +71,7 @@ def finetune(
     clip: Annotated[float, typer.Option(min=0.0, help="gradient norm clip")] = 1.0,
     vqa_loss: Annotated[str, typer.Option(help="bce (soft scores, the VQA standard) or ce (softmax; faster on single-answer data)")] = "bce",
     freeze_word_embeddings: Annotated[bool, typer.Option(help="keep the word-embedding table fixed (about 1.2x faster steps)")] = False,
-    vqa_pool: Annotated[str, typer.Option(help="pooled (CLS), answer_slot (VL-BERT's [MASK]) or regions (pooled + attention over regions)")] = "pooled",
+    vqa_pool: Annotated[str, typer.Option(help="pooled (CLS), answer_slot (VL-BERT's [MASK]), regions (pooled + attention over regions) or regions_geometry (regions + the boxes of question-located regions)")] = "pooled",
     itm_pool: Annotated[str, typer.Option(help="pooled (CLS) or regions (pooled + attention over regions)")] = "pooled",
     nlvr2_pool: Annotated[str, typer.Option(help="pooled (CLS) or regions, for each image of the pair")] = "pooled",
     bf16: Annotated[bool, typer.Option(help="bfloat16 autocast (about 1.5x faster on CPUs with AVX512-BF16)")] = False,
@@ -178,8 +178,8 @@ def validate_finetune(cfg) -> None:
     encoder_config(cfg.preset, cfg.size, box_embedding=cfg.box_embedding, region_tags=cfg.region_tags)  # unknown preset, size, ...
     if cfg.vqa_loss not in ("bce", "ce"):
         raise ValueError(f"--vqa-loss must be bce or ce, not {cfg.vqa_loss!r}")
-    if cfg.vqa_pool not in ("pooled", "answer_slot", "regions"):
-        raise ValueError(f"--vqa-pool must be pooled, answer_slot or regions, not {cfg.vqa_pool!r}")
+    if cfg.vqa_pool not in ("pooled", "answer_slot", "regions", "regions_geometry"):
+        raise ValueError(f"--vqa-pool must be pooled, answer_slot, regions or regions_geometry, not {cfg.vqa_pool!r}")
     for name, pool in (("--itm-pool", cfg.itm_pool), ("--nlvr2-pool", cfg.nlvr2_pool)):
         if pool not in ("pooled", "regions"):
             raise ValueError(f"{name} must be pooled or regions, not {pool!r}")
