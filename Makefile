@@ -34,7 +34,7 @@ bench: install
 
 # The presets table of docs/RESULTS.md (benchmarks/results/presets.json): needs the demo detector (`make zoo`).
 results: install
-	$(PYTHON) benchmarks/presets.py
+	$(PYTHON) benchmarks/presets.py --finetune-steps 600 --lead-steps 150 --demo-levers --pretrain-steps 300 --grounded-mlm
 
 clean:
 	rm -rf build *.egg-info .pytest_cache

@@ -54,7 +54,7 @@ INTRO = (
     "MiniLM's text side alone (no pretraining) and once after pretraining with the preset's paper objectives "
     "(`training.pretrain.DEFAULT_OBJECTIVES`). Every model is scored on the same held-out examples; R@1 is text -> "
     "image retrieval with the ITM head over a pool of val scenes (zero-shot: the pretraining checkpoint's ITM "
-    "head, before fine-tuning). `make results` runs the default command; the generated part below says the "
+    "head, before fine-tuning). `make results` runs the command of the table below; the generated part says the "
     "command, machine and budget of the numbers in it (`benchmarks/results/presets.json` has every stage)."
 )
 # table columns: result key -> header; "helped" counts the tasks where pretrained beats scratch
@@ -70,6 +70,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eval-scenes", type=int, default=500)
     p.add_argument("--easy-vqa-images", type=int, default=2000, help="easy-VQA training images")
     p.add_argument("--finetune-steps", type=int, default=300)
+    p.add_argument("--lead-steps", type=int, default=0,
+                   help="refer alone for the first N fine-tuning steps (the demo's take-off lead; 0 = none)")
+    p.add_argument("--demo-levers", action=argparse.BooleanOptionalAction, default=False,
+                   help="fine-tune with the demo's levers: no dropout and a frozen word table (docs/RESULTS.md)")
     p.add_argument("--pretrain-steps", type=int, default=200)
     p.add_argument("--grounded-mlm", action="store_true",
                    help="masked LM of the detector's class and attribute words only, rate 0.5, matched pairs only where "
@@ -100,7 +104,9 @@ def budget(args: argparse.Namespace, fingerprint: str) -> dict:
     return {"detector": fingerprint, "size": "small", "batch_size": BATCH_SIZE, "head_lr": FinetuneConfig.head_lr,
             "pretrain_lr": PretrainConfig.lr, **{k: getattr(args, k) for k in keys},
             "bf16": train_precision(args.bf16) == "bf16",  # what ran: float32 where this CPU would emulate bf16
-            **({"grounded_mlm": True} if args.grounded_mlm else {})}  # absent: BERT's masking (older results)
+            **({"grounded_mlm": True} if args.grounded_mlm else {}),  # absent: BERT's masking (older results)
+            **({"lead_steps": args.lead_steps} if args.lead_steps else {}),  # absent: no lead (older results)
+            **({"demo_levers": True} if args.demo_levers else {})}
 
 
 def held_out(data: TaskData, limit: int) -> TaskData:
@@ -153,13 +159,19 @@ def run_finetune(preset: str, data: TaskData, args: argparse.Namespace, out: Pat
                          easy_vqa_images=args.easy_vqa_images, train_scenes=args.train_scenes,
                          eval_scenes=args.eval_scenes, steps=args.finetune_steps, batch_size=BATCH_SIZE, lr=args.lr,
                          eval_every=NEVER, eval_examples=args.eval_examples, checkpoint_every=NEVER, seed=args.seed,
-                         threads=args.threads)
+                         threads=args.threads, **finetune_levers(args))
     # train() ends with evaluate_tasks over data's eval sets, already cut to the held-out examples: the task metrics
     metrics, seconds = timed(train, cfg, data=data, progress=False)
     found, retrieval_seconds = timed(retrieval, out, data, args)
     return {"dir": str(out), "seconds": seconds, "train_seconds": metrics["train_seconds"],
             "last_loss": metrics["losses"][-1], "metrics": metrics["final"], "retrieval": found,
             "retrieval_seconds": retrieval_seconds}
+
+
+def finetune_levers(args: argparse.Namespace) -> dict:
+    """FinetuneConfig fields of --lead-steps and --demo-levers (none: the config's defaults)."""
+    lead = {"lead_tasks": ("refer",), "lead_steps": args.lead_steps} if args.lead_steps else {}
+    return {**lead, **({"dropout": 0.0, "freeze_word_embeddings": True} if args.demo_levers else {})}
 
 
 def run_variant(preset: str, variant: str, data: TaskData, args: argparse.Namespace, entry: dict, record) -> None:
@@ -254,7 +266,8 @@ def table(results: dict) -> str:
         f"{' to '.join(dict.fromkeys(dates[:1] + dates[-1:]))} · {machines} · data prepared in {setup['data_seconds']:.0f} s.",
         "",
         f"Budget: fine-tuning {b['finetune_steps']} steps at batch {b['batch_size']} (encoder lr {b['lr']:g}, heads "
-        f"{b['head_lr']:g}, softmax VQA loss), pretraining {b['pretrain_steps']} steps at batch {b['batch_size']} (lr "
+        f"{b['head_lr']:g}, softmax VQA loss{f', refer alone for the first {lead} steps' if (lead := b.get('lead_steps')) else ''}"
+        f"{', no dropout, word table frozen' if b.get('demo_levers') else ''}), pretraining {b['pretrain_steps']} steps at batch {b['batch_size']} (lr "
         f"{b['pretrain_lr']:g}{', masked LM of the detector words of matched pairs' if b.get('grounded_mlm') else ''}); {'bfloat16 autocast' if b['bf16'] else 'fp32'}, seed {b['seed']}. Training data: "
         f"{b['train_scenes']} shapes-world train scenes + {b['easy_vqa_images']} easy-VQA train images (detector "
         f"{b['detector']}). Held-out examples: {eval_sizes} (val scenes, easy-VQA test); retrieval: "
