@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .data.shapes_cache import ShapesConfig, cache_root
+from .data.vl_tasks import RANK_GROUP, RANK_HARD, RANK_NEIGHBOURS
 from .detector_train import DetectorTrainConfig, train_detector
 from .finetune import RANK_TASK, RANK_TEXT_TASK, FinetuneConfig, head_of, train
 from .pretrain import PretrainConfig, pretrain
@@ -194,9 +195,9 @@ def retrieval_line(p: Profile, multitask: dict | None) -> str:
     if not p.retrieval_steps:
         return ""
     line = (f" Then a retrieval stage of {p.retrieval_steps} steps from that checkpoint (every head kept): the mix plus "
-            f"ranking groups at weight {p.retrieval_weight:g} each, a listing caption with its image and 7 others "
-            f"(5 of them from the 20 scenes that share most objects with it) and an image with its listing and 7 false "
-            f"near misses (one attribute changed, an object left out or added), listwise cross-entropy through the itm head")
+            f"ranking groups at weight {p.retrieval_weight:g} each, a listing caption with its image and {RANK_GROUP - 1} "
+            f"others ({RANK_HARD} of them from the {RANK_NEIGHBOURS} scenes that share most objects with it) and an image "
+            f"with its listing and {RANK_GROUP - 1} false near misses (one attribute changed, an object left out or added), listwise cross-entropy through the itm head")
     if multitask:
         before = multitask["final"]
         line += (f"; before it: {', '.join(f'{k} {v}' for k, v in before.items() if k.endswith('_acc'))}, "

@@ -66,8 +66,11 @@ def retrieval_examples(split: ShapesSplit, row_offset: int = 0) -> list[Example]
     return [Example((i + row_offset,), ann["captions"][0], objects_key(ann)) for i, ann in enumerate(split.annotations)]
 
 
-def ranking_examples(split: ShapesSplit, group_size: int = 8, hard: int = 5, neighbours: int = 20, seed: int = 0,
-                     row_offset: int = 0) -> list[Example]:
+RANK_GROUP, RANK_HARD, RANK_NEIGHBOURS = 8, 5, 20  # ranking groups: size, close scenes drawn, from how many
+
+
+def ranking_examples(split: ShapesSplit, group_size: int = RANK_GROUP, hard: int = RANK_HARD,
+                     neighbours: int = RANK_NEIGHBOURS, seed: int = 0, row_offset: int = 0) -> list[Example]:
     """Retrieval training groups: each scene's listing caption (captions[0]) with its own image first, then
     `hard` scenes drawn from the `neighbours` whose objects overlap its own most, then random scenes; never a
     scene the caption is true of (the same objects_key). Rows are scene index + row_offset."""
@@ -101,7 +104,8 @@ def ranking_examples(split: ShapesSplit, group_size: int = 8, hard: int = 5, nei
     return out
 
 
-def caption_ranking_examples(split: ShapesSplit, group_size: int = 8, seed: int = 0, row_offset: int = 0) -> list[Example]:
+def caption_ranking_examples(split: ShapesSplit, group_size: int = RANK_GROUP, seed: int = 0,
+                             row_offset: int = 0) -> list[Example]:
     """Retrieval training groups seen from the image: each scene with its listing caption (text, the first
     candidate) and, as choices, group_size - 1 false listings one step from it (an attribute changed, an object
     left out or added). Label 0: the true caption. Scenes with too few near misses are skipped."""
