@@ -43,6 +43,9 @@ class EncoderConfig:
     coattention_hidden_size: int = 0  # ViLBERT bi-attention width (0 = image_hidden_size)
     coattention_num_heads: int = 0  # ViLBERT bi-attention heads (0 = image_num_heads)
     geometry_dim: int = 0  # VL-BERT sin/cos box embedding width (0 = 4 * 64)
+    visual_scale_init: float = 0.0  # VL-BERT: initial weight of the LayerNorms on the visual embeddings added to the
+    # text tokens and to the regions (its visual_ln_text / visual_ln_object, 0 in its configs): the image enters the
+    # language model gradually instead of swamping its word embeddings at the first step
     box_embedding: str = "linear"  # u-visualbert: "linear" = Linear(4, H)(box) summed with the feature projection;
     # "normalized" = LN(FC(feature)) + LN(FC(sin/cos box)), each half layer-normalised so the box is not drowned
     # by the features (as LXMERT's and UNITER's region embeddings)

@@ -27,6 +27,15 @@ def _weight_version(weight: torch.Tensor) -> int | None:
         return None
 
 
+class ScaledLayerNorm(nn.LayerNorm):
+    """A LayerNorm whose weight starts at `init_scale` instead of 1 (VLModel's initialisation reads it): VL-BERT's
+    visual_ln_text / visual_ln_object start at 0, so a new input is added to a pretrained model's embeddings gradually."""
+
+    def __init__(self, width: int, eps: float, init_scale: float):
+        super().__init__(width, eps=eps)
+        self.init_scale = init_scale
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters and keys) whose CPU inference uses a oneDNN pre-packed weight.
 

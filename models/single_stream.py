@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from .config import EncoderConfig
-from .layers import FeatureNorm, Pooler, TextEmbeddings, TransformerLayer, additive_mask, normalized_features
+from .layers import (FeatureNorm, Pooler, ScaledLayerNorm, TextEmbeddings, TransformerLayer, additive_mask,
+                     normalized_features)
 from .outputs import EncoderOutput
 from .spatial import sinusoidal_box_embedding
 
@@ -89,6 +90,9 @@ class VLBertEmbeddings(TextEmbeddings):
             raise ValueError("vl-bert needs type_vocab_size >= 3 (segments A, B and C)")
         self.config = config
         self.visual_fc = nn.Linear(config.visual_feat_dim + config.geometry_width, config.hidden_size)
+        # VL-BERT's visual_ln_text / visual_ln_object: the whole image's embedding on the text tokens, the regions' own
+        self.visual_ln_text = ScaledLayerNorm(config.hidden_size, config.layer_norm_eps, config.visual_scale_init)
+        self.visual_ln_object = ScaledLayerNorm(config.hidden_size, config.layer_norm_eps, config.visual_scale_init)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -103,14 +107,14 @@ class VLBertEmbeddings(TextEmbeddings):
         if image_feature is None:
             image_feature = whole_image_feature(region_features, region_mask)
         whole_box = region_boxes.new_tensor([0.0, 0.0, 1.0, 1.0]).expand(b, 4)
-        whole = self.visual_feature_embedding(image_feature, whole_box).unsqueeze(1)  # (B, 1, H)
+        whole = self.visual_ln_text(self.visual_feature_embedding(image_feature, whole_box)).unsqueeze(1)  # (B, 1, H)
         text = super().forward(input_ids, token_type_ids) + whole  # (B, T, H)
 
         text_len = attention_mask.sum(1, keepdim=True).long()  # (B, 1): regions sit right after the real text
         img_ids = torch.full((b, n), cfg.img_token_id, dtype=torch.long, device=input_ids.device)
         seg_c = torch.full_like(img_ids, 2)
         regions = super().forward(img_ids, seg_c, text_len.expand(b, n))
-        regions = regions + self.visual_feature_embedding(region_features, region_boxes)  # (B, N, H)
+        regions = regions + self.visual_ln_object(self.visual_feature_embedding(region_features, region_boxes))  # (B, N, H)
         end_ids = torch.full((b, 1), cfg.end_token_id, dtype=torch.long, device=input_ids.device)
         end = super().forward(end_ids, seg_c[:, :1], text_len + 1) + whole  # (B, 1, H)
 

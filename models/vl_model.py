@@ -38,7 +38,7 @@ class VLModel(nn.Module):
             if isinstance(module, nn.Embedding) and module.padding_idx is not None:
                 nn.init.zeros_(module.weight[module.padding_idx])
         elif isinstance(module, nn.LayerNorm):
-            nn.init.ones_(module.weight)
+            nn.init.constant_(module.weight, getattr(module, "init_scale", 1.0))  # ScaledLayerNorm: its own start
             nn.init.zeros_(module.bias)
 
     @property

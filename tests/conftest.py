@@ -17,6 +17,8 @@ def build_model(preset: str, *kinds: str, seed: int = 0, options: dict | None = 
     """A tiny `preset` with one head per kind (task name = kind), built under `seed`; `options` go to every head."""
     torch.manual_seed(seed)
     heads = {k: HeadConfig(kind=k, **{**HEAD_ARGS.get(k, {}), **(options or {})}) for k in kinds}
+    if preset == "vl-bert":  # wiring tests need the image to reach every output of the untrained model
+        overrides.setdefault("visual_scale_init", 1.0)
     return create_model(preset, "tiny", heads=heads, **overrides)
 
 

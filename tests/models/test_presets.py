@@ -206,3 +206,31 @@ def test_u_visualbert_sums_several_tag_words_per_region(make_model, make_batch):
     torch.testing.assert_close(one, flat)
     torch.testing.assert_close(padded, flat)
     torch.testing.assert_close(vis_two - vis_one, emb.word_embeddings.weight[2000].expand_as(vis_one))
+
+
+def test_vl_bert_lets_the_image_in_through_layer_norms_that_start_at_zero(make_batch, make_labels):
+    """VL-BERT adds the image to the text tokens and to the regions through LayerNorms whose weights start at 0
+    (visual_ln_text / visual_ln_object, visual_scale_*_init 0 in its configs): the untrained model does not yet
+    depend on the image, so its pretrained text side is intact; the first step gives those weights a gradient,
+    and after it the image reaches the output. Every other LayerNorm starts at 1."""
+    from models import HeadConfig
+
+    torch.manual_seed(0)
+    model = create_model("vl-bert", "tiny", heads={"itm": HeadConfig(kind="itm")})
+    emb = model.encoder.embeddings
+    gates = (emb.visual_ln_text.weight, emb.visual_ln_object.weight)
+    assert all(bool((w == 0).all()) for w in gates)
+    assert bool((emb.LayerNorm.weight == 1).all())
+    inputs = make_batch(model.config.encoder, head="itm")
+    other = inputs.replace(region_features=inputs.region_features + torch.randn_like(inputs.region_features))
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(other, "itm").logits, model(inputs, "itm").logits)
+    loss = model(inputs, "itm", labels=make_labels(model.config.heads["itm"], model.config.encoder, inputs)).loss
+    loss.backward()
+    assert all(w.grad is not None and w.grad.abs().sum() > 0 for w in gates)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= 0.1 * p.grad
+        assert not torch.allclose(model(other, "itm").logits, model(inputs, "itm").logits)
