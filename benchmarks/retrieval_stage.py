@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout without installing
 import training.vl_data  # noqa: E402
 from models.checkpoint import load_checkpoint  # noqa: E402
-from training.data.vl_tasks import ranking_examples  # noqa: E402
+from training.data.vl_tasks import RANK_HARD, RANK_NEIGHBOURS, ranking_examples  # noqa: E402
 from training.finetune import gemm_precision, train  # noqa: E402
 from training.retrieval import itm_scorer, query_sample, retrieval_recall, score_grid  # noqa: E402
 from training.vl_data import prepare_task_data, tagged  # noqa: E402
@@ -56,8 +56,8 @@ def main() -> None:
     ap.add_argument("--detector-dir", type=Path, default=zoo_dir("demo") / "detector")
     ap.add_argument("--steps", type=int, default=1200, help="stage steps (0: evaluate --init-from alone)")
     ap.add_argument("--tasks", default="itm_rank:1,itm_rank_text:1", help="task:weight list of the stage")
-    ap.add_argument("--hard", type=int, default=5, help="itm_rank: negatives drawn from the closest scenes")
-    ap.add_argument("--neighbours", type=int, default=20, help="itm_rank: how many closest scenes they come from")
+    ap.add_argument("--hard", type=int, default=RANK_HARD, help="itm_rank: negatives drawn from the closest scenes")
+    ap.add_argument("--neighbours", type=int, default=RANK_NEIGHBOURS, help="itm_rank: how many closest scenes they come from")
     ap.add_argument("--queries", type=int, default=100, help="listing captions, each ranks the whole val pool")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()

@@ -10,6 +10,7 @@ FORMAT_VERSION = 1  # bump when config.json or the weight layout changes incompa
 PRESETS = ("visualbert", "vl-bert", "vilbert", "lxmert", "u-visualbert")
 TWO_STREAM = ("vilbert", "lxmert")
 BOX_EMBEDDINGS = ("linear", "normalized")  # EncoderConfig.box_embedding (u-visualbert)
+HEAD_POOLS = ("pooled", "answer_slot", "regions", "regions_geometry")  # HeadConfig.pool; which heads read each: below
 HEAD_KINDS = (
     # task heads
     "vqa", "nlvr2", "refer", "itm", "multiple_choice", "grounding",
@@ -136,7 +137,7 @@ class HeadConfig:
         if self.kind not in HEAD_KINDS:
             raise ValueError(f"unknown head kind {self.kind!r}; choose one of {', '.join(HEAD_KINDS)}")
         checks = {
-            "pool": (self.pool, ("pooled", "answer_slot", "regions", "regions_geometry")),
+            "pool": (self.pool, HEAD_POOLS),
             "classifier": (self.classifier, ("mlp", "linear")),
             "nlvr2_mode": (self.nlvr2_mode, ("pair", "joint")),
             "mrc_loss": (self.mrc_loss, ("ce", "kl")),

@@ -171,6 +171,7 @@ def validate_finetune(cfg) -> None:
     """Fail before any data is prepared: unknown preset/size/task, missing detector, an --init-from checkpoint of
     another preset, size or feature dim."""
     from models.checkpoint import CheckpointError, load_checkpoint
+    from models.config import HEAD_POOLS
     from models.detector.io import load_detector
     from models.registry import encoder_config
     from training.finetune import TASKS, TRAINING_SETS, check_lead
@@ -178,8 +179,8 @@ def validate_finetune(cfg) -> None:
     encoder_config(cfg.preset, cfg.size, box_embedding=cfg.box_embedding, region_tags=cfg.region_tags)  # unknown preset, size, ...
     if cfg.vqa_loss not in ("bce", "ce"):
         raise ValueError(f"--vqa-loss must be bce or ce, not {cfg.vqa_loss!r}")
-    if cfg.vqa_pool not in ("pooled", "answer_slot", "regions", "regions_geometry"):
-        raise ValueError(f"--vqa-pool must be pooled, answer_slot, regions or regions_geometry, not {cfg.vqa_pool!r}")
+    if cfg.vqa_pool not in HEAD_POOLS:
+        raise ValueError(f"--vqa-pool must be {', '.join(HEAD_POOLS[:-1])} or {HEAD_POOLS[-1]}, not {cfg.vqa_pool!r}")
     for name, pool in (("--itm-pool", cfg.itm_pool), ("--nlvr2-pool", cfg.nlvr2_pool)):
         if pool not in ("pooled", "regions"):
             raise ValueError(f"{name} must be pooled or regions, not {pool!r}")
