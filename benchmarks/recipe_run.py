@@ -5,7 +5,7 @@ clipping (median, max, steps clipped; median per parameter family: heads, the en
 then the final metrics. Needs the profile's detector (`make zoo`). The run directory is replaced.
 
     python benchmarks/recipe_run.py NAME '{"seed": 1, "itm_pool": "regions", "lead_tasks": ["refer"], "lead_steps": 200}'
-        [--profile demo] [--threads 2] [--stop 601]
+        [--profile demo] [--threads 2] [--stop 601] [--detector DIR]
 
 Keys may be fields of training.zoo.Profile or of training.finetune.FinetuneConfig (eval_every, eval_examples, clip, ...).
 --stop ends the run after that many steps (no final evaluation): early dynamics at the full run's lr schedule.
@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--stop", type=int, default=None)
     ap.add_argument("--root", type=Path, default=Path("/tmp/vlserve-recipe-runs"))
+    ap.add_argument("--detector", type=Path, default=None, help="a detector directory other than the profile's")
     args = ap.parse_args()
     over = json.loads(args.overrides)
     profile_fields = {f.name for f in dataclasses.fields(zoo.Profile)}
@@ -54,7 +55,7 @@ def main() -> None:
     if p.pretrain_steps and "init_from" not in over:
         ap.error(f"profile {args.profile!r} fine-tunes from its pretraining stage: pass its checkpoint as init_from")
     out = args.root / args.name
-    cfg = zoo.finetune_config(p, zoo.zoo_dir(args.profile) / "detector", out, threads=args.threads)
+    cfg = zoo.finetune_config(p, args.detector or zoo.zoo_dir(args.profile) / "detector", out, threads=args.threads)
     # a config field wins over what the profile made of it (retrieval_queries, which finetune_config zeroes for a
     # profile with a retrieval stage; eval_every, which it derives)
     cfg = dataclasses.replace(cfg, **{k: v for k, v in tuples.items() if k in config_fields})

@@ -81,10 +81,35 @@ def with_located_regions(region_query: nn.Linear, where_query: nn.Linear, enc: E
     return torch.cat([attended, where.to(attended.dtype)], dim=-1)
 
 
+COUNT_QUERIES = 4  # pool="regions_count": how many region counts a question may take at once
+COUNT_BINS = 16  # each count is also read as its closeness to 0, 1, ..., COUNT_BINS - 1
+
+
+def with_counted_regions(region_query: nn.Linear, count_query: nn.Linear, enc: EncoderOutput,
+                         region_mask: torch.Tensor) -> torch.Tensor:
+    """with_attended_regions joined with how many regions the question's descriptions fit (B, P + Hv + K (1 + bins)):
+    K pooled-vector-guided sigmoid gates over the real regions, each summed to a count, read as its value and as
+    Gaussian bumps at 0, 1, ..., COUNT_BINS - 1 (width 0.5), so that the classifier can tell 2 from 3.
+
+    A softmax attention averages: two red circles pool to the same vector as one, and the classifier cannot count
+    them (Zhang et al., "Learning to Count Objects in Natural Images for VQA", 2018). Sigmoid gates add up instead.
+    """
+    attended = with_attended_regions(region_query, enc, region_mask)
+    b, n, hv = enc.image.shape
+    query = count_query(enc.pooled)  # (B, K * Hv + K): K queries and K gate biases
+    queries, bias = query[:, : COUNT_QUERIES * hv].reshape(b, COUNT_QUERIES, hv), query[:, COUNT_QUERIES * hv:]
+    logits = torch.einsum("bnh,bkh->bkn", enc.image, queries).float() / hv ** 0.5 + bias.float()[:, :, None]
+    counts = (torch.sigmoid(logits) * region_mask[:, None, :].float()).sum(-1)  # (B, K)
+    centres = torch.arange(COUNT_BINS, device=counts.device, dtype=counts.dtype)
+    bumps = torch.exp(-2.0 * (counts[:, :, None] - centres) ** 2).flatten(1)  # (B, K * bins)
+    return torch.cat([attended, counts.to(attended.dtype), bumps.to(attended.dtype)], dim=-1)
+
+
 def pooled_width(head: HeadConfig, enc: EncoderConfig) -> int:
-    """Width of what a head reads: the pooled vector, with pool="regions" also the attended regions, and with
-    pool="regions_geometry" also the boxes of the located regions."""
-    extra = {"regions": enc.image_width, "regions_geometry": enc.image_width + 4 * GEOMETRY_QUERIES}
+    """Width of what a head reads: the pooled vector, with pool="regions" also the attended regions, with
+    pool="regions_geometry" also the boxes of the located regions, and with pool="regions_count" also the counts."""
+    extra = {"regions": enc.image_width, "regions_geometry": enc.image_width + 4 * GEOMETRY_QUERIES,
+             "regions_count": enc.image_width + COUNT_QUERIES * (1 + COUNT_BINS)}
     return enc.pooled_size + extra.get(head.pool, 0)
 
 
@@ -111,16 +136,19 @@ class Head(nn.Module):
 class VQAHead(Head):
     """Answer scores (B, A) from the pooled vector, from the [MASK] answer slot before the final [SEP], or
     ("regions") from the pooled vector joined with a question-guided attention pooling of the contextual regions
-    (the top-down attention of bottom-up/top-down VQA): a direct path from the answer to the regions; and
-    ("regions_geometry") with the boxes of question-located regions as well (with_located_regions)."""
+    (the top-down attention of bottom-up/top-down VQA): a direct path from the answer to the regions;
+    ("regions_geometry") with the boxes of question-located regions as well (with_located_regions); and
+    ("regions_count") with counts of the regions the question's descriptions fit (with_counted_regions)."""
 
     def __init__(self, head: HeadConfig, enc: EncoderConfig):
         super().__init__(head, enc)
         width = enc.hidden_size if head.pool == "answer_slot" else pooled_width(head, enc)
-        if head.pool in ("regions", "regions_geometry"):
+        if head.pool in ("regions", "regions_geometry", "regions_count"):
             self.region_query = nn.Linear(enc.pooled_size, enc.image_width)
         if head.pool == "regions_geometry":
             self.where_query = nn.Linear(enc.pooled_size, GEOMETRY_QUERIES * enc.image_width)
+        if head.pool == "regions_count":
+            self.count_query = nn.Linear(enc.pooled_size, COUNT_QUERIES * (enc.image_width + 1))
         self.dropout = nn.Dropout(enc.dropout)
         self.cls = classifier(head.classifier, width, head.num_labels, enc.layer_norm_eps)
 
@@ -131,6 +159,8 @@ class VQAHead(Head):
             h = with_attended_regions(self.region_query, enc, inputs.region_mask)  # (B, P + Hv)
         elif self.head.pool == "regions_geometry":
             h = with_located_regions(self.region_query, self.where_query, enc, inputs.region_mask, inputs.region_boxes)
+        elif self.head.pool == "regions_count":
+            h = with_counted_regions(self.region_query, self.count_query, enc, inputs.region_mask)
         else:
             slot = (inputs.attention_mask.sum(1) - 2).long()  # (B,) index of [MASK] before the last [SEP]
             h = enc.text[torch.arange(slot.shape[0], device=slot.device), slot]  # (B, H)

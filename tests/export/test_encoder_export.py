@@ -16,11 +16,12 @@ from models.layers import CrossAttention, SelfAttention
 
 KINDS = ("vqa", "refer", "itm", "nlvr2", "multiple_choice", "grounding")
 # head options the presets use: VL-BERT answers VQA from the [MASK] slot, VisualBERT reads NLVR2 pairs jointly,
-# the demo's U-VisualBERT may read the regions through attention pooling, and locate them for VQA
+# the demo's U-VisualBERT may read the regions through attention pooling, and locate or count them for VQA
 VARIANTS = {"vl-bert": [("vqa_slot", "vqa", {"pool": "answer_slot"})],
             "visualbert": [("nlvr2_joint", "nlvr2", {"nlvr2_mode": "joint"})],
             "u-visualbert": [*((f"{kind}_regions", kind, {"pool": "regions"}) for kind in ("vqa", "itm", "nlvr2")),
-                             ("vqa_regions_geometry", "vqa", {"pool": "regions_geometry"})]}
+                             ("vqa_regions_geometry", "vqa", {"pool": "regions_geometry"}),
+                             ("vqa_regions_count", "vqa", {"pool": "regions_count"})]}
 
 
 def build(make_model, preset: str) -> VLModel:

@@ -61,9 +61,9 @@ def test_nothing_masked_is_zero_loss_not_nan(kind, make_model, make_batch, make_
     [("vqa", dict(pool="answer_slot")), ("vqa", dict(classifier="linear")), ("nlvr2", dict(nlvr2_mode="joint")),
      ("nlvr2", dict(classifier="linear")), ("mrc", dict(mrc_loss="kl")), ("itm", dict(pool="regions")),
      ("nlvr2", dict(pool="regions")), ("nlvr2", dict(pool="regions", nlvr2_mode="joint")),
-     ("vqa", dict(pool="regions_geometry"))],
+     ("vqa", dict(pool="regions_geometry")), ("vqa", dict(pool="regions_count"))],
     ids=["vqa-answer-slot", "vqa-linear", "nlvr2-joint", "nlvr2-linear", "mrc-kl", "itm-regions", "nlvr2-regions",
-         "nlvr2-joint-regions", "vqa-regions-geometry"],
+         "nlvr2-joint-regions", "vqa-regions-geometry", "vqa-regions-count"],
 )
 @pytest.mark.parametrize("preset", PRESETS)
 def test_head_options_on_every_preset(preset, kind, options, make_model, make_batch, make_labels):
@@ -226,6 +226,39 @@ def test_located_regions_read_out_the_boxes_of_the_attended_regions():
     torch.testing.assert_close(moved, out)  # moving the padded region's box changes nothing
     with pytest.raises(ValueError, match="pool='regions_geometry' is for vqa, image_qa"):
         HeadConfig(kind="itm", pool="regions_geometry")
+
+
+def test_counted_regions_sum_sigmoid_gates_over_the_real_regions():
+    """pool="regions_count": each of the K count queries sums a sigmoid gate over the real regions (a padded region
+    never counts) and is read as its value and as bumps at 0, 1, ..., COUNT_BINS - 1."""
+    from models import HeadConfig
+    from models.heads import COUNT_BINS, COUNT_QUERIES, with_attended_regions, with_counted_regions
+    from models.outputs import EncoderOutput
+
+    assert COUNT_QUERIES == 4
+    hv, p = 4, 3
+    regions = torch.tensor([[[1.0, 0, 0, 0], [1.0, 0, 0, 0], [0, 1.0, 0, 0], [1.0, 0, 0, 0], [1.0, 0, 0, 0]]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])  # three "e_0" regions and one "e_1" are real, the last is padding
+    region_query, count_query = torch.nn.Linear(p, hv), torch.nn.Linear(p, COUNT_QUERIES * (hv + 1))
+    queries = torch.zeros(COUNT_QUERIES, hv)
+    queries[0, 0] = 200.0  # query 0 fires on e_0 regions
+    queries[1, 1] = 200.0  # query 1 on e_1 regions
+    bias = torch.tensor([-50.0, -50.0, 50.0, -50.0])  # query 2 fires on every region, query 3 on none
+    with torch.no_grad():
+        count_query.weight.zero_()
+        count_query.bias.copy_(torch.cat([queries.flatten(), bias]))
+    enc = EncoderOutput(text=torch.zeros(1, 2, hv), image=regions, pooled=torch.randn(1, p))
+    with torch.no_grad():
+        out = with_counted_regions(region_query, count_query, enc, mask)
+    assert out.shape == (1, p + hv + COUNT_QUERIES * (1 + COUNT_BINS))
+    torch.testing.assert_close(out[:, : p + hv], with_attended_regions(region_query, enc, mask))
+    counts = out[0, p + hv: p + hv + COUNT_QUERIES]
+    torch.testing.assert_close(counts, torch.tensor([3.0, 1.0, 4.0, 0.0]), atol=1e-4, rtol=0)
+    bumps = out[0, p + hv + COUNT_QUERIES:].reshape(COUNT_QUERIES, COUNT_BINS)
+    assert bumps.argmax(-1).tolist() == [3, 1, 4, 0]  # each count's bump peaks at its value
+    torch.testing.assert_close(bumps[0, [2, 3, 4]], torch.tensor([math.exp(-2.0), 1.0, math.exp(-2.0)]), atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="pool='regions_count' is for vqa, image_qa"):
+        HeadConfig(kind="nlvr2", pool="regions_count")
 
 
 @pytest.mark.parametrize("kind", ["itm", "nlvr2"])
