@@ -87,7 +87,7 @@ def main() -> None:
     profile = zoo.PROFILES["demo"]
     detector = zoo.zoo_dir("demo") / "detector"
     data = prepare_task_data(detector, profile.train_scenes, profile.eval_scenes, easy_vqa=False, progress=False,
-                             positions=True)
+                             question_sets=True)
     relations = {"train": [e for e in data.train["vqa"] if RELATION.match(e.text)],
                  "eval": [e for e in data.eval["vqa"] if RELATION.match(e.text)]}
     print(f"relation questions: {len(relations['train'])} train, {len(relations['eval'])} val", flush=True)

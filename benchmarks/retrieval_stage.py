@@ -68,7 +68,7 @@ def main() -> None:
                               eval_every=10**9, retrieval_queries=0, seed=args.seed)
     training.vl_data.ranking_examples = functools.partial(ranking_examples, hard=args.hard, neighbours=args.neighbours)
     data = prepare_task_data(cfg.detector_dir, cfg.train_scenes, cfg.eval_scenes, cfg.easy_vqa, False,
-                             easy_vqa_images=cfg.easy_vqa_images, ranking=True, positions=True)
+                             easy_vqa_images=cfg.easy_vqa_images, ranking=True, question_sets=True)
     result: dict = {"init_from": str(args.init_from), "steps": args.steps, "tasks": tasks, "hard": args.hard,
                     "neighbours": args.neighbours}
     if args.steps:

@@ -23,7 +23,7 @@ from .data.vl_tasks import collate
 from .evaluate import evaluate_tasks
 from .objectives import group_ranking_loss
 from .retrieval import card_metrics, evaluate_retrieval
-from .vl_data import POSITION_SETS, TaskData, prepare_task_data, tagged
+from .vl_data import QUESTION_SETS, TaskData, prepare_task_data, tagged
 
 log = logging.getLogger(__name__)
 STATE = "train_state.pt"  # resumable state, written beside the checkpoint files
@@ -31,9 +31,10 @@ TASKS = ("vqa", "refer", "itm", "nlvr2", "multiple_choice")  # heads fine-tuning
 RANK_TASK = "itm_rank"  # retrieval groups trained with a listwise ranking loss through the itm head: a caption
 RANK_TEXT_TASK = "itm_rank_text"  # with its image and others (itm_rank), or an image with its caption and near misses
 RANK_TASKS = (RANK_TASK, RANK_TEXT_TASK)
-# training sets beyond the heads' own tasks -> the head they train: the ranking groups, and one-object position
-# questions ("is the red circle on the left?", vl_data.POSITION_SETS) for a curriculum of the VQA head
-TRAINING_SETS = {RANK_TASK: "itm", RANK_TEXT_TASK: "itm", "positions": "vqa", "positions_one_side": "vqa"}
+# training sets beyond the heads' own tasks -> the head they train: the ranking groups, and the question sets of
+# vl_data.QUESTION_SETS (one-object positions, "is the red circle on the left?", for a curriculum of the VQA head;
+# every relation or attribute question of a scene)
+TRAINING_SETS = {RANK_TASK: "itm", RANK_TEXT_TASK: "itm", **dict.fromkeys(QUESTION_SETS, "vqa")}
 
 
 def head_of(task: str) -> str:
@@ -252,7 +253,7 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
     rng = np.random.default_rng(cfg.seed)
     data = data or prepare_task_data(cfg.detector_dir, cfg.train_scenes, cfg.eval_scenes, cfg.easy_vqa, progress,
                                      easy_vqa_images=cfg.easy_vqa_images, ranking=any(t in RANK_TASKS for t in training_tasks(cfg)),
-                                     positions=any(t in POSITION_SETS for t in training_tasks(cfg)))
+                                     question_sets=any(t in QUESTION_SETS for t in training_tasks(cfg)))
     unknown = set(training_tasks(cfg)) - set(data.train)
     if unknown:
         raise ValueError(f"no training data for task(s) {', '.join(sorted(unknown))}")

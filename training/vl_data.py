@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,15 +16,22 @@ from models.detector.io import load_detector
 from .data.easy_vqa import load_easy_vqa, load_image as load_easy_vqa_image
 from .data.region_table import RegionTable, extract_table
 from .data.shapes_cache import FORMAT_VERSION, ShapesConfig, ShapesSplit, cache_root, config_hash, load_split
-from .data.shapes_tasks import ANSWERS, ONE_SIDE, SIDES, TaskConfig
+from .data.shapes_tasks import (
+    ANSWERS, ONE_SIDE, SIDES, TaskConfig, all_attribute_questions, position_questions,
+    relation_questions,
+)
 from .data.shapes_world import WorldConfig
 from .data.vl_tasks import (
-    Example, caption_ranking_examples, easy_vqa_examples, position_examples, ranking_examples, retrieval_examples, shapes_examples,
+    Example, caption_ranking_examples, easy_vqa_examples, question_examples, ranking_examples, retrieval_examples, shapes_examples,
 )
 from .data.vl_tasks import easy_vqa_images as easy_vqa_image_ids
 
-# position question sets (shapes_tasks.position_questions), trained as tasks through the VQA head
-POSITION_SETS = {"positions": tuple(SIDES), "positions_one_side": ONE_SIDE}
+# question sets trained as tasks through the VQA head, beyond a scene's sampled VQA questions: one-object position
+# questions (shapes_tasks.position_questions, both-sided and one-sided), and every relation and every attribute
+# question a scene has (its VQA questions sample vqa_per_type of each kind)
+QUESTION_SETS = {"positions": functools.partial(position_questions, sides=tuple(SIDES)),
+                 "positions_one_side": functools.partial(position_questions, sides=ONE_SIDE),
+                 "relations": relation_questions, "attributes": all_attribute_questions}
 Extract = Callable[[str, Callable[[int], np.ndarray], int], RegionTable]  # (cache name, load image i, count)
 
 
@@ -78,10 +86,10 @@ def shapes_config_from_dir(path: Path) -> tuple[ShapesConfig, Path]:
 
 def shapes_part(extract: Extract, split_name: str, scenes: int, data: ShapesConfig, seed: int, retrieval_pool: int = 0,
                 root: Path | None = None, ranking: bool = False,
-                positions: tuple[str, ...] = ()) -> tuple[RegionTable, dict[str, list[Example]]]:
+                question_sets: tuple[str, ...] = ()) -> tuple[RegionTable, dict[str, list[Example]]]:
     """Regions of the first max(scenes, retrieval_pool) scenes of a split; task examples of the first `scenes`
     (NLVR2 pairs inside them), with `ranking` the retrieval training groups (itm_rank, itm_rank_text) over them, with
-    `positions` the named sets of one-object position questions (POSITION_SETS), and, with retrieval_pool, one gold
+    `question_sets` the named sets of QUESTION_SETS, and, with retrieval_pool, one gold
     caption for each of the first pool scenes."""
     split = load_split(split_name, data, root)
     scenes, pool = min(scenes, len(split)), min(retrieval_pool, len(split))
@@ -93,9 +101,9 @@ def shapes_part(extract: Extract, split_name: str, scenes: int, data: ShapesConf
         scene_split = ShapesSplit(split.directory, split.annotations[:scenes], [])
         examples["itm_rank"] = ranking_examples(scene_split, seed=seed)
         examples["itm_rank_text"] = caption_ranking_examples(scene_split, seed=seed)
-    for name in positions:
-        examples[name] = position_examples(ShapesSplit(split.directory, split.annotations[:scenes], []), ANSWERS,
-                                           POSITION_SETS[name])
+    for name in question_sets:
+        examples[name] = question_examples(ShapesSplit(split.directory, split.annotations[:scenes], []), ANSWERS,
+                                           QUESTION_SETS[name])
     if pool:
         examples["retrieval"] = retrieval_examples(ShapesSplit(split.directory, split.annotations[:pool], []))
     return table, examples
@@ -131,15 +139,15 @@ def _extractor(detector_dir: Path, progress: bool) -> tuple[DetectorConfig, str,
 
 def prepare_task_data(detector_dir: Path, train_scenes: int, eval_scenes: int, easy_vqa: bool = True,
                       progress: bool = True, data: ShapesConfig = ShapesConfig(), easy_vqa_images: int | None = None,
-                      shapes_root: Path | None = None, ranking: bool = False, positions: bool = False) -> TaskData:
+                      shapes_root: Path | None = None, ranking: bool = False, question_sets: bool = False) -> TaskData:
     """Extract (or load cached) regions for the data a run uses and build its task examples (eval on val);
-    with `ranking` also the itm_rank and itm_rank_text training groups, with `positions` the position question sets (trained through
-    the VQA head; the val scenes' both-sided set is scored as `positions`)."""
+    with `ranking` also the itm_rank and itm_rank_text training groups, with `question_sets` the QUESTION_SETS (trained
+    through the VQA head; the val scenes' both-sided position questions are scored as `positions`)."""
     cfg, fingerprint, extract = _extractor(detector_dir, progress)
     train_table, train = shapes_part(extract, "train", train_scenes, data, seed=0, root=shapes_root, ranking=ranking,
-                                     positions=tuple(POSITION_SETS) if positions else ())
+                                     question_sets=tuple(QUESTION_SETS) if question_sets else ())
     eval_table, evals = shapes_part(extract, "val", eval_scenes, data, seed=1, retrieval_pool=eval_scenes, root=shapes_root,
-                                    positions=("positions",) if positions else ())
+                                    question_sets=("positions",) if question_sets else ())
     train_tables, eval_tables, evals = [train_table], [eval_table], as_eval_sets(evals)
     if easy_vqa:
         table, examples = easy_vqa_part(extract, "train", easy_vqa_images, row_offset=len(train_table))

@@ -22,7 +22,10 @@ class Profile:
     finetune_steps: int  # multi-task encoder steps
     batch_size: int  # encoder batch
     easy_vqa_images: int | None = None  # easy-VQA training images used (None = all 4,000)
-    num_boxes: int = 36  # regions per image (shapes scenes hold at most 6 objects)
+    num_boxes: int = 36  # regions per image (shapes scenes hold at most 6 objects); with region_conf, the most kept
+    # bottom-up attention's adaptive selection: keep the regions whose confidence is >= region_conf (at least 1, at
+    # most num_boxes); None = always the num_boxes most confident (fixed mode)
+    region_conf: float | None = None
     proposals: int = 150  # RPN proposals per image at inference
     preset: str = "visualbert"
     size: str = "small"
@@ -95,6 +98,21 @@ PROFILES = {
 MULTITASK = "multitask"  # a profile with a retrieval stage keeps its multi-task checkpoint here (the stage's start)
 
 
+def detector_selection(p: Profile) -> dict:
+    """The detector config fields a profile sets: proposals and how regions are chosen (fixed or adaptive)."""
+    chosen = {"num_boxes": p.num_boxes, "rpn_post_nms_top_n": p.proposals}
+    if p.region_conf is not None:
+        chosen.update(adaptive=True, min_boxes=1, max_boxes=p.num_boxes, conf_thresh=p.region_conf)
+    return chosen
+
+
+def region_line(p: Profile) -> str:
+    """The card's words on the regions per image."""
+    if p.region_conf is None:
+        return f"{p.num_boxes} regions per image"
+    return f"the regions with confidence >= {p.region_conf:g} (1 to {p.num_boxes} per image)"
+
+
 def zoo_dir(profile: str, root: Path | None = None) -> Path:
     return Path(root or cache_root()) / "zoo" / profile
 
@@ -118,7 +136,7 @@ def build_zoo(profile: str = "demo", root: Path | None = None, force: bool = Fal
         train_detector(DetectorTrainConfig(out=det_dir, steps=p.detector_steps, eval_every=max(1, p.detector_steps // 2),
                                            eval_images=100, final_eval_images=p.detector_eval_images,
                                            threads=threads, data=ShapesConfig(),
-                                           detector={"num_boxes": p.num_boxes, "rpn_post_nms_top_n": p.proposals}),
+                                           detector=detector_selection(p)),
                        progress=progress)
     det_seconds = time.perf_counter() - started
     pretrained = None
@@ -226,7 +244,7 @@ Fingerprint `{det["fingerprint"]}`.
 `{p.preset}` size `{p.size}` (hidden 384, text side from the pretrained MiniLM-L6), one shared encoder with heads
 vqa, refer, itm, nlvr2, trained together for {p.finetune_steps} steps{lead} (batch {p.batch_size}, encoder lr {p.lr:g}) on
 {p.train_scenes} shapes-world scenes (VQA, referring expressions, captions with hard and random negatives, NLVR2
-pairs) plus the easy-VQA training questions, {p.num_boxes} regions per image; objectives: {vqa_objective} (VQA,
+pairs) plus the easy-VQA training questions, {region_line(p)}; objectives: {vqa_objective} (VQA,
 read from {p.vqa_pool}; ITM from {p.itm_pool}, NLVR2 from {p.nlvr2_pool}), IoU>=0.5 soft-target cross-entropy (refer), cross-entropy (ITM, NLVR2){extra}.{retrieval_line(p, multitask)}
 {"bfloat16 autocast" if metrics.get("train_precision") == "bf16" else "float32"} training\
 {" (bf16 asked for; this CPU has no native bf16)" if p.bf16 and metrics.get("train_precision") == "fp32" else ""}\

@@ -128,3 +128,23 @@ def test_a_retrieval_stage_goes_on_the_card(tmp_path):
     assert "retrieval stage" not in training.zoo.model_card("pretrained", plain, tmp_path, {"final": {}, "train_seconds": 60},
                                                             det_seconds=60, total_seconds=120)
     assert training.zoo.finetune_config(plain, tmp_path, tmp_path).retrieval_queries == 100
+
+
+def test_adaptive_region_selection_reaches_the_detector_config_and_the_card(tmp_path):
+    """region_conf: the detector keeps the regions at or above that confidence, 1 to num_boxes of them (bottom-up
+    attention's adaptive mode); without it, always the num_boxes most confident."""
+    import json
+
+    from models.detector import DetectorConfig
+
+    fixed = dataclasses.replace(training.zoo.PROFILES["demo"], region_conf=None)
+    assert training.zoo.detector_selection(fixed) == {"num_boxes": 8, "rpn_post_nms_top_n": 100}
+    adaptive = dataclasses.replace(fixed, region_conf=0.3)
+    cfg = DetectorConfig(classes=["circle"], **training.zoo.detector_selection(adaptive))
+    assert (cfg.adaptive, cfg.min_boxes, cfg.max_boxes, cfg.conf_thresh, cfg.max_regions) == (True, 1, 8, 0.3, 8)
+    (tmp_path / "det").mkdir()
+    (tmp_path / "det" / "metrics.json").write_text(json.dumps({"val": {"map50": 0.98}, "fingerprint": "f" * 16}))
+    card = lambda p: training.zoo.model_card("demo", p, tmp_path / "det", {"final": {}, "train_seconds": 60},  # noqa: E731
+                                             det_seconds=60, total_seconds=120)
+    assert "the regions with confidence >= 0.3 (1 to 8 per image)" in card(adaptive)
+    assert "8 regions per image" in card(fixed)

@@ -15,10 +15,11 @@ from models.detector import DetectorConfig, RegionDetector
 from models.detector.io import save_detector
 from models.layers import Linear, cpu_bf16_unavailable
 from models.tokenizer import VLTokenizer
-from training.data.shapes_cache import ShapesConfig
+from training.data.shapes_cache import ShapesConfig, load_split
+from training.data.shapes_tasks import all_attribute_questions, relation_questions
 from training.data.vl_tasks import Example, collate
 from training.finetune import (
-    FinetuneConfig, build_model, eval_precision, gemm_precision, init_from_checkpoint, phase_weights, train, training_tasks,
+    FinetuneConfig, build_model, eval_precision, gemm_precision, head_of, init_from_checkpoint, phase_weights, train, training_tasks,
 )
 from training.vl_data import prepare_task_data, tagged
 from vlserve.cli import app
@@ -39,7 +40,7 @@ def task_data(tmp_path_factory):
                              rpn_pre_nms_top_n=100, rpn_post_nms_top_n=30, num_boxes=8, feature_dim=16)
         save_detector(RegionDetector(cfg), root / "detector")
         data = prepare_task_data(root / "detector", 160, 80, easy_vqa=False, progress=False, data=SHAPES, ranking=True,
-                                 positions=True)
+                                 question_sets=True)
         yield root / "detector", data
     finally:
         if old is None:
@@ -122,7 +123,7 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(task_data, tmp_path):
         (["--preset", "resnet"], "unknown preset 'resnet'"),
         (["--size", "huge"], "unknown size 'huge'"),
         (["--tasks", "vqa:1,grounding:1"], "head not supported by fine-tuning: grounding (choose vqa, refer, itm, nlvr2, "
-                                           "multiple_choice, itm_rank, itm_rank_text, positions, positions_one_side)"),
+                                           "multiple_choice, itm_rank, itm_rank_text, positions, positions_one_side, relations, attributes)"),
         (["--tasks", "vqa:0"], "task weights must be positive"),
         (["--size", "tiny"], "--init-text needs size small"),
         (["--vqa-loss", "mse"], "--vqa-loss must be bce or ce"),
@@ -398,6 +399,23 @@ def test_curriculum_phases_train_their_tasks_in_order_then_the_mix(task_data, tm
     result = train(cfg, data=data, progress=False)
     assert {"vqa_acc", "refer_acc", "nlvr2_acc", "positions_acc"} <= set(result["final"])
     assert set(load_checkpoint(tmp_path / "curriculum").model.heads) == {"vqa", "refer", "nlvr2"}
+
+
+@pytest.mark.parametrize("name,kinds,questions", [("relations", ("relation",), relation_questions),
+                                                   ("attributes", ("color", "shape", "size"), all_attribute_questions)])
+def test_question_sets_hold_every_question_of_their_kind_of_each_training_scene(task_data, name, kinds, questions):
+    """'relations' asks every clear relation between uniquely described objects of a scene, 'attributes' the
+    colour, shape and size of every object that can be described without it (through the vqa head); a scene's VQA
+    questions sample vqa_per_type of each kind. Training material only: not scored on val."""
+    _, data = task_data
+    split = load_split("train", SHAPES)
+    for row in (0, 1, 2):
+        asked = [(e.text, data.answers[e.label]) for e in data.train[name] if e.rows == (row,)]
+        assert asked == [(q["question"], q["answer"]) for q in questions(split.scene(row))]
+    every = {(e.rows[0], e.text) for e in data.train[name]}
+    sampled = {(i, q["question"]) for i, ann in enumerate(split.annotations[:160]) for q in ann["vqa"] if q["type"] in kinds}
+    assert sampled and sampled < every
+    assert name not in data.eval and head_of(name) == "vqa"
 
 
 @pytest.mark.parametrize("curriculum, message", [

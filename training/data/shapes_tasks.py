@@ -184,6 +184,11 @@ def position_questions(scene: Scene, sides: tuple[str, ...] = tuple(SIDES)) -> l
     return out
 
 
+def all_attribute_questions(scene: Scene) -> list[dict]:
+    """Every colour, shape and size question a scene has (vqa_questions samples per_type of each)."""
+    return [q for a in ATTRIBUTE_VALUES for q in attribute_questions(scene, a)]
+
+
 def vqa_questions(scene: Scene, rng: np.random.Generator, per_type: int) -> list[dict]:
     pools = [attribute_questions(scene, a) for a in ("color", "shape", "size")] + [relation_questions(scene)]
     picked = [q for pool in pools for q in pick(rng, pool, per_type)]

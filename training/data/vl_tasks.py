@@ -2,6 +2,7 @@
 collation into VLInputs."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,7 +15,8 @@ from models.tokenizer import VLTokenizer
 from .easy_vqa import EasyVQASplit
 from .region_table import RegionTable
 from .shapes_cache import ShapesSplit
-from .shapes_tasks import false_listings, position_questions
+from .shapes_tasks import false_listings
+from .shapes_world import Scene
 
 
 @dataclass(frozen=True)
@@ -50,11 +52,12 @@ def shapes_examples(split: ShapesSplit, answers: list[str], seed: int = 0, row_o
     return out
 
 
-def position_examples(split: ShapesSplit, answers: list[str], sides: tuple[str, ...], row_offset: int = 0) -> list[Example]:
-    """One-object position questions (shapes_tasks.position_questions) of every scene of a split, as VQA examples."""
+def question_examples(split: ShapesSplit, answers: list[str], questions: Callable[[Scene], list[dict]],
+                      row_offset: int = 0) -> list[Example]:
+    """Every question `questions` asks of each scene of a split (e.g. shapes_tasks.position_questions), as VQA examples."""
     index = {a: i for i, a in enumerate(answers)}
     return [Example((i + row_offset,), q["question"], index[q["answer"]])
-            for i in range(len(split.annotations)) for q in position_questions(split.scene(i), sides)]
+            for i in range(len(split.annotations)) for q in questions(split.scene(i))]
 
 
 def retrieval_examples(split: ShapesSplit, row_offset: int = 0) -> list[Example]:
