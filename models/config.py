@@ -10,7 +10,7 @@ FORMAT_VERSION = 1  # bump when config.json or the weight layout changes incompa
 PRESETS = ("visualbert", "vl-bert", "vilbert", "lxmert", "u-visualbert")
 TWO_STREAM = ("vilbert", "lxmert")
 BOX_EMBEDDINGS = ("linear", "normalized")  # EncoderConfig.box_embedding (u-visualbert)
-HEAD_POOLS = ("pooled", "answer_slot", "regions", "regions_geometry", "regions_count")  # HeadConfig.pool; which heads read each: below
+HEAD_POOLS = ("pooled", "answer_slot", "regions", "regions_geometry", "regions_count", "regions_film")  # HeadConfig.pool; which heads read each: below
 HEAD_KINDS = (
     # task heads
     "vqa", "nlvr2", "refer", "itm", "multiple_choice", "grounding",
@@ -126,7 +126,8 @@ class HeadConfig:
     pool: str = "pooled"  # vqa: "pooled" (CLS / fused), "answer_slot" (the [MASK] before the final [SEP]) or
     #                       "regions" (pooled + question-guided attention pooling of the regions) or
     #                       "regions_geometry" (regions + the boxes of question-located regions) or
-    #                       "regions_count" (regions + counts of the regions the question fits); itm and nlvr2
+    #                       "regions_count" (regions + counts of the regions the question fits) or "regions_film"
+    #                       (regions + counts + located boxes, modulated by the question); itm and nlvr2
     #                       (each image): "pooled" or "regions"
     classifier: str = "mlp"  # vqa/nlvr2/image_qa: "mlp" (Linear-GELU-LN-Linear, LXMERT/ViLBERT) or "linear"
     nlvr2_mode: str = "pair"  # nlvr2: "pair" (two passes, concatenated pooled) or "joint" (one pass, both images)
@@ -148,7 +149,8 @@ class HeadConfig:
             if value not in allowed:
                 raise ValueError(f"head {self.kind}: {name}={value!r} is not one of {allowed}")
         readers = {"answer_slot": ("vqa", "image_qa"), "regions": ("vqa", "image_qa", "itm", "nlvr2"),
-                   "regions_geometry": ("vqa", "image_qa"), "regions_count": ("vqa", "image_qa")}
+                   "regions_geometry": ("vqa", "image_qa"), "regions_count": ("vqa", "image_qa"),
+                   "regions_film": ("vqa", "image_qa")}
         if self.pool in readers and self.kind not in readers[self.pool]:
             raise ValueError(f"head {self.kind}: pool={self.pool!r} is for {', '.join(readers[self.pool])} heads only")
         if self.kind in ("vqa", "image_qa", "mrc") and self.num_labels <= 0:

@@ -73,12 +73,17 @@ def with_located_regions(region_query: nn.Linear, where_query: nn.Linear, enc: E
     the coordinates of the attended objects are among its inputs.
     """
     attended = with_attended_regions(region_query, enc, region_mask)
+    where = located_boxes(where_query, enc, region_mask, boxes).flatten(1)  # (B, 4K)
+    return torch.cat([attended, where.to(attended.dtype)], dim=-1)
+
+
+def located_boxes(where_query: nn.Linear, enc: EncoderOutput, region_mask: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+    """(B, K, 4) float32: the expected box under each of K pooled-vector-guided softmax attentions over the real regions."""
     b, n, hv = enc.image.shape
     query = where_query(enc.pooled).reshape(b, GEOMETRY_QUERIES, hv)  # (B, K, Hv)
     logits = torch.einsum("bnh,bkh->bkn", enc.image, query).float() / hv ** 0.5  # (B, K, N)
     weights = logits.masked_fill(region_mask[:, None, :] == 0, torch.finfo(logits.dtype).min).softmax(-1)
-    where = torch.einsum("bkn,bnc->bkc", weights, boxes.float()).flatten(1)  # (B, 4K)
-    return torch.cat([attended, where.to(attended.dtype)], dim=-1)
+    return torch.einsum("bkn,bnc->bkc", weights, boxes.float())
 
 
 COUNT_QUERIES = 4  # pool="regions_count": how many region counts a question may take at once
@@ -95,21 +100,64 @@ def with_counted_regions(region_query: nn.Linear, count_query: nn.Linear, enc: E
     them (Zhang et al., "Learning to Count Objects in Natural Images for VQA", 2018). Sigmoid gates add up instead.
     """
     attended = with_attended_regions(region_query, enc, region_mask)
+    counts = region_counts(count_query, enc, region_mask)
+    return torch.cat([attended, counts.to(attended.dtype), count_bumps(counts).to(attended.dtype)], dim=-1)
+
+
+def region_counts(count_query: nn.Linear, enc: EncoderOutput, region_mask: torch.Tensor) -> torch.Tensor:
+    """(B, K) float32: K pooled-vector-guided sigmoid gates over the real regions, each summed."""
     b, n, hv = enc.image.shape
     query = count_query(enc.pooled)  # (B, K * Hv + K): K queries and K gate biases
     queries, bias = query[:, : COUNT_QUERIES * hv].reshape(b, COUNT_QUERIES, hv), query[:, COUNT_QUERIES * hv:]
     logits = torch.einsum("bnh,bkh->bkn", enc.image, queries).float() / hv ** 0.5 + bias.float()[:, :, None]
-    counts = (torch.sigmoid(logits) * region_mask[:, None, :].float()).sum(-1)  # (B, K)
+    return (torch.sigmoid(logits) * region_mask[:, None, :].float()).sum(-1)
+
+
+def count_bumps(counts: torch.Tensor) -> torch.Tensor:
+    """(B, K) counts -> (B, K * COUNT_BINS): each count's closeness to 0, 1, ..., COUNT_BINS - 1 (Gaussian, width 0.5)."""
     centres = torch.arange(COUNT_BINS, device=counts.device, dtype=counts.dtype)
-    bumps = torch.exp(-2.0 * (counts[:, :, None] - centres) ** 2).flatten(1)  # (B, K * bins)
-    return torch.cat([attended, counts.to(attended.dtype), bumps.to(attended.dtype)], dim=-1)
+    return torch.exp(-2.0 * (counts[:, :, None] - centres) ** 2).flatten(1)
+
+
+PAIRS = [(i, j) for i in range(GEOMETRY_QUERIES) for j in range(i + 1, GEOMETRY_QUERIES)]  # located-region pairs
+EXPLICIT = COUNT_QUERIES * (1 + COUNT_BINS) + GEOMETRY_QUERIES * 4 + 2 * len(PAIRS)  # width of explicit_features
+MODULATED = 128  # pool="regions_film": width of the question-modulated explicit features
+
+
+def explicit_features(counts: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+    """(B, EXPLICIT) float32: the counts and their bumps, each located region's centre (from the image centre) and
+    size, and the centre offsets of every pair of located regions."""
+    centres = (boxes[..., :2] + boxes[..., 2:]) / 2 - 0.5  # (B, K, 2)
+    sizes = boxes[..., 2:] - boxes[..., :2]
+    first, second = zip(*PAIRS)
+    offsets = centres[:, list(first)] - centres[:, list(second)]  # (B, pairs, 2)
+    return torch.cat([counts, count_bumps(counts), centres.flatten(1), sizes.flatten(1), offsets.flatten(1)], dim=-1)
+
+
+def with_modulated_regions(region_query: nn.Linear, count_query: nn.Linear, where_query: nn.Linear, film: nn.ModuleDict,
+                           enc: EncoderOutput, region_mask: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+    """with_attended_regions joined with the explicit features of counted and located regions (explicit_features)
+    and their question-modulated projection (B, P + Hv + EXPLICIT + MODULATED): film["question"](pooled) *
+    film["features"](explicit), elementwise.
+
+    "Is A left of B?", "is A on the left?" and "is there not a circle?" are exclusive-ors of a word and a measured
+    quantity: neither alone tells the answer, and a classifier that only adds its inputs sits at chance on them for
+    thousands of steps (docs/RESULTS.md, session 9). The product puts the word's sign on the quantity before the
+    classifier sees it, as FiLM's question-conditioned feature modulation does (Perez et al., 2018).
+    """
+    attended = with_attended_regions(region_query, enc, region_mask)
+    explicit = explicit_features(region_counts(count_query, enc, region_mask),
+                                 located_boxes(where_query, enc, region_mask, boxes))
+    modulated = film["question"](enc.pooled).float() * film["features"](explicit.to(enc.pooled.dtype)).float()
+    return torch.cat([attended, explicit.to(attended.dtype), modulated.to(attended.dtype)], dim=-1)
 
 
 def pooled_width(head: HeadConfig, enc: EncoderConfig) -> int:
     """Width of what a head reads: the pooled vector, with pool="regions" also the attended regions, with
     pool="regions_geometry" also the boxes of the located regions, and with pool="regions_count" also the counts."""
     extra = {"regions": enc.image_width, "regions_geometry": enc.image_width + 4 * GEOMETRY_QUERIES,
-             "regions_count": enc.image_width + COUNT_QUERIES * (1 + COUNT_BINS)}
+             "regions_count": enc.image_width + COUNT_QUERIES * (1 + COUNT_BINS),
+             "regions_film": enc.image_width + EXPLICIT + MODULATED}
     return enc.pooled_size + extra.get(head.pool, 0)
 
 
@@ -138,17 +186,21 @@ class VQAHead(Head):
     ("regions") from the pooled vector joined with a question-guided attention pooling of the contextual regions
     (the top-down attention of bottom-up/top-down VQA): a direct path from the answer to the regions;
     ("regions_geometry") with the boxes of question-located regions as well (with_located_regions); and
-    ("regions_count") with counts of the regions the question's descriptions fit (with_counted_regions)."""
+    ("regions_count") with counts of the regions the question's descriptions fit (with_counted_regions); and
+    ("regions_film") with counts, located boxes and their question-modulated projection (with_modulated_regions)."""
 
     def __init__(self, head: HeadConfig, enc: EncoderConfig):
         super().__init__(head, enc)
         width = enc.hidden_size if head.pool == "answer_slot" else pooled_width(head, enc)
-        if head.pool in ("regions", "regions_geometry", "regions_count"):
+        if head.pool in ("regions", "regions_geometry", "regions_count", "regions_film"):
             self.region_query = nn.Linear(enc.pooled_size, enc.image_width)
-        if head.pool == "regions_geometry":
+        if head.pool in ("regions_geometry", "regions_film"):
             self.where_query = nn.Linear(enc.pooled_size, GEOMETRY_QUERIES * enc.image_width)
-        if head.pool == "regions_count":
+        if head.pool in ("regions_count", "regions_film"):
             self.count_query = nn.Linear(enc.pooled_size, COUNT_QUERIES * (enc.image_width + 1))
+        if head.pool == "regions_film":
+            self.film = nn.ModuleDict({"question": nn.Linear(enc.pooled_size, MODULATED),
+                                       "features": nn.Linear(EXPLICIT, MODULATED)})
         self.dropout = nn.Dropout(enc.dropout)
         self.cls = classifier(head.classifier, width, head.num_labels, enc.layer_norm_eps)
 
@@ -161,6 +213,9 @@ class VQAHead(Head):
             h = with_located_regions(self.region_query, self.where_query, enc, inputs.region_mask, inputs.region_boxes)
         elif self.head.pool == "regions_count":
             h = with_counted_regions(self.region_query, self.count_query, enc, inputs.region_mask)
+        elif self.head.pool == "regions_film":
+            h = with_modulated_regions(self.region_query, self.count_query, self.where_query, self.film, enc,
+                                       inputs.region_mask, inputs.region_boxes)
         else:
             slot = (inputs.attention_mask.sum(1) - 2).long()  # (B,) index of [MASK] before the last [SEP]
             h = enc.text[torch.arange(slot.shape[0], device=slot.device), slot]  # (B, H)

@@ -51,6 +51,7 @@ class FinetuneConfig:
     vqa_pool: str = "pooled"  # "pooled" (CLS), "answer_slot" (VL-BERT's [MASK]) or "regions" (pooled + attention over regions)
     #                        or "regions_geometry" (regions + the boxes of question-located regions)
     #                        or "regions_count" (regions + counts of the regions the question fits)
+    #                        or "regions_film" (regions + counts + located boxes, modulated by the question)
     vqa_loss: str = "bce"  # "bce" (soft scores, the VQA standard) or "ce" (softmax; single-answer data learns faster)
     itm_pool: str = "pooled"  # "pooled" (CLS) or "regions" (pooled + attention over regions), as vqa_pool
     nlvr2_pool: str = "pooled"  # the same choice for the NLVR2 head (each image of the pair)

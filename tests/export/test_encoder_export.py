@@ -21,7 +21,8 @@ VARIANTS = {"vl-bert": [("vqa_slot", "vqa", {"pool": "answer_slot"})],
             "visualbert": [("nlvr2_joint", "nlvr2", {"nlvr2_mode": "joint"})],
             "u-visualbert": [*((f"{kind}_regions", kind, {"pool": "regions"}) for kind in ("vqa", "itm", "nlvr2")),
                              ("vqa_regions_geometry", "vqa", {"pool": "regions_geometry"}),
-                             ("vqa_regions_count", "vqa", {"pool": "regions_count"})]}
+                             ("vqa_regions_count", "vqa", {"pool": "regions_count"}),
+                             ("vqa_regions_film", "vqa", {"pool": "regions_film"})]}
 
 
 def build(make_model, preset: str) -> VLModel:

@@ -61,9 +61,10 @@ def test_nothing_masked_is_zero_loss_not_nan(kind, make_model, make_batch, make_
     [("vqa", dict(pool="answer_slot")), ("vqa", dict(classifier="linear")), ("nlvr2", dict(nlvr2_mode="joint")),
      ("nlvr2", dict(classifier="linear")), ("mrc", dict(mrc_loss="kl")), ("itm", dict(pool="regions")),
      ("nlvr2", dict(pool="regions")), ("nlvr2", dict(pool="regions", nlvr2_mode="joint")),
-     ("vqa", dict(pool="regions_geometry")), ("vqa", dict(pool="regions_count"))],
+     ("vqa", dict(pool="regions_geometry")), ("vqa", dict(pool="regions_count")), ("vqa", dict(pool="regions_film"))],
     ids=["vqa-answer-slot", "vqa-linear", "nlvr2-joint", "nlvr2-linear", "mrc-kl", "itm-regions", "nlvr2-regions",
-         "nlvr2-joint-regions", "vqa-regions-geometry", "vqa-regions-count"],
+         "nlvr2-joint-regions", "vqa-regions-geometry", "vqa-regions-count",
+         "vqa-regions-film"],
 )
 @pytest.mark.parametrize("preset", PRESETS)
 def test_head_options_on_every_preset(preset, kind, options, make_model, make_batch, make_labels):
@@ -259,6 +260,52 @@ def test_counted_regions_sum_sigmoid_gates_over_the_real_regions():
     torch.testing.assert_close(bumps[0, [2, 3, 4]], torch.tensor([math.exp(-2.0), 1.0, math.exp(-2.0)]), atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="pool='regions_count' is for vqa, image_qa"):
         HeadConfig(kind="nlvr2", pool="regions_count")
+
+
+def test_modulated_regions_put_the_question_on_counts_and_located_boxes():
+    """pool="regions_film": the explicit features are the counts, their bumps, each located region's centre (from
+    the image centre) and size, and the centre offsets of every pair of located regions; the head also reads their
+    projection multiplied elementwise by a projection of the question."""
+    from models import HeadConfig
+    from models.heads import (
+        COUNT_BINS, COUNT_QUERIES, EXPLICIT, GEOMETRY_QUERIES, MODULATED, PAIRS, explicit_features, with_attended_regions,
+        with_modulated_regions,
+    )
+    from models.outputs import EncoderOutput
+
+    counts = torch.tensor([[2.0, 0.0, 1.0, 3.0]])
+    boxes = torch.tensor([[[0.0, 0.0, 0.2, 0.2], [0.6, 0.2, 1.0, 0.4], [0.4, 0.4, 0.6, 0.6], [0.0, 0.8, 0.4, 1.0]]])
+    e = explicit_features(counts, boxes)
+    assert e.shape == (1, EXPLICIT) and len(PAIRS) == 6
+    assert EXPLICIT == COUNT_QUERIES * (1 + COUNT_BINS) + 4 * GEOMETRY_QUERIES + 2 * len(PAIRS)
+    at = COUNT_QUERIES * (1 + COUNT_BINS)
+    torch.testing.assert_close(e[0, :COUNT_QUERIES], counts[0])
+    centres = e[0, at: at + 8].reshape(4, 2)
+    torch.testing.assert_close(centres, torch.tensor([[-0.4, -0.4], [0.3, -0.2], [0.0, 0.0], [-0.3, 0.4]]))
+    torch.testing.assert_close(e[0, at + 8: at + 16].reshape(4, 2), torch.tensor([[0.2, 0.2], [0.4, 0.2], [0.2, 0.2], [0.4, 0.2]]))
+    offsets = e[0, at + 16:].reshape(len(PAIRS), 2)
+    assert PAIRS[0] == (0, 1)  # region 0 is 0.7 left of and 0.2 above region 1
+    torch.testing.assert_close(offsets[0], torch.tensor([-0.7, -0.2]))
+    torch.testing.assert_close(offsets, torch.stack([centres[i] - centres[j] for i, j in PAIRS]))
+
+    hv, p = 4, 3
+    enc = EncoderOutput(text=torch.zeros(1, 2, hv), image=torch.randn(1, 5, hv), pooled=torch.randn(1, p))
+    mask, region_boxes = torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.0]]), torch.rand(1, 5, 4).sort(-1).values
+    region_query, count_query = torch.nn.Linear(p, hv), torch.nn.Linear(p, COUNT_QUERIES * (hv + 1))
+    where_query = torch.nn.Linear(p, GEOMETRY_QUERIES * hv)
+    film = torch.nn.ModuleDict({"question": torch.nn.Linear(p, MODULATED), "features": torch.nn.Linear(EXPLICIT, MODULATED)})
+    with torch.no_grad():
+        out = with_modulated_regions(region_query, count_query, where_query, film, enc, mask, region_boxes)
+        assert out.shape == (1, p + hv + EXPLICIT + MODULATED)
+        torch.testing.assert_close(out[:, : p + hv], with_attended_regions(region_query, enc, mask))
+        explicit = out[:, p + hv: p + hv + EXPLICIT]
+        torch.testing.assert_close(out[:, p + hv + EXPLICIT:], film["question"](enc.pooled) * film["features"](explicit))
+        film["question"].weight.zero_()
+        film["question"].bias.zero_()
+        silent = with_modulated_regions(region_query, count_query, where_query, film, enc, mask, region_boxes)
+    assert (silent[:, p + hv + EXPLICIT:] == 0).all()  # no question, no modulated features
+    with pytest.raises(ValueError, match="pool='regions_film' is for vqa, image_qa"):
+        HeadConfig(kind="refer", pool="regions_film")
 
 
 @pytest.mark.parametrize("kind", ["itm", "nlvr2"])
