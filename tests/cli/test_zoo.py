@@ -37,8 +37,10 @@ def test_demo_profile_reaches_the_finetune_config_and_the_card(tmp_path):
 
     p = training.zoo.PROFILES["demo"]
     cfg = training.zoo.finetune_config(p, tmp_path / "det", tmp_path / "enc")
-    assert (cfg.preset, cfg.steps, cfg.dropout, cfg.bf16, cfg.vqa_pool) == ("u-visualbert", p.finetune_steps, 0.0, True, "regions")
-    assert (cfg.itm_pool, cfg.nlvr2_pool) == ("pooled", "pooled")
+    assert (cfg.preset, cfg.steps, cfg.dropout, cfg.bf16, cfg.vqa_pool) == ("u-visualbert", p.finetune_steps, 0.0, True, "regions_film")
+    assert (cfg.itm_pool, cfg.nlvr2_pool) == ("regions", "regions")
+    assert {"positions", "relations", "attributes"} <= set(cfg.tasks)
+    assert training.zoo.detector_selection(p)["conf_thresh"] == 0.3  # the demo keeps the confident regions
     assert cfg.eval_every == cfg.steps  # the demo's encoder is evaluated once, at the end (its build time)
     full = training.zoo.PROFILES["full"]
     cfg = training.zoo.finetune_config(full, tmp_path, tmp_path)
@@ -68,7 +70,8 @@ def test_the_card_names_the_lead_phase(tmp_path):
                                    det_seconds=60, total_seconds=120)
     assert ("trained together for 1800 steps (the first 200 on refer alone, then 400 on vqa + refer + itm + nlvr2 alone, "
             "then 200 on positions_one_side + vqa alone, then 200 on positions + vqa alone)") in demo
-    assert "; the mix also draws the positions set (weight 0.5, through the vqa head)." in demo
+    assert ("; the mix also draws the positions set (weight 0.5, through the vqa head), the relations set (weight 0.5, "
+            "through the vqa head) and the attributes set (weight 0.5, through the vqa head).") in demo
     assert "normalized box embedding" in demo
     phased = dataclasses.replace(training.zoo.PROFILES["demo"], lead_tasks=("refer",), lead_steps=200,
                                  curriculum=((200, ("positions_one_side",)), (100, ("positions", "refer"))),
