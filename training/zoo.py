@@ -86,7 +86,7 @@ PROFILES = {
     # pretrained: the demo after 1,500 steps of masked LM of the detector's words on matched pairs + ITM
     # (docs/RESULTS.md session 13): NLVR2 0.92-0.93 and ITM 0.77 on two seeds against 0.71-0.73 and 0.68-0.72
     # without, and the grounding heads of "What does BERT with vision look at?"; position questions stay at chance.
-    # (built and measured before the demo's retrieval stage, so without it)
+    # (built and measured before the demo's retrieval stage, so without it, and before session 16's regions and VQA head)
     "pretrained": dataclasses.replace(DEMO, pretrain_steps=1_500, retrieval_steps=0),
     # full: the demo's levers with all the data, a longer detector run and 3.3x the encoder steps (63 min measured on
     # a shared machine, about 55 alone: docs/RESULTS.md);
