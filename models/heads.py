@@ -141,8 +141,8 @@ def with_modulated_regions(region_query: nn.Linear, count_query: nn.Linear, wher
     film["features"](explicit), elementwise.
 
     "Is A left of B?", "is A on the left?" and "is there not a circle?" are exclusive-ors of a word and a measured
-    quantity: neither alone tells the answer, and a classifier that only adds its inputs sits at chance on them for
-    thousands of steps (docs/RESULTS.md, session 9). The product puts the word's sign on the quantity before the
+    quantity: neither alone tells the answer, and an MLP over the concatenated inputs sat at chance on them for
+    thousands of steps (docs/RESULTS.md, sessions 9 and 16). The product puts the word's sign on the quantity before the
     classifier sees it, as FiLM's question-conditioned feature modulation does (Perez et al., 2018).
     """
     attended = with_attended_regions(region_query, enc, region_mask)
@@ -154,7 +154,8 @@ def with_modulated_regions(region_query: nn.Linear, count_query: nn.Linear, wher
 
 def pooled_width(head: HeadConfig, enc: EncoderConfig) -> int:
     """Width of what a head reads: the pooled vector, with pool="regions" also the attended regions, with
-    pool="regions_geometry" also the boxes of the located regions, and with pool="regions_count" also the counts."""
+    pool="regions_geometry" also the boxes of the located regions, with pool="regions_count" also the counts, and
+    with pool="regions_film" also the explicit features and their question-modulated projection."""
     extra = {"regions": enc.image_width, "regions_geometry": enc.image_width + 4 * GEOMETRY_QUERIES,
              "regions_count": enc.image_width + COUNT_QUERIES * (1 + COUNT_BINS),
              "regions_film": enc.image_width + EXPLICIT + MODULATED}
@@ -186,7 +187,7 @@ class VQAHead(Head):
     ("regions") from the pooled vector joined with a question-guided attention pooling of the contextual regions
     (the top-down attention of bottom-up/top-down VQA): a direct path from the answer to the regions;
     ("regions_geometry") with the boxes of question-located regions as well (with_located_regions); and
-    ("regions_count") with counts of the regions the question's descriptions fit (with_counted_regions); and
+    ("regions_count") with counts of the regions the question's descriptions fit (with_counted_regions);
     ("regions_film") with counts, located boxes and their question-modulated projection (with_modulated_regions)."""
 
     def __init__(self, head: HeadConfig, enc: EncoderConfig):
