@@ -3,8 +3,8 @@
 For each selection rule, over shapes-world val scenes: objects covered by a region (IoU >= 0.5), regions that
 duplicate an object an earlier (more confident) region already covers, regions that cover no object, the mean
 number of regions, and the share of scenes whose region count equals their object count (what a counting question
-needs). The detector runs once per scene with a wide top-N; every rule is a prefix of its confidence order, as
-`models.detector.select.choose_regions` takes it.
+needs). The detector runs once per scene with a wide top-N; every rule is a prefix of its confidence order,
+chosen by the detector's own `models.detector.select.choose_regions`.
 
     python benchmarks/region_selection.py --detector ~/.cache/vlserve/zoo/demo/detector [--scenes 500]
         [--fixed 8] [--thresholds 0.2,0.3,0.5,0.7] [--max-boxes 8]
@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout without installing
 from models.detector.io import load_detector  # noqa: E402
+from models.detector.select import choose_regions  # noqa: E402
 from training.data.shapes_cache import load_split  # noqa: E402
 from training.data.shapes_world import box_iou  # noqa: E402
 
@@ -72,10 +73,14 @@ def main() -> None:
     print(f"detector {fingerprint}, {n} val scenes, {sum(map(len, objects))} objects")
     print("| rule | regions per scene | objects missed | duplicate regions | regions on no object | count exact |")
     print("|---|---|---|---|---|---|")
-    rules = {f"top {args.fixed}": lambda conf: min(args.fixed, len(conf))}
+    def rule(adaptive: bool, thresh: float = 0.0):
+        """How many of a scene's confidence-ordered regions the detector's own selection keeps."""
+        return lambda conf: len(choose_regions(torch.from_numpy(conf), args.fixed, adaptive, args.min_boxes,
+                                               args.max_boxes, thresh))
+
+    rules = {f"top {args.fixed}": rule(False)}
     for t in (float(x) for x in args.thresholds.split(",")):
-        rules[f"conf >= {t:g}, {args.min_boxes}-{args.max_boxes}"] = (
-            lambda conf, t=t: min(len(conf), max(args.min_boxes, min(args.max_boxes, int((conf >= t).sum())))))
+        rules[f"conf >= {t:g}, {args.min_boxes}-{args.max_boxes}"] = rule(True, t)
     for name, rule in rules.items():
         s = tally(regions, objects, rule)
         print(f"| {name} | {s['regions_per_scene']:.2f} | {s['missed']} | {s['duplicates']} | {s['false']} | "
