@@ -5,6 +5,7 @@ captions over the val pool, with the kinds of top-1 misses (the experiments of d
     python benchmarks/retrieval_stage.py --out /tmp/stage --steps 1500 \
         --tasks vqa:1,refer:1,itm:1,nlvr2:1,positions:0.5,itm_rank:6,itm_rank_text:6
     python benchmarks/retrieval_stage.py --out /tmp/base --steps 0   # the starting encoder alone
+    python benchmarks/retrieval_stage.py --out /tmp/rank --steps 1500 --rank-pool pooled --tasks ...  # a ranking head of its own
 
 The run is the demo profile's fine-tuning config (data, bf16, lr, frozen word table) started from --init-from with
 a 50-step warm-up, no lead phase or curriculum; --hard/--neighbours set the image groups (itm_rank) of
@@ -29,7 +30,7 @@ import training.vl_data  # noqa: E402
 from models.checkpoint import load_checkpoint  # noqa: E402
 from training.data.vl_tasks import RANK_HARD, RANK_NEIGHBOURS, ranking_examples  # noqa: E402
 from training.finetune import gemm_precision, train  # noqa: E402
-from training.retrieval import itm_scorer, query_sample, retrieval_recall, score_grid  # noqa: E402
+from training.retrieval import itm_scorer, query_sample, retrieval_head, retrieval_recall, score_grid  # noqa: E402
 from training.vl_data import prepare_task_data, tagged  # noqa: E402
 from training.zoo import DEMO, MULTITASK, finetune_config, zoo_dir  # noqa: E402
 
@@ -60,16 +61,20 @@ def main() -> None:
     ap.add_argument("--neighbours", type=int, default=RANK_NEIGHBOURS, help="itm_rank: how many closest scenes they come from")
     ap.add_argument("--queries", type=int, default=100, help="listing captions, each ranks the whole val pool")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rank-pool", choices=("pooled", "regions"), default=None,
+                    help="the ranking sets train a ranking head of their own reading this pool (default: the itm head)")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     tasks = {name: float(w) for name, w in (item.split(":") for item in args.tasks.split(","))}
     cfg = dataclasses.replace(finetune_config(DEMO, args.detector_dir, args.out), init_from=args.init_from, tasks=tasks,
                               steps=max(1, args.steps), lead_tasks=(), lead_steps=0, curriculum=(), warmup=50,
-                              eval_every=10**9, retrieval_queries=0, seed=args.seed)
+                              eval_every=10**9, retrieval_queries=0, seed=args.seed, threads=args.threads,
+                              rank_pool=args.rank_pool)
     training.vl_data.ranking_examples = functools.partial(ranking_examples, hard=args.hard, neighbours=args.neighbours)
     data = prepare_task_data(cfg.detector_dir, cfg.train_scenes, cfg.eval_scenes, cfg.easy_vqa, False,
                              easy_vqa_images=cfg.easy_vqa_images, ranking=True, question_sets=True)
-    result: dict = {"init_from": str(args.init_from), "steps": args.steps, "tasks": tasks, "hard": args.hard,
+    result: dict = {"init_from": str(args.init_from), "steps": args.steps, "tasks": tasks, "rank_pool": args.rank_pool, "hard": args.hard,
                     "neighbours": args.neighbours}
     if args.steps:
         metrics = train(cfg, data=data, progress=False)
@@ -84,7 +89,7 @@ def main() -> None:
     q = query_sample(len(examples), args.queries, 0)
     started = time.perf_counter()
     with gemm_precision(model, "bf16"):
-        grid = score_grid(itm_scorer(model, "itm", examples, data.eval_table, tokenizer), q, np.arange(len(examples)))
+        grid = score_grid(itm_scorer(model, retrieval_head(model), examples, data.eval_table, tokenizer), q, np.arange(len(examples)))
     # the project's metrics over that grid (retrieval_recall scores the same queries against every pool image)
     found = retrieval_recall(lambda t, i: grid[np.searchsorted(q, t), i], len(examples), args.queries, keys=keys,
                              directions=("text_to_image",))

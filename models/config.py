@@ -17,6 +17,8 @@ HEAD_KINDS = (
     # pretraining heads
     "mlm", "mrfr", "mrc", "image_qa", "tag",
 )
+RANK_HEAD = "rank"  # the name of an itm-kind head trained to rank (listwise) beside the ITM classifier: /retrieve and
+# retrieval R@K read it where a model has it, ITM accuracy reads the head named itm
 
 
 @dataclass

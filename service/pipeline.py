@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from models import RANK_HEAD
 from models.region_features import RegionFeatures, region_tag_ids, stack
 from models.tokenizer import VLTokenizer
 
@@ -129,9 +130,11 @@ class Limits:
 
 
 def task_specs(tasks: dict[str, str], head_options: dict[str, dict[str, Any]], labels: dict[str, Any]) -> dict[str, TaskSpec]:
-    """kind -> TaskSpec for every served kind the model has (the first head of a kind answers its endpoint)."""
+    """kind -> TaskSpec for every served kind the model has: the first head of a kind answers its endpoint, except
+    that /retrieve ranks with the ranking head (RANK_HEAD) where the model has one beside its ITM classifier."""
     specs: dict[str, TaskSpec] = {}
-    for task, kind in tasks.items():
+    ranked = sorted(tasks.items(), key=lambda item: item[0] != RANK_HEAD or item[1] != "itm")  # stable: RANK_HEAD first
+    for task, kind in ranked:
         if kind not in SERVED_KINDS or kind in specs:
             continue
         names = tuple((labels.get("heads") or {}).get(task) or ())

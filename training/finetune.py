@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from models import HeadConfig, VLModel, create_model
+from models import RANK_HEAD, HeadConfig, VLModel, create_model
 from models.checkpoint import WEIGHTS, CheckpointError, load_checkpoint, load_state_strict, save_checkpoint
 from models.layers import cpu_bf16_unavailable, cpu_has_native_bf16, set_cpu_gemm_dtype
 from models.text_init import init_text_from_minilm
@@ -37,8 +37,11 @@ RANK_TASKS = (RANK_TASK, RANK_TEXT_TASK)
 TRAINING_SETS = {RANK_TASK: "itm", RANK_TEXT_TASK: "itm", **dict.fromkeys(QUESTION_SETS, "vqa")}
 
 
-def head_of(task: str) -> str:
-    """The head a training task trains."""
+def head_of(task: str, rank_pool: str | None = None) -> str:
+    """The head a training task trains: with a rank_pool (FinetuneConfig.rank_pool), the ranking sets train a
+    ranking head of their own."""
+    if task in RANK_TASKS and rank_pool:
+        return RANK_HEAD
     return TRAINING_SETS.get(task, task)
 
 
@@ -55,6 +58,8 @@ class FinetuneConfig:
     vqa_loss: str = "bce"  # "bce" (soft scores, the VQA standard) or "ce" (softmax; single-answer data learns faster)
     itm_pool: str = "pooled"  # "pooled" (CLS) or "regions" (pooled + attention over regions), as vqa_pool
     nlvr2_pool: str = "pooled"  # the same choice for the NLVR2 head (each image of the pair)
+    rank_pool: str | None = None  # None: the ranking sets train the itm head; "pooled" or "regions": a head of their
+    # own (models.config.RANK_HEAD, an itm-kind head that /retrieve and retrieval R@K read) beside the ITM classifier
     freeze_word_embeddings: bool = False  # keep the (pretrained) word table fixed: no dense AdamW update of 30522 x H per step
     bf16: bool = False  # bfloat16 autocast for forward and backward where the CPU has native bf16 (about 1.5x faster
     # with AVX512-BF16); float32 on CPUs without it, where emulated bf16 is several times slower (train_precision)
@@ -98,13 +103,14 @@ def build_model(cfg: FinetuneConfig, feature_dim: int, num_answers: int) -> VLMo
         "itm": HeadConfig(kind="itm", pool=cfg.itm_pool),
         "nlvr2": HeadConfig(kind="nlvr2", nlvr2_mode="pair", pool=cfg.nlvr2_pool),
         "multiple_choice": HeadConfig(kind="multiple_choice"),
+        RANK_HEAD: HeadConfig(kind="itm", pool=cfg.rank_pool or "pooled"),
     }
     overrides = {} if cfg.dropout is None else {"dropout": cfg.dropout, "attention_dropout": cfg.dropout}
     if cfg.box_embedding != "linear":
         overrides["box_embedding"] = cfg.box_embedding
     if cfg.region_tags:
         overrides["region_tags"] = True
-    names = dict.fromkeys(head_of(t) for t in training_tasks(cfg))
+    names = dict.fromkeys(head_of(t, cfg.rank_pool) for t in training_tasks(cfg))
     model = create_model(cfg.preset, cfg.size, heads={t: heads[t] for t in names}, visual_feat_dim=feature_dim,
                          feature_norm=cfg.feature_norm, **overrides)
     if cfg.init_from is not None:
@@ -192,8 +198,8 @@ def check_lead(cfg: FinetuneConfig) -> None:
     stray = [t for t in cfg.lead_tasks if cfg.tasks.get(t, 0) <= 0]
     if stray:
         raise ValueError(f"lead task(s) {', '.join(stray)} not among the run's tasks ({', '.join(cfg.tasks)})")
-    if cfg.retrieval_queries and "itm" not in {head_of(t) for t in training_tasks(cfg)}:
-        raise ValueError("retrieval_queries needs a task that trains the itm head (itm, itm_rank or itm_rank_text)")
+    if cfg.retrieval_queries and not {"itm", RANK_HEAD} & {head_of(t, cfg.rank_pool) for t in training_tasks(cfg)}:
+        raise ValueError("retrieval_queries needs a task that trains the itm or rank head (itm, itm_rank or itm_rank_text)")
     known = (*TASKS, *TRAINING_SETS)
     for steps, tasks in cfg.curriculum:
         if steps <= 0 or not tasks:
@@ -246,15 +252,22 @@ def load_state(path: Path, model, opt, rng: np.random.Generator) -> tuple[int, l
     return int(state["step"]), list(state["losses"])
 
 
+def run_data(cfg: FinetuneConfig, progress: bool = True, *also: FinetuneConfig) -> TaskData:
+    """The regions and examples a run trains and is scored on (extracted once per detector, then cached): the
+    ranking groups and question sets only where the run (or one of `also`, runs on the same data) trains them."""
+    tasks = {t for c in (cfg, *also) for t in training_tasks(c)}
+    return prepare_task_data(cfg.detector_dir, cfg.train_scenes, cfg.eval_scenes, cfg.easy_vqa, progress,
+                             easy_vqa_images=cfg.easy_vqa_images, ranking=bool(tasks & set(RANK_TASKS)),
+                             question_sets=bool(tasks & set(QUESTION_SETS)))
+
+
 def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = True, stop_after: int | None = None) -> dict:
     """Multi-task fine-tuning; resumes from out/train_state.pt when present. Returns the metrics."""
     check_lead(cfg)  # before any data is prepared
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     rng = np.random.default_rng(cfg.seed)
-    data = data or prepare_task_data(cfg.detector_dir, cfg.train_scenes, cfg.eval_scenes, cfg.easy_vqa, progress,
-                                     easy_vqa_images=cfg.easy_vqa_images, ranking=any(t in RANK_TASKS for t in training_tasks(cfg)),
-                                     question_sets=any(t in QUESTION_SETS for t in training_tasks(cfg)))
+    data = data or run_data(cfg, progress)
     unknown = set(training_tasks(cfg)) - set(data.train)
     if unknown:
         raise ValueError(f"no training data for task(s) {', '.join(sorted(unknown))}")
@@ -290,7 +303,7 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
         w = next(weights for end, weights in phases if step < end)
         task = tasks[int(rng.choice(len(tasks), p=w / w.sum()))]
         pool = data.train[task]
-        ranking, head = task in RANK_TASKS, head_of(task)
+        ranking, head = task in RANK_TASKS, head_of(task, cfg.rank_pool)
         # pairs per group: images per caption (itm_rank), captions per image (itm_rank_text); a step scores batch_size pairs
         group = (len(pool[0].rows) if task == RANK_TASK else 1 + len(pool[0].choices)) if ranking else 1
         batch = [pool[int(i)] for i in rng.integers(0, len(pool), max(1, cfg.batch_size // group))]
@@ -298,7 +311,8 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
         inputs, labels = collate(kind, batch, data.train_table, tokenizer, model.config.heads[head], cfg.max_length)
         with autocast(bf16):
             if ranking:
-                loss = group_ranking_loss(model(inputs, head).logits, group, labels)
+                # the ranking head learns nothing else, so its scores are anchored as probabilities too
+                loss = group_ranking_loss(model(inputs, head).logits, group, labels, pointwise=head == RANK_HEAD)
             else:
                 loss = model(inputs, head, labels).loss
         opt.zero_grad(set_to_none=True)

@@ -268,13 +268,20 @@ def pretraining_losses(
     return losses
 
 
-def group_ranking_loss(match_logits: torch.Tensor, group_size: int, targets: torch.Tensor | None = None) -> torch.Tensor:
+def group_ranking_loss(match_logits: torch.Tensor, group_size: int, targets: torch.Tensor | None = None,
+                       pointwise: bool = False) -> torch.Tensor:
     """Listwise ranking loss for retrieval: (G * K, 2) ITM [no match, match] logits of G captions, each scored
     against K images (its own at index targets[g], 0 by default) -> cross-entropy of the softmax over each
-    group's match scores (match minus no-match logit, the score retrieval ranks by)."""
+    group's match scores (match minus no-match logit, the score retrieval ranks by). The listwise loss does not
+    change when every score of a group shifts; pointwise adds each pair's two-class cross-entropy (the true pair
+    matches, the others do not), which anchors the scores so that sigmoid(score) reads as P(match)."""
     if match_logits.shape[0] % group_size:
         raise ValueError(f"{match_logits.shape[0]} pairs do not split into groups of {group_size}")
     scores = (match_logits[:, 1] - match_logits[:, 0]).float().view(-1, group_size)  # (G, K)
     if targets is None:
         targets = torch.zeros(scores.shape[0], dtype=torch.long, device=scores.device)
-    return F.cross_entropy(scores, targets)
+    loss = F.cross_entropy(scores, targets)
+    if pointwise:
+        matches = F.one_hot(targets, group_size).flatten()  # (G * K,) 1 for each group's true pair
+        loss = loss + F.cross_entropy(match_logits.float(), matches)
+    return loss

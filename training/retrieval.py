@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from models import VLInputs, VLModel
+from models import RANK_HEAD, VLInputs, VLModel
 from models.tokenizer import VLTokenizer
 
 from .data.region_table import RegionTable
@@ -101,7 +101,7 @@ def itm_scorer(model: VLModel, task: str, examples: list[Example], table: Region
             input_ids=torch.from_numpy(text["input_ids"][texts, :width]),
             attention_mask=torch.from_numpy(text["attention_mask"][texts, :width]),
             token_type_ids=torch.from_numpy(text["token_type_ids"][texts, :width]),
-            **table.tensors(rows[images]),
+            **table.tensors(rows[images], table.width(rows[images])),  # padding no image of the batch needs is dropped
         )
         logits = model(inputs, task).logits  # (P, 2)
         return logits[:, 1] - logits[:, 0]
@@ -109,11 +109,19 @@ def itm_scorer(model: VLModel, task: str, examples: list[Example], table: Region
     return score
 
 
+def retrieval_head(model: VLModel) -> str | None:
+    """The head retrieval ranks with: the ranking head where the model has one, else its ITM head."""
+    if RANK_HEAD in model.heads and model.config.heads[RANK_HEAD].kind == "itm":
+        return RANK_HEAD
+    return head_for(model, "itm")
+
+
 def evaluate_retrieval(model: VLModel, data, tokenizer: VLTokenizer, queries: int | None = 100, seed: int = 0,
                        batch_size: int = 256, directions: Sequence[str] = DIRECTIONS) -> dict | None:
-    """Retrieval over data.eval["retrieval"] with the model's ITM head; None without either."""
+    """Retrieval over data.eval["retrieval"] with the model's ranking or ITM head (retrieval_head); None without
+    either."""
     examples = data.eval.get("retrieval")
-    task = head_for(model, "itm")
+    task = retrieval_head(model)
     if not examples or task is None:
         return None
     scorer = itm_scorer(model, task, examples, data.eval_table, tokenizer)

@@ -7,10 +7,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from models import RANK_HEAD
+
 from .data.shapes_cache import ShapesConfig, cache_root
 from .data.vl_tasks import RANK_GROUP, RANK_HARD, RANK_NEIGHBOURS
 from .detector_train import DetectorTrainConfig, train_detector
-from .finetune import RANK_TASK, RANK_TEXT_TASK, FinetuneConfig, head_of, train
+from .finetune import RANK_TASK, RANK_TEXT_TASK, FinetuneConfig, head_of, run_data, train
 from .pretrain import PretrainConfig, pretrain
 
 
@@ -33,6 +35,7 @@ class Profile:
     vqa_loss: str = "bce"  # FinetuneConfig.vqa_loss
     itm_pool: str = "pooled"  # FinetuneConfig.itm_pool
     nlvr2_pool: str = "pooled"  # FinetuneConfig.nlvr2_pool
+    rank_pool: str | None = None  # FinetuneConfig.rank_pool: the ranking sets train a ranking head of their own
     lead_tasks: tuple[str, ...] = ()  # FinetuneConfig.lead_tasks: trained alone for the first lead_steps steps
     lead_steps: int = 0
     curriculum: tuple[tuple[int, tuple[str, ...]], ...] = ()  # FinetuneConfig.curriculum: phases after the lead phase
@@ -71,9 +74,11 @@ class Profile:
 # held 4.6 duplicates and fragments), VQA read through counts and located boxes modulated by the question
 # (regions_film), ITM and NLVR2 through the regions, and every relation and attribute question of the training
 # scenes in the mix: VQA 0.905-0.924 on three runs against 0.869, NLVR2 0.876-0.955, easy-VQA 0.994-0.996.
+# Session 17: the retrieval stage's ranking sets train a pooled ranking head of their own (/retrieve reads it), so
+# the regions ITM head stays what NLVR2 and easy-VQA need: text -> image R@1 0.65 over 500 val scenes against 0.34.
 DEMO = Profile(detector_steps=200, train_scenes=3_000, eval_scenes=500, finetune_steps=1_800, batch_size=32,
                easy_vqa_images=2_000, num_boxes=8, region_conf=0.3, proposals=100, preset="u-visualbert",
-               vqa_pool="regions_film", itm_pool="regions", nlvr2_pool="regions",
+               vqa_pool="regions_film", itm_pool="regions", nlvr2_pool="regions", rank_pool="pooled",
                vqa_loss="ce", lr=2e-4, bf16=True, freeze_word_embeddings=True, dropout=0.0,
                detector_eval_images=500, eval_every=1_800, box_embedding="normalized",
                lead_tasks=("refer",), lead_steps=200,
@@ -150,13 +155,14 @@ def build_zoo(profile: str = "demo", root: Path | None = None, force: bool = Fal
             pretrain(pretrain_config(p, det_dir, pre_dir, threads), progress=progress)
         pretrained = json.loads((pre_dir / "metrics.json").read_text())
     cfg = finetune_config(p, det_dir, out / MULTITASK if p.retrieval_steps else enc_dir, threads)
-    multitask = None
-    if p.retrieval_steps:  # the multi-task run, then the retrieval stage from it into encoder/
+    multitask, stage = None, retrieval_config(p, cfg, enc_dir) if p.retrieval_steps else None
+    data = run_data(cfg, progress, *([stage] if stage else []))  # one preparation for both runs
+    if stage:  # the multi-task run, then the retrieval stage from it into encoder/
         if force or not (out / MULTITASK / "metrics.json").exists():
-            train(cfg, progress=progress)
+            train(cfg, data=data, progress=progress)
         multitask = json.loads((out / MULTITASK / "metrics.json").read_text())
-        cfg = retrieval_config(p, cfg, enc_dir)
-    metrics = train(cfg, progress=progress)
+        cfg = stage
+    metrics = train(cfg, data=data, progress=progress)
     card = model_card(profile, p, det_dir, metrics, det_seconds, time.perf_counter() - started, pretrained, multitask)
     (out / "MODEL_CARD.md").write_text(card)
     return out
@@ -176,7 +182,7 @@ def finetune_config(p: Profile, det_dir: Path, enc_dir: Path, threads: int = 2) 
     return FinetuneConfig(out=enc_dir, detector_dir=det_dir, preset=p.preset, size=p.size, train_scenes=p.train_scenes,
                           eval_scenes=p.eval_scenes, steps=p.finetune_steps, batch_size=p.batch_size,
                           easy_vqa_images=p.easy_vqa_images, vqa_pool=p.vqa_pool, vqa_loss=p.vqa_loss,
-                          itm_pool=p.itm_pool, nlvr2_pool=p.nlvr2_pool, lr=p.lr,
+                          itm_pool=p.itm_pool, nlvr2_pool=p.nlvr2_pool, rank_pool=p.rank_pool, lr=p.lr,
                           lead_tasks=p.lead_tasks, lead_steps=p.lead_steps, curriculum=p.curriculum,
                           tasks={"vqa": 1.0, "refer": 1.0, "itm": 1.0, "nlvr2": 1.0, **dict(p.extra_tasks)},
                           bf16=p.bf16, freeze_word_embeddings=p.freeze_word_embeddings, dropout=p.dropout,
@@ -212,6 +218,14 @@ def pretraining_line(p: Profile, pretrained: dict | None) -> str:
     return line + "; fine-tuning starts from that encoder."
 
 
+def ranking_objective(p: Profile) -> str:
+    """The card's words on how the ranking sets are learnt."""
+    if not p.rank_pool:
+        return "listwise cross-entropy through the itm head"
+    return (f"listwise plus pairwise cross-entropy through a ranking head of their own ({RANK_HEAD}, reading "
+            f"{p.rank_pool}; /retrieve ranks with it)")
+
+
 def retrieval_line(p: Profile, multitask: dict | None) -> str:
     """The card's sentence on the retrieval stage."""
     if not p.retrieval_steps:
@@ -219,7 +233,8 @@ def retrieval_line(p: Profile, multitask: dict | None) -> str:
     line = (f" Then a retrieval stage of {p.retrieval_steps} steps from that checkpoint (every head kept): the mix plus "
             f"ranking groups at weight {p.retrieval_weight:g} each, a listing caption with its image and {RANK_GROUP - 1} "
             f"others ({RANK_HARD} of them from the {RANK_NEIGHBOURS} scenes that share most objects with it) and an image "
-            f"with its listing and {RANK_GROUP - 1} false near misses (one attribute changed, an object left out or added), listwise cross-entropy through the itm head")
+            f"with its listing and {RANK_GROUP - 1} false near misses (one attribute changed, an object left out or added), "
+            f"{ranking_objective(p)}")
     if multitask:
         before = multitask["final"]
         line += (f"; before it: {', '.join(f'{k} {v}' for k, v in before.items() if k.endswith('_acc'))}, "
@@ -234,7 +249,7 @@ def model_card(name: str, p: Profile, det_dir: Path, metrics: dict, det_seconds:
     vqa_objective = "softmax cross-entropy" if p.vqa_loss == "ce" else "soft-score BCE"
     phases = [(n, tasks) for n, tasks in ((p.lead_steps, p.lead_tasks), *p.curriculum) if n]
     lead = (" (the first " + ", then ".join(f"{n} on {' + '.join(tasks)} alone" for n, tasks in phases) + ")") if phases else ""
-    sets = [f"the {t} set (weight {w:g}, through the {head_of(t)} head)" for t, w in p.extra_tasks]
+    sets = [f"the {t} set (weight {w:g}, through the {head_of(t, p.rank_pool)} head)" for t, w in p.extra_tasks]
     extra = f"; the mix also draws {' and '.join([', '.join(sets[:-1]), sets[-1]] if len(sets) > 1 else sets)}" if sets else ""
     return f"""# vlserve model set `{name}`
 
@@ -247,7 +262,7 @@ Fingerprint `{det["fingerprint"]}`.
 
 ## Encoder
 `{p.preset}` size `{p.size}` (hidden 384, text side from the pretrained MiniLM-L6), one shared encoder with heads
-vqa, refer, itm, nlvr2, trained together for {p.finetune_steps} steps{lead} (batch {p.batch_size}, encoder lr {p.lr:g}) on
+vqa, refer, itm, nlvr2{f", {RANK_HEAD}" if p.rank_pool else ""}, trained together for {p.finetune_steps} steps{lead} (batch {p.batch_size}, encoder lr {p.lr:g}) on
 {p.train_scenes} shapes-world scenes (VQA, referring expressions, captions with hard and random negatives, NLVR2
 pairs) plus the easy-VQA training questions, {region_line(p)}; objectives: {vqa_objective} (VQA,
 read from {p.vqa_pool}; ITM from {p.itm_pool}, NLVR2 from {p.nlvr2_pool}), IoU>=0.5 soft-target cross-entropy (refer), cross-entropy (ITM, NLVR2){extra}.{retrieval_line(p, multitask)}

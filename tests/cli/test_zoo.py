@@ -151,3 +151,25 @@ def test_adaptive_region_selection_reaches_the_detector_config_and_the_card(tmp_
                                              det_seconds=60, total_seconds=120)
     assert "the regions with confidence >= 0.3 (1 to 8 per image)" in card(adaptive)
     assert "8 regions per image" in card(fixed)
+
+
+def test_a_ranking_head_reaches_the_finetune_config_and_the_card(tmp_path):
+    """rank_pool: the retrieval stage's ranking sets train a head of their own (models.config.RANK_HEAD), which the
+    card lists and describes; without it they train the itm head."""
+    import json
+
+    from models import RANK_HEAD
+
+    (tmp_path / "metrics.json").write_text(json.dumps({"val": {"map50": 0.98}, "fingerprint": "f" * 16}))
+    ranked = dataclasses.replace(training.zoo.PROFILES["demo"], rank_pool="pooled")
+    shared = dataclasses.replace(ranked, rank_pool=None)
+    multitask = training.zoo.finetune_config(ranked, tmp_path, tmp_path / "multitask")
+    stage = training.zoo.retrieval_config(ranked, multitask, tmp_path / "encoder")
+    assert (multitask.rank_pool, stage.rank_pool) == ("pooled", "pooled")
+    card = lambda p: training.zoo.model_card("demo", p, tmp_path, {"final": {}, "train_seconds": 60},  # noqa: E731
+                                             det_seconds=60, total_seconds=120)
+    assert f"heads\nvqa, refer, itm, nlvr2, {RANK_HEAD}, trained together" in card(ranked)
+    assert (f"listwise plus pairwise cross-entropy through a ranking head of their own ({RANK_HEAD}, reading pooled; "
+            "/retrieve ranks with it).") in card(ranked)
+    assert "heads\nvqa, refer, itm, nlvr2, trained together" in card(shared)
+    assert "listwise cross-entropy through the itm head." in card(shared)

@@ -344,3 +344,35 @@ def test_serving_freezes_start_up_objects_out_of_garbage_collection(make_setting
         assert c.get("/readyz").status_code == 200
         assert gc.get_freeze_count() > before + 1000  # the loaded model's objects, skipped by every collection
     assert gc.get_freeze_count() == 0  # shutdown hands them back: no process-wide state left behind
+
+
+def test_retrieve_ranks_with_the_ranking_head_beside_the_itm_head(tmp_path, tiny_detector, make_settings, make_png,
+                                                                 make_checkpoint):
+    """A model with an itm head and a ranking head (models.config.RANK_HEAD) answers /retrieve with the ranking
+    head: the same scores as a model whose only itm head carries the ranking head's weights."""
+    from models import RANK_HEAD, create_model
+    from models.checkpoint import load_checkpoint, save_checkpoint
+
+    both = make_checkpoint(tmp_path / "both", tiny_detector.fingerprint,
+                           heads={"itm": {"kind": "itm"}, RANK_HEAD: {"kind": "itm"}})
+    loaded = load_checkpoint(both)
+
+    def only_itm(name: str, source: str):  # the same encoder, with one head's weights as its itm head
+        model = create_model("visualbert", "tiny", visual_feat_dim=loaded.model.config.encoder.visual_feat_dim,
+                             heads={"itm": {"kind": "itm"}})
+        state = {k: v for k, v in loaded.model.state_dict().items() if not k.startswith("heads.")}
+        state.update({k.replace(f"heads.{source}.", "heads.itm.", 1): v for k, v in loaded.model.state_dict().items()
+                      if k.startswith(f"heads.{source}.")})
+        model.load_state_dict(state)
+        return save_checkpoint(model, tmp_path / name, loaded.tokenizer, detector={"fingerprint": tiny_detector.fingerprint})
+
+    def scores(model_dir) -> dict[str, float]:
+        with TestClient(create_app(make_settings(model_dir=model_dir))) as c:
+            ids = [c.post("/images", json={"image": b64(make_png(seed))}).json()["image_id"] for seed in (31, 32, 33)]
+            r = c.post("/retrieve", json={"text": "a red rectangle", "image_ids": ids, "top_k": 3})
+            assert r.status_code == 200, r.text
+            return {h["image_id"]: h["score"] for h in r.json()["results"]}
+
+    served = scores(both)
+    assert served == pytest.approx(scores(only_itm("rank_as_itm", RANK_HEAD)), abs=1e-5)
+    assert served != pytest.approx(scores(only_itm("itm_alone", "itm")), abs=1e-3)

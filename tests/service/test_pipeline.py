@@ -58,6 +58,13 @@ def test_task_specs_pick_the_first_head_of_each_served_kind():
     assert task_specs({"vqa": "vqa"}, {"vqa": {"vqa_loss": "ce"}}, {})["vqa"].softmax_scores
 
 
+def test_retrieve_ranks_with_the_ranking_head_where_the_model_has_one():
+    tasks = {"vqa": "vqa", "itm": "itm", "rank": "itm", "nlvr2": "nlvr2"}
+    specs = task_specs(tasks, {}, {})
+    assert specs["itm"].task == "rank" and specs["vqa"].task == "vqa" and specs["nlvr2"].task == "nlvr2"
+    assert task_specs({"itm": "itm", "rank": "vqa"}, {}, {})["itm"].task == "itm"  # a "rank" head of another kind
+
+
 @pytest.mark.parametrize("text", [
     base64.b64encode(b"\x89PNG\r\n\x1a\n-bytes").decode(),
     "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n-bytes").decode(),

@@ -1,6 +1,7 @@
 """Multi-task fine-tuning: a tiny end-to-end run learns, saves and loads; resume reproduces the loss curve; multiple
 choice; starting from a checkpoint."""
 import collections
+import dataclasses
 import re
 import os
 
@@ -130,11 +131,13 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(task_data, tmp_path):
         (["--vqa-pool", "mean"], "--vqa-pool must be pooled, answer_slot, regions, regions_geometry, regions_count or regions_film"),
         (["--itm-pool", "answer_slot"], "--itm-pool must be pooled or regions"),
         (["--nlvr2-pool", "mean"], "--nlvr2-pool must be pooled or regions"),
+        (["--tasks", "itm_rank:1", "--rank-pool", "cls"], "--rank-pool must be pooled or regions"),
+        (["--tasks", "vqa:1,itm:1", "--rank-pool", "pooled"], "--rank-pool names the ranking head's pool: add itm_rank"),
         (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
         (["--preset", "u-visualbert", "--box-embedding", "sinusoid"], "unknown box_embedding 'sinusoid'"),
         (["--box-embedding", "normalized"], "box_embedding 'normalized' is u-visualbert's; visualbert embeds boxes"),
         (["--preset", "lxmert", "--region-tags"], "region_tags is u-visualbert's; lxmert has no detector-tag embedding"),
-        (["--tasks", "vqa:1", "--retrieval-queries", "50"], "retrieval_queries needs a task that trains the itm head"),
+        (["--tasks", "vqa:1", "--retrieval-queries", "50"], "retrieval_queries needs a task that trains the itm or rank head"),
     ],
 )
 def test_bad_configs_fail_before_training(task_data, tmp_path, args, message):
@@ -311,30 +314,42 @@ def test_ranking_groups_collate_to_one_pair_per_candidate(task_data, task):
     assert inputs.input_ids.tolist() == expected.tolist()
 
 
-@pytest.mark.parametrize("task", ["itm_rank", "itm_rank_text"])
-def test_ranking_trains_the_itm_head_to_rank_the_true_pair_first(task_data, tmp_path, task):
-    """itm_rank: each caption's own image among 8; itm_rank_text: each image's listing among 8 captions."""
+@pytest.mark.parametrize(("task", "rank_pool"), [("itm_rank", None), ("itm_rank_text", None), ("itm_rank", "pooled")])
+def test_ranking_trains_the_itm_or_ranking_head_to_rank_the_true_pair_first(task_data, tmp_path, task, rank_pool):
+    """itm_rank: each caption's own image among 8; itm_rank_text: each image's listing among 8 captions. Without
+    rank_pool the ranking sets train the itm head; with it, a ranking head of their own beside the itm head."""
     import dataclasses
+
+    from models import RANK_HEAD
+    from training.retrieval import retrieval_head
 
     detector, data = task_data
     groups = data.train[task][:8]  # few enough for a tiny model to fit in a test's time
-    data = dataclasses.replace(data, train={task: groups})
+    data = dataclasses.replace(data, train={task: groups, "itm": data.train["itm"]})
     tok = VLTokenizer.pretrained_minilm(max_length=40)
+    tasks = {task: 1.0} if rank_pool is None else {task: 1.0, "itm": 0.2}
+    head = "itm" if rank_pool is None else RANK_HEAD
 
     def top1(model) -> float:
-        inputs, _ = collate(task, groups, data.train_table, tok, model.config.heads["itm"])
+        inputs, _ = collate(task, groups, data.train_table, tok, model.config.heads[head])
         with torch.no_grad():
-            logits = model.eval()(inputs, "itm").logits
+            logits = model.eval()(inputs, head).logits
         return ((logits[:, 1] - logits[:, 0]).view(len(groups), -1).argmax(1) == 0).float().mean().item()
 
+    config = tiny(tmp_path / "r", detector, tasks=tasks, rank_pool=rank_pool)
     torch.manual_seed(0)
-    before = top1(build_model(tiny(tmp_path / "r", detector, tasks={task: 1.0}), data.feature_dim, len(data.answers)))
-    result = train(tiny(tmp_path / "r", detector, tasks={task: 1.0}, steps=150), data=data, progress=False)
+    before = top1(build_model(config, data.feature_dim, len(data.answers)))
+    result = train(dataclasses.replace(config, steps=150), data=data, progress=False)
     model = load_checkpoint(tmp_path / "r").model
-    assert set(model.heads) == {"itm"}  # the ranking task trains the served itm head; no head of its own
-    assert np.mean(result["losses"][-20:]) < np.mean(result["losses"][:20])
+    if rank_pool is None:
+        assert set(model.heads) == {"itm"}  # the ranking task trains the served itm head; no head of its own
+    else:
+        assert set(model.heads) == {"itm", RANK_HEAD}
+        assert (model.config.heads[RANK_HEAD].kind, model.config.heads[RANK_HEAD].pool) == ("itm", "pooled")
+    assert retrieval_head(model) == head
+    if rank_pool is None:  # one task: every loss is a ranking loss
+        assert np.mean(result["losses"][-20:]) < np.mean(result["losses"][:20])
     assert top1(model) >= max(before, 1 / 8) + 0.375, before  # chance: 1 of 8; untrained: 0 of 8 here
-
 
 
 def test_itm_rank_passes_the_cli_checks(task_data, tmp_path):
@@ -492,3 +507,43 @@ def test_a_retrieval_stage_starts_from_the_multitask_checkpoint_keeps_every_head
     assert final["retrieval_t2i_R@1"] <= final["retrieval_t2i_any_true_R@1"] and final["retrieval_t2i_R@5"] <= final["retrieval_t2i_R@10"]
     assert "retrieval_t2i_R@1" not in train(dataclasses.replace(first, out=tmp_path / "again", steps=2), data=data,
                                              progress=False)["final"]  # retrieval_queries=0: no retrieval scoring
+
+
+def test_batches_keep_only_the_region_slots_some_image_needs_and_score_the_same():
+    """collate drops the trailing region slots that are padding in every image of a batch (adaptive regions: 1 to 8
+    per image); every head reads the same logits as from the fully padded batch, and refer targets keep their places."""
+    from models import create_model
+    from training.data.region_table import RegionTable
+
+    rng = np.random.default_rng(0)
+    m, n, d = 4, 8, 16
+    lo = rng.uniform(0, 0.5, (m, n, 2)).astype(np.float32)
+    boxes = np.concatenate([lo, lo + 0.3], -1)
+    mask = (np.arange(n) < np.array([[2], [5], [1], [3]])).astype(np.int64)
+    table = RegionTable(features=rng.normal(size=(m, n, d)).astype(np.float16), boxes=boxes, pixel_boxes=boxes * 64,
+                        mask=mask, obj_ids=np.where(mask, 0, -1), image_feature=None)
+    assert (table.width([0, 2]), table.width([1, 3]), table.width(np.array([[0, 3], [2, 2]]))) == (2, 5, 3)
+    heads = {"vqa": HeadConfig(kind="vqa", num_labels=5, pool="regions_film"), "refer": HeadConfig(kind="refer"),
+             "itm": HeadConfig(kind="itm", pool="regions"), "nlvr2": HeadConfig(kind="nlvr2", pool="regions")}
+    torch.manual_seed(0)
+    model = create_model("u-visualbert", "tiny", heads=heads, visual_feat_dim=d, box_embedding="normalized").eval()
+    tok = VLTokenizer.pretrained_minilm(max_length=40)
+    batches = {
+        "vqa": [Example((0,), "what colour is the circle?", 1), Example((3,), "how many squares?", 2)],
+        "refer": [Example((0,), "the red circle", tuple(float(v) for v in boxes[0, 1] * 64)),
+                  Example((2,), "the blue one", tuple(float(v) for v in boxes[2, 0] * 64))],
+        "itm": [Example((2,), "a red circle.", 1), Example((3,), "two squares.", 0)],
+        "nlvr2": [Example((0, 2), "there is a circle.", 1), Example((2, 3), "both have squares.", 0)],
+    }
+    for kind, examples in batches.items():
+        inputs, labels = collate(kind, examples, table, tok, heads[kind])
+        rows = np.array([e.rows if kind == "nlvr2" else e.rows[0] for e in examples])
+        assert inputs.region_mask.shape[-1] == table.width(rows) < n
+        padded = dataclasses.replace(inputs, **table.tensors(rows))
+        with torch.no_grad():
+            trimmed, full = model(inputs, kind).logits, model(padded, kind).logits
+        if kind == "refer":  # one logit per region slot: the dropped slots were masked out
+            assert torch.allclose(trimmed, full[:, :trimmed.shape[1]], atol=1e-5)
+            assert labels.sum() > 0 and labels.shape == trimmed.shape
+        else:
+            assert torch.allclose(trimmed, full, atol=1e-5), kind

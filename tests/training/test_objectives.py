@@ -341,6 +341,14 @@ def test_group_ranking_loss_by_hand():
     own = torch.tensor([0, 2])
     expected[1] = -(scores[1][2] - math.log(sum(math.exp(v) for v in scores[1])))
     assert group_ranking_loss(logits, 3, own).item() == pytest.approx(sum(expected) / 2, rel=1e-6)
+    # pointwise: + the mean two-class cross-entropy of the 6 pairs, the own image's pair the match
+    pairs = [(0, 2.0, 1), (0, 0, 0), (1, 0, 0), (0, 0, 0), (0, 1, 0), (0, 1, 1)]  # (no match, match, is own)
+    two_class = [-(m if own_ else n) + math.log(math.exp(n) + math.exp(m)) for n, m, own_ in pairs]
+    assert group_ranking_loss(logits, 3, own, pointwise=True).item() == pytest.approx(
+        sum(expected) / 2 + sum(two_class) / 6, rel=1e-6)
+    shifted = logits + torch.tensor([0.0, 5.0])  # every score + 5: the listwise loss stays, the pointwise one grows
+    assert group_ranking_loss(shifted, 3, own).item() == pytest.approx(sum(expected) / 2, rel=1e-5)
+    assert group_ranking_loss(shifted, 3, own, pointwise=True) > group_ranking_loss(logits, 3, own, pointwise=True)
     with pytest.raises(ValueError, match="do not split into groups of 4"):
         group_ranking_loss(logits, 4)
 

@@ -47,18 +47,25 @@ class RegionTable:
             image_feature=None if any(w is None for w in whole) else np.stack(whole).astype(np.float16),
         )
 
-    def tensors(self, rows) -> dict[str, torch.Tensor]:
-        """Region inputs (VLInputs field names) for the given image rows."""
+    def width(self, rows) -> int:
+        """Region slots the given rows need: the most real regions any of them has (at least 1). Real regions come
+        first in every row, so the slots after this are padding for all of them."""
+        return max(1, int(self.mask[np.asarray(rows)].sum(-1).max(initial=0)))
+
+    def tensors(self, rows, width: int | None = None) -> dict[str, torch.Tensor]:
+        """Region inputs (VLInputs field names) for the given image rows, in their first `width` region slots (all
+        N by default; self.width(rows) drops only padding, which every head and encoder masks out)."""
         rows = np.asarray(rows)
+        n = slice(None) if width is None else slice(0, width)
         out = {
-            "region_features": torch.from_numpy(self.features[rows].astype(np.float32)),
-            "region_boxes": torch.from_numpy(self.boxes[rows]),
-            "region_mask": torch.from_numpy(self.mask[rows]),
+            "region_features": torch.from_numpy(self.features[rows, ..., n, :].astype(np.float32)),
+            "region_boxes": torch.from_numpy(self.boxes[rows, ..., n, :]),
+            "region_mask": torch.from_numpy(self.mask[rows, ..., n]),
         }
         if self.image_feature is not None:
             out["image_feature"] = torch.from_numpy(self.image_feature[rows].astype(np.float32))
         if self.tag_words is not None:
-            out["tag_ids"] = tags_of(self.obj_ids[rows], self.tag_words)
+            out["tag_ids"] = tags_of(self.obj_ids[rows, ..., n], self.tag_words)
         return out
 
 

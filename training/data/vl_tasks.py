@@ -141,12 +141,14 @@ def easy_vqa_examples(split: EasyVQASplit, answers: list[str], row_offset: int =
     return [Example((row_of[e.image_id],), e.question, index[e.answer]) for e in split.examples]
 
 
-def refer_targets(table: RegionTable, rows: np.ndarray, gold: np.ndarray, thresh: float = 0.5) -> torch.Tensor:
-    """(B, N) 1 where a real region overlaps the gold box with IoU >= thresh (the refer head's targets)."""
-    targets = torch.zeros(len(rows), table.mask.shape[1])
+def refer_targets(table: RegionTable, rows: np.ndarray, gold: np.ndarray, thresh: float = 0.5,
+                  width: int | None = None) -> torch.Tensor:
+    """(B, width or N) 1 where a real region overlaps the gold box with IoU >= thresh (the refer head's targets)."""
+    n = width or table.mask.shape[1]
+    targets = torch.zeros(len(rows), n)
     for b, (row, box) in enumerate(zip(rows, gold)):
-        iou = pairwise_iou(torch.from_numpy(table.pixel_boxes[row]), torch.from_numpy(np.asarray(box, dtype=np.float32)[None]))[:, 0]
-        targets[b] = (iou >= thresh).float() * torch.from_numpy(table.mask[row]).float()
+        iou = pairwise_iou(torch.from_numpy(table.pixel_boxes[row, :n]), torch.from_numpy(np.asarray(box, dtype=np.float32)[None]))[:, 0]
+        targets[b] = (iou >= thresh).float() * torch.from_numpy(table.mask[row, :n]).float()
     return targets
 
 
@@ -170,17 +172,18 @@ def collate(
     else:
         text = tokenizer.encode([e.text for e in examples], answer_slot=head.pool == "answer_slot", max_length=max_length)
     rows = np.array([e.rows if kind == "nlvr2" else e.rows[0] for e in examples])
+    width = table.width(rows)  # the batch's region slots: padding no image of it needs is dropped
     inputs = VLInputs(
         input_ids=torch.from_numpy(text["input_ids"]),
         attention_mask=torch.from_numpy(text["attention_mask"]),
         token_type_ids=torch.from_numpy(text["token_type_ids"]),
-        **table.tensors(rows),  # NLVR2 rows (B, 2) give (B, 2, N, ...) region tensors
+        **table.tensors(rows, width),  # NLVR2 rows (B, 2) give (B, 2, width, ...) region tensors
     )
     if kind in ("vqa", "image_qa"):
         labels = torch.zeros(len(examples), head.num_labels)
         labels[torch.arange(len(examples)), torch.tensor([e.label for e in examples])] = 1.0
     elif kind == "refer":
-        labels = refer_targets(table, rows, np.array([e.label for e in examples], dtype=np.float32))
+        labels = refer_targets(table, rows, np.array([e.label for e in examples], dtype=np.float32), width=width)
     elif kind in ("itm", "nlvr2", "multiple_choice"):
         labels = torch.tensor([e.label for e in examples], dtype=torch.long)
     else:

@@ -76,6 +76,9 @@ def finetune(
     vqa_pool: Annotated[str, typer.Option(help="pooled (CLS), answer_slot (VL-BERT's [MASK]), regions (pooled + attention over regions), regions_geometry (regions + the boxes of question-located regions), regions_count (regions + counts of the regions the question fits) or regions_film (regions + counts + located boxes, modulated by the question)")] = "pooled",
     itm_pool: Annotated[str, typer.Option(help="pooled (CLS) or regions (pooled + attention over regions)")] = "pooled",
     nlvr2_pool: Annotated[str, typer.Option(help="pooled (CLS) or regions, for each image of the pair")] = "pooled",
+    rank_pool: Annotated[str | None, typer.Option(help="pooled or regions: itm_rank / itm_rank_text train a ranking "
+                                                       "head of their own (head 'rank', which /retrieve then reads) "
+                                                       "instead of the itm head")] = None,
     bf16: Annotated[bool, typer.Option(help="bfloat16 autocast (about 1.5x faster on CPUs with AVX512-BF16)")] = False,
     dropout: Annotated[float | None, typer.Option(help="hidden and attention dropout (default: the preset's 0.1); 0 "
                                                        "makes CPU steps faster")] = None,
@@ -95,7 +98,7 @@ def finetune(
                              batch_size=batch_size, lr=lr, head_lr=head_lr, train_scenes=train_scenes,
                              eval_scenes=eval_scenes, easy_vqa=easy_vqa, init_text=init_text, init_from=init_from,
                              eval_every=eval_every, retrieval_queries=retrieval_queries, warmup=warmup, clip=clip, vqa_loss=vqa_loss, vqa_pool=vqa_pool, bf16=bf16,
-                             itm_pool=itm_pool, nlvr2_pool=nlvr2_pool,
+                             itm_pool=itm_pool, nlvr2_pool=nlvr2_pool, rank_pool=rank_pool,
                              lead_tasks=tuple(t.strip() for t in lead_tasks.split(",") if t.strip()), lead_steps=lead_steps,
                              curriculum=parse_curriculum(curriculum),
                              freeze_word_embeddings=freeze_word_embeddings, dropout=dropout,
@@ -176,16 +179,18 @@ def validate_finetune(cfg) -> None:
     from models.config import HEAD_POOLS
     from models.detector.io import load_detector
     from models.registry import encoder_config
-    from training.finetune import TASKS, TRAINING_SETS, check_lead
+    from training.finetune import RANK_TASKS, TASKS, TRAINING_SETS, check_lead, training_tasks
 
     encoder_config(cfg.preset, cfg.size, box_embedding=cfg.box_embedding, region_tags=cfg.region_tags)  # unknown preset, size, ...
     if cfg.vqa_loss not in ("bce", "ce"):
         raise ValueError(f"--vqa-loss must be bce or ce, not {cfg.vqa_loss!r}")
     if cfg.vqa_pool not in HEAD_POOLS:
         raise ValueError(f"--vqa-pool must be {', '.join(HEAD_POOLS[:-1])} or {HEAD_POOLS[-1]}, not {cfg.vqa_pool!r}")
-    for name, pool in (("--itm-pool", cfg.itm_pool), ("--nlvr2-pool", cfg.nlvr2_pool)):
+    for name, pool in (("--itm-pool", cfg.itm_pool), ("--nlvr2-pool", cfg.nlvr2_pool), ("--rank-pool", cfg.rank_pool or "pooled")):
         if pool not in ("pooled", "regions"):
             raise ValueError(f"{name} must be pooled or regions, not {pool!r}")
+    if cfg.rank_pool and not set(training_tasks(cfg)) & set(RANK_TASKS):
+        raise ValueError("--rank-pool names the ranking head's pool: add itm_rank or itm_rank_text to --tasks")
     unknown = set(cfg.tasks) - {*TASKS, *TRAINING_SETS}
     if unknown:
         raise ValueError(f"head not supported by fine-tuning: {', '.join(sorted(unknown))} (choose {', '.join((*TASKS, *TRAINING_SETS))})")
