@@ -48,7 +48,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     det = zoo_dir("demo") / "detector"
-    stage = retrieval_config(DEMO, finetune_config(DEMO, det, Path("/tmp") / MULTITASK), Path("/tmp/unused"))
+    # the stage from the demo's multi-task checkpoint (its weights: real region and text widths, real attention)
+    stage = retrieval_config(DEMO, finetune_config(DEMO, det, zoo_dir("demo") / MULTITASK), Path("/tmp/unused"))
     data = run_data(stage, False)
     model = build_model(stage, data.feature_dim, len(data.answers)).train()
     model.encoder.embeddings.word_embeddings.weight.requires_grad_(False)
