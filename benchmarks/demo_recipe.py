@@ -130,7 +130,7 @@ def with_tags(kind, exs, table, tags):
     inputs, y = collate(kind, exs, table, tok, model.config.heads[kind], 40)
     if args.tags != "none":
         rows = np.array([e.rows if kind == "nlvr2" else e.rows[0] for e in exs])
-        inputs.tag_ids = torch.from_numpy(tags[rows])
+        inputs.tag_ids = torch.from_numpy(tags[rows][..., :inputs.region_mask.shape[-1]])  # the batch's region slots
     return inputs, y
 
 def qtype(q):

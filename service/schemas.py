@@ -193,14 +193,14 @@ class ReferResponse(TaskResponse):
 
 class ImageHit(BaseModel):
     image_id: str
-    score: float = Field(description="ITM logit(match) - logit(no match)")
+    score: float = Field(description="logit(match) - logit(no match) of the ranking head (rank) where the model has one, else of the itm head")
     probability: float = Field(description="softmax probability of match")
 
 
 class TextHit(BaseModel):
     index: int = Field(description="position in the request's texts")
     text: str
-    score: float = Field(description="ITM logit(match) - logit(no match)")
+    score: float = Field(description="logit(match) - logit(no match) of the ranking head (rank) where the model has one, else of the itm head")
     probability: float = Field(description="softmax probability of match")
 
 

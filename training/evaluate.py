@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from models import VLModel
+from models.heads import NEG
 from models.tokenizer import VLTokenizer
 
 from .data.vl_tasks import Example, collate
@@ -25,13 +27,18 @@ def head_for(model: VLModel, kind: str) -> str | None:
 
 @torch.inference_mode()
 def predictions(model: VLModel, task: str, examples: list[Example], table, tokenizer: VLTokenizer, batch_size: int = 64) -> torch.Tensor:
-    """Logits of the task's head for every example, in order."""
+    """Logits of the task's head for every example, in order. A batch keeps only the region slots its images need
+    (collate), so per-region logits (refer) come back padded to the table's slots with the heads' padding logit."""
     model.eval()
     head = model.config.heads[task]
+    slots = table.mask.shape[1]
     out = []
     for s in range(0, len(examples), batch_size):
         inputs, _ = collate(head.kind, examples[s : s + batch_size], table, tokenizer, head, tokenizer.max_length)
-        out.append(model(inputs, task).logits)
+        logits = model(inputs, task).logits
+        if head.kind == "refer":
+            logits = F.pad(logits, (0, slots - logits.shape[-1]), value=NEG)
+        out.append(logits)
     return torch.cat(out)
 
 

@@ -210,8 +210,9 @@ def tally_grounding(model: VLModel, tokenizer: VLTokenizer, examples: list[Groun
             text_mask = inputs.attention_mask[b]
             probes = probe_tokens(tokenizer, example, int(text_mask.sum()))
             kinds, tokens, gold = zip(*probes) if probes else ((), (), ())
-            tally.add(attention[:, b], text_mask, inputs.region_mask[b], torch.from_numpy(table.pixel_boxes[example.row]),
-                      torch.from_numpy(region_scores[example.row]), list(kinds), torch.tensor(tokens, dtype=torch.long),
+            slots = inputs.region_mask.shape[-1]  # the batch's region slots (collate drops padding every image has)
+            tally.add(attention[:, b], text_mask, inputs.region_mask[b], torch.from_numpy(table.pixel_boxes[example.row, :slots]),
+                      torch.from_numpy(region_scores[example.row][:slots]), list(kinds), torch.tensor(tokens, dtype=torch.long),
                       torch.tensor(gold, dtype=torch.float32).reshape(-1, 4), thresh)
     if tally is None:
         raise ValueError("no grounding examples to analyse")

@@ -547,3 +547,11 @@ def test_batches_keep_only_the_region_slots_some_image_needs_and_score_the_same(
             assert labels.sum() > 0 and labels.shape == trimmed.shape
         else:
             assert torch.allclose(trimmed, full, atol=1e-5), kind
+    # evaluation concatenates batches of different widths: per-region logits come back in the table's 8 slots
+    from training.evaluate import predictions
+
+    refer = [Example((row,), "the red circle", (0.0, 0.0, 1.0, 1.0)) for row in range(m)]
+    one_by_one, together = (predictions(model, "refer", refer, table, tok, batch_size=b) for b in (1, m))
+    assert one_by_one.shape == together.shape == (m, n)
+    assert torch.allclose(one_by_one, together, atol=1e-5)
+    assert (one_by_one.argmax(-1) < torch.from_numpy(mask.sum(1))).all()  # never a padding slot
