@@ -12,7 +12,7 @@ from models import RANK_HEAD
 from .data.shapes_cache import ShapesConfig, cache_root
 from .data.vl_tasks import RANK_GROUP, RANK_HARD, RANK_NEIGHBOURS
 from .detector_train import DetectorTrainConfig, train_detector
-from .finetune import RANK_TASK, RANK_TEXT_TASK, FinetuneConfig, head_of, run_data, train
+from .finetune import RANK_TASK, RANK_TEXT_TASK, STATE, FinetuneConfig, head_of, run_data, train
 from .pretrain import PretrainConfig, pretrain
 
 
@@ -141,6 +141,9 @@ def build_zoo(profile: str = "demo", root: Path | None = None, force: bool = Fal
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     det_dir, enc_dir = out / "detector", out / "encoder"
+    if force:  # a rebuild from scratch: an interrupted earlier build's resumable states are not resumed
+        for run in (out / "pretrained", out / MULTITASK, enc_dir):
+            (run / STATE).unlink(missing_ok=True)
     if force or not (det_dir / "manifest.json").exists():
         train_detector(DetectorTrainConfig(out=det_dir, steps=p.detector_steps, eval_every=max(1, p.detector_steps // 2),
                                            eval_images=100, final_eval_images=p.detector_eval_images,

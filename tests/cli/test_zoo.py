@@ -2,6 +2,7 @@
 import dataclasses
 import os
 
+import pytest
 from typer.testing import CliRunner
 
 import training.zoo
@@ -173,3 +174,31 @@ def test_a_ranking_head_reaches_the_finetune_config_and_the_card(tmp_path):
             "/retrieve ranks with it).") in card(ranked)
     assert "heads\nvqa, refer, itm, nlvr2, trained together" in card(shared)
     assert "listwise cross-entropy through the itm head." in card(shared)
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_forced_build_does_not_resume_an_interrupted_one(tmp_path, monkeypatch, force):
+    """Without --force an interrupted build resumes each run from its train_state.pt; --force starts every run over."""
+    import json
+
+    from training.finetune import STATE
+
+    out = tmp_path / "zoo" / "demo"
+    for run in ("multitask", "encoder"):
+        (out / run).mkdir(parents=True)
+        (out / run / STATE).write_bytes(b"an interrupted run's state")
+    (out / "detector").mkdir()
+    (out / "detector" / "manifest.json").write_text("{}")
+    resumed = {}
+
+    def train(cfg, data=None, progress=True):
+        resumed[cfg.out.name] = (cfg.out / STATE).exists()
+        (cfg.out / "metrics.json").write_text(json.dumps({"final": {}, "train_seconds": 1}))
+        return {"final": {}, "train_seconds": 1}
+
+    monkeypatch.setattr(training.zoo, "train_detector", lambda *a, **k: None)
+    monkeypatch.setattr(training.zoo, "run_data", lambda *a, **k: None)
+    monkeypatch.setattr(training.zoo, "train", train)
+    monkeypatch.setattr(training.zoo, "model_card", lambda *a, **k: "card")
+    training.zoo.build_zoo("demo", root=tmp_path, force=force, progress=False)
+    assert resumed == {"multitask": not force, "encoder": not force}
