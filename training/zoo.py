@@ -59,6 +59,7 @@ class Profile:
     # at retrieval_weight beside the mix's tasks; 0 steps = none
     retrieval_steps: int = 0
     retrieval_weight: float = 6.0
+    retrieval_mix: tuple[tuple[str, float], ...] = ()  # the stage's weights of some mix tasks, where they differ from the multi-task run's
     retrieval_queries: int = 100  # text -> image queries over the eval scenes on the card (0 = none)
 
 
@@ -75,7 +76,8 @@ class Profile:
 # (regions_film), ITM and NLVR2 through the regions, and every relation and attribute question of the training
 # scenes in the mix: VQA 0.905-0.924 on three runs against 0.869, NLVR2 0.876-0.955, easy-VQA 0.994-0.996.
 # Session 17: the retrieval stage's ranking sets train a pooled ranking head of their own (/retrieve reads it), so
-# the regions ITM head stays what NLVR2 and easy-VQA need: text -> image R@1 0.65 over 500 val scenes against 0.34.
+# the regions ITM head stays what NLVR2 and easy-VQA need: text -> image R@1 0.65 over 500 val scenes against 0.34;
+# the stage draws the ranking sets at 4 each and the relations and attributes sets at 1 (VQA +1.2 points).
 DEMO = Profile(detector_steps=200, train_scenes=3_000, eval_scenes=500, finetune_steps=1_800, batch_size=32,
                easy_vqa_images=2_000, num_boxes=8, region_conf=0.3, proposals=100, preset="u-visualbert",
                vqa_pool="regions_film", itm_pool="regions", nlvr2_pool="regions", rank_pool="pooled",
@@ -84,7 +86,8 @@ DEMO = Profile(detector_steps=200, train_scenes=3_000, eval_scenes=500, finetune
                lead_tasks=("refer",), lead_steps=200,
                curriculum=((400, ("vqa", "refer", "itm", "nlvr2")), (200, ("positions_one_side", "vqa")),
                            (200, ("positions", "vqa"))),
-               extra_tasks=(("positions", 0.5), ("relations", 0.5), ("attributes", 0.5)), retrieval_steps=1_500)
+               extra_tasks=(("positions", 0.5), ("relations", 0.5), ("attributes", 0.5)), retrieval_steps=1_500,
+               retrieval_weight=4.0, retrieval_mix=(("relations", 1.0), ("attributes", 1.0)))
 
 PROFILES = {
     "demo": DEMO,
@@ -196,11 +199,12 @@ def finetune_config(p: Profile, det_dir: Path, enc_dir: Path, threads: int = 2) 
 
 
 def retrieval_config(p: Profile, multitask: FinetuneConfig, enc_dir: Path) -> FinetuneConfig:
-    """The retrieval stage: from the multi-task checkpoint (every head), its mix plus both ranking sets at
-    retrieval_weight each, a fresh 50-step warm-up and linear decay."""
+    """The retrieval stage: from the multi-task checkpoint (every head), its mix (with retrieval_mix's weights) plus
+    both ranking sets at retrieval_weight each, a fresh 50-step warm-up and linear decay."""
     return dataclasses.replace(multitask, out=enc_dir, init_from=multitask.out, steps=p.retrieval_steps, warmup=50,
                                lead_tasks=(), lead_steps=0, curriculum=(), eval_every=p.retrieval_steps,
-                               tasks={**multitask.tasks, RANK_TASK: p.retrieval_weight, RANK_TEXT_TASK: p.retrieval_weight},
+                               tasks={**multitask.tasks, **dict(p.retrieval_mix), RANK_TASK: p.retrieval_weight,
+                                      RANK_TEXT_TASK: p.retrieval_weight},
                                retrieval_queries=p.retrieval_queries)
 
 
@@ -233,7 +237,8 @@ def retrieval_line(p: Profile, multitask: dict | None) -> str:
     """The card's sentence on the retrieval stage."""
     if not p.retrieval_steps:
         return ""
-    line = (f" Then a retrieval stage of {p.retrieval_steps} steps from that checkpoint (every head kept): the mix plus "
+    mix = f" (with {' and '.join(f'{t} at {w:g}' for t, w in p.retrieval_mix)})" if p.retrieval_mix else ""
+    line = (f" Then a retrieval stage of {p.retrieval_steps} steps from that checkpoint (every head kept): the mix{mix} plus "
             f"ranking groups at weight {p.retrieval_weight:g} each, a listing caption with its image and {RANK_GROUP - 1} "
             f"others ({RANK_HARD} of them from the {RANK_NEIGHBOURS} scenes that share most objects with it) and an image "
             f"with its listing and {RANK_GROUP - 1} false near misses (one attribute changed, an object left out or added), "

@@ -493,7 +493,7 @@ def test_a_retrieval_stage_starts_from_the_multitask_checkpoint_keeps_every_head
     detector, data = task_data
     first = tiny(tmp_path / "multitask", detector, tasks={"vqa": 1.0, "itm": 1.0}, steps=30)
     train(first, data=data, progress=False)
-    p = dataclasses.replace(PROFILES["demo"], retrieval_steps=30, retrieval_weight=4.0, retrieval_queries=20)
+    p = dataclasses.replace(PROFILES["demo"], retrieval_steps=30, retrieval_weight=4.0, retrieval_queries=20, retrieval_mix=())
     cfg = retrieval_config(p, first, tmp_path / "encoder")
     assert (cfg.init_from, cfg.steps, cfg.lead_steps, cfg.curriculum) == (first.out, 30, 0, ())
     assert cfg.tasks == {"vqa": 1.0, "itm": 1.0, "itm_rank": 4.0, "itm_rank_text": 4.0}
