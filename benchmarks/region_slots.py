@@ -26,8 +26,9 @@ from encoder import cpu_name, write_section  # noqa: E402
 from models.tokenizer import VLTokenizer  # noqa: E402
 from training.data.region_table import RegionTable  # noqa: E402
 from training.data.vl_tasks import collate  # noqa: E402
-from training.finetune import RANK_TASK, RANK_TASKS, autocast, build_model, head_of, param_groups, run_data  # noqa: E402
-from training.objectives import group_ranking_loss  # noqa: E402
+from training.finetune import (  # noqa: E402
+    autocast, batch_loss, build_model, collate_kind, head_of, pairs_per_example, param_groups, run_data,
+)
 from training.zoo import DEMO, MULTITASK, finetune_config, retrieval_config, zoo_dir  # noqa: E402
 
 HEADING = "## Training step: region slots cut to the batch"
@@ -61,8 +62,7 @@ def main() -> None:
     slots: dict[str, list[int]] = {t: [] for t in stage.tasks}
     for task in stage.tasks:
         pool, head = data.train[task], head_of(task, stage.rank_pool)
-        group = (len(pool[0].rows) if task == RANK_TASK else 1 + len(pool[0].choices)) if task in RANK_TASKS else 1
-        kind = task if task in RANK_TASKS else model.config.heads[head].kind
+        group, kind = pairs_per_example(task, pool), collate_kind(model, task, head)
         for b in range(args.batches + 1):  # the first batch warms up
             batch = [pool[int(i)] for i in rng.integers(0, len(pool), max(1, stage.batch_size // group))]
             order = ("cut", "padded") if b % 2 else ("padded", "cut")
@@ -70,8 +70,7 @@ def main() -> None:
                 inputs, labels = collate(kind, batch, tables[name], tokenizer, model.config.heads[head])
                 start = time.perf_counter()
                 with autocast(stage.bf16):
-                    out = model(inputs, head, None if task in RANK_TASKS else labels)
-                    loss = group_ranking_loss(out.logits, group, labels) if task in RANK_TASKS else out.loss
+                    loss = batch_loss(model, task, head, inputs, labels, group)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()

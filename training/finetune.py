@@ -261,6 +261,27 @@ def run_data(cfg: FinetuneConfig, progress: bool = True, *also: FinetuneConfig) 
                              question_sets=bool(tasks & set(QUESTION_SETS)))
 
 
+def pairs_per_example(task: str, pool: list) -> int:
+    """Pairs one example of a training set scores: images per caption (itm_rank), captions per image
+    (itm_rank_text), else 1; a step scores batch_size pairs."""
+    if task not in RANK_TASKS:
+        return 1
+    return len(pool[0].rows) if task == RANK_TASK else 1 + len(pool[0].choices)
+
+
+def collate_kind(model: VLModel, task: str, head: str) -> str:
+    """How a training set's batches are laid out: the ranking sets as groups, the others as their head's kind."""
+    return task if task in RANK_TASKS else model.config.heads[head].kind
+
+
+def batch_loss(model: VLModel, task: str, head: str, inputs, labels: torch.Tensor, group: int) -> torch.Tensor:
+    """A training batch's loss: listwise over each group for the ranking sets (plus the pairwise term on the ranking
+    head, which learns nothing else, so that its scores read as probabilities too), else the head's own loss."""
+    if task in RANK_TASKS:
+        return group_ranking_loss(model(inputs, head).logits, group, labels, pointwise=head == RANK_HEAD)
+    return model(inputs, head, labels).loss
+
+
 def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = True, stop_after: int | None = None) -> dict:
     """Multi-task fine-tuning; resumes from out/train_state.pt when present. Returns the metrics."""
     check_lead(cfg)  # before any data is prepared
@@ -303,18 +324,12 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
         w = next(weights for end, weights in phases if step < end)
         task = tasks[int(rng.choice(len(tasks), p=w / w.sum()))]
         pool = data.train[task]
-        ranking, head = task in RANK_TASKS, head_of(task, cfg.rank_pool)
-        # pairs per group: images per caption (itm_rank), captions per image (itm_rank_text); a step scores batch_size pairs
-        group = (len(pool[0].rows) if task == RANK_TASK else 1 + len(pool[0].choices)) if ranking else 1
+        head, group = head_of(task, cfg.rank_pool), pairs_per_example(task, pool)
         batch = [pool[int(i)] for i in rng.integers(0, len(pool), max(1, cfg.batch_size // group))]
-        kind = task if ranking else model.config.heads[head].kind
-        inputs, labels = collate(kind, batch, data.train_table, tokenizer, model.config.heads[head], cfg.max_length)
+        inputs, labels = collate(collate_kind(model, task, head), batch, data.train_table, tokenizer,
+                                 model.config.heads[head], cfg.max_length)
         with autocast(bf16):
-            if ranking:
-                # the ranking head learns nothing else, so its scores are anchored as probabilities too
-                loss = group_ranking_loss(model(inputs, head).logits, group, labels, pointwise=head == RANK_HEAD)
-            else:
-                loss = model(inputs, head, labels).loss
+            loss = batch_loss(model, task, head, inputs, labels, group)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
