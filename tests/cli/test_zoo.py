@@ -69,8 +69,8 @@ def test_the_card_names_the_lead_phase(tmp_path):
     assert "ITM from regions, NLVR2 from regions" in card
     demo = training.zoo.model_card("demo", training.zoo.PROFILES["demo"], tmp_path, {"final": {}, "train_seconds": 60},
                                    det_seconds=60, total_seconds=120)
-    assert ("trained together for 1800 steps (the first 200 on refer alone, then 400 on vqa + refer + itm + nlvr2 alone, "
-            "then 200 on positions_one_side + vqa alone, then 200 on positions + vqa alone)") in demo
+    assert ("trained together for 2000 steps (the first 200 on refer alone, then 400 on vqa + refer + itm + nlvr2 alone, "
+            "then 400 on positions_one_side + vqa alone, then 300 on positions + vqa alone)") in demo
     assert ("; the mix also draws the positions set (weight 0.5, through the vqa head), the relations set (weight 0.5, "
             "through the vqa head) and the attributes set (weight 0.5, through the vqa head).") in demo
     assert "normalized box embedding" in demo
