@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install test serve zoo zoo-pretrained zoo-full bench results clean
+.PHONY: install test serve zoo zoo-pretrained zoo-full bench gpu results clean
 
 # torch first (pins read from pyproject.toml), so no dependency pulls another torch build.
 # redis-server comes from Debian: the tests start their own on a free loopback port.
@@ -31,6 +31,12 @@ zoo-full: install
 bench: install
 	$(PYTHON) benchmarks/encoder.py
 	$(PYTHON) benchmarks/detector.py
+
+# On a machine with a CUDA GPU: the tests marked gpu (each skips with its reason where its provider or package is
+# missing) and the GPU-against-CPU timings of docs/BENCHMARKS.md. docs/EXPORT.md, "Running the GPU checks".
+gpu: install
+	$(PYTHON) -m pytest -q -ra -m gpu
+	$(PYTHON) benchmarks/gpu.py
 
 # The presets table of docs/RESULTS.md (benchmarks/results/presets.json): needs the demo detector (`make zoo`).
 results: install
