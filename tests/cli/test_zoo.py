@@ -127,7 +127,7 @@ def test_a_retrieval_stage_goes_on_the_card(tmp_path):
     assert "Then a retrieval stage of 1200 steps from that checkpoint (every head kept)" in card
     assert "; before it: vqa_acc 0.83, itm_acc 0.72, in 8.0 min." in card
     assert "Training time 7.0 min (the retrieval stage)." in card and "| retrieval_t2i_R@1 | 0.74 |" in card
-    assert training.zoo.PROFILES["demo"].retrieval_steps == 1500
+    assert training.zoo.PROFILES["demo"].retrieval_steps == 2000
     plain = training.zoo.PROFILES["pretrained"]  # no retrieval stage: its one run scores retrieval itself
     assert "retrieval stage" not in training.zoo.model_card("pretrained", plain, tmp_path, {"final": {}, "train_seconds": 60},
                                                             det_seconds=60, total_seconds=120)
