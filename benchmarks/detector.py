@@ -38,10 +38,10 @@ def images_of(h: int, w: int, n: int) -> list[np.ndarray]:
     return out
 
 
-def ours(short_side: int, long_side: int) -> RegionDetector:
+def ours(short_side: int, long_side: int, pretrained: bool = True) -> RegionDetector:
     cfg = DetectorConfig(classes=["circle", "rectangle", "triangle"], attributes=["red", "small"],
                          min_size=short_side, max_size=long_side, rpn_pre_nms_top_n=PRE_NMS, rpn_post_nms_top_n=POST_NMS)
-    return RegionDetector(cfg).eval()
+    return RegionDetector(cfg, pretrained_backbone=pretrained).eval()
 
 
 def reference(short_side: int, long_side: int):

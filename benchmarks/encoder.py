@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,6 +135,13 @@ def make_inputs(batch: int) -> VLInputs:
         region_boxes=torch.rand(batch, REGIONS, 4, generator=g),
         region_mask=torch.ones(batch, REGIONS, dtype=torch.long),
     )
+
+
+def numpy_batch(batch: int) -> dict[str, np.ndarray]:
+    """make_inputs(batch) as the numpy dict the service's runtimes take."""
+    x = make_inputs(batch)
+    return {k: getattr(x, k).numpy() for k in ("input_ids", "attention_mask", "token_type_ids", "region_features",
+                                               "region_boxes", "region_mask")}
 
 
 def ours_fn(model: VLModel, x: VLInputs, pack: bool) -> Callable[[], torch.Tensor]:

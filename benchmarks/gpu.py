@@ -26,23 +26,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runs from a checkout without installing
 
-from detector import POST_NMS, PRE_NMS, images_of  # noqa: E402
-from encoder import cpu_name, make_inputs, take_turns, write_section  # noqa: E402
+from detector import images_of, ours  # noqa: E402
+from encoder import cpu_name, numpy_batch, take_turns, write_section  # noqa: E402
 
 from models import create_model  # noqa: E402
-from models.detector import DetectorConfig, RegionDetector  # noqa: E402
 from models.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from models.tokenizer import VLTokenizer  # noqa: E402
 from service.runtime.torch_runtime import TorchRuntime, resolve_precision  # noqa: E402
 
 HEADING = "## GPU: the torch runtime and the detector on CUDA against the CPU"
 ANSWERS = 3129
-KEYS = ("input_ids", "attention_mask", "token_type_ids", "region_features", "region_boxes", "region_mask")
-
-
-def numpy_batch(batch: int) -> dict[str, np.ndarray]:
-    x = make_inputs(batch)
-    return {k: getattr(x, k).numpy() for k in KEYS}
 
 
 def runtimes(checkpoint: Path, threads: int) -> dict[str, TorchRuntime]:
@@ -70,10 +63,8 @@ def encoder_rows(checkpoint: Path, threads: int, runs: int) -> tuple[list[str], 
 
 
 def detector_rows(runs: int) -> list[dict]:
-    cfg = DetectorConfig(classes=["circle", "rectangle", "triangle"], attributes=["red", "small"], min_size=480,
-                         max_size=640, rpn_pre_nms_top_n=PRE_NMS, rpn_post_nms_top_n=POST_NMS)
     torch.manual_seed(0)
-    cpu = RegionDetector(cfg, pretrained_backbone=False).eval()  # random backbone: timing does not depend on it
+    cpu = ours(480, 640, pretrained=False)  # random backbone: timing does not depend on it
     gpu = copy.deepcopy(cpu).to("cuda")
     rows = []
     for batch in (1, 8):

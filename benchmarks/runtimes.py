@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runs from a checkout without installing
 
 from detector import images_of, ours  # noqa: E402
-from encoder import (build_models, cpu_name, encoder_flops, gemm_peak_onnxruntime, int8_gemm_peak_onnxruntime, make_inputs,  # noqa: E402
+from encoder import (build_models, cpu_name, encoder_flops, gemm_peak_onnxruntime, int8_gemm_peak_onnxruntime, numpy_batch,  # noqa: E402
                      parse_args, take_turns, write_section)
 
 from export.detector import OnnxDetector, detector_parity, export_detector  # noqa: E402
@@ -51,12 +51,6 @@ def build_checkpoint(out: Path) -> tuple[Path, torch.nn.Module]:
     model = create_model("visualbert", "base", visual_feat_dim=2048, heads={"vqa": {"kind": "vqa", "num_labels": ANSWERS}})
     model.encoder.load_state_dict(ours.encoder.state_dict())
     return save_checkpoint(model.eval(), out, VLTokenizer.pretrained_minilm()), theirs
-
-
-def numpy_batch(batch: int) -> dict[str, np.ndarray]:
-    x = make_inputs(batch)
-    return {k: getattr(x, k).numpy() for k in ("input_ids", "attention_mask", "token_type_ids", "region_features",
-                                               "region_boxes", "region_mask")}
 
 
 def contenders(theirs, torch_rt: TorchRuntime, fp32: OnnxRuntime, int8_sess, int8_feed, batch: dict[str, np.ndarray]):

@@ -240,12 +240,16 @@ def ranking_objective(p: Profile) -> str:
             f"{p.rank_pool}; /retrieve ranks with it)")
 
 
+def and_list(items: list[str]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 1 else items)
+
+
 def retrieval_line(p: Profile, multitask: dict | None) -> str:
     """The card's sentence on the retrieval stage."""
     if not p.retrieval_steps:
         return ""
-    weights = [f"{t} at {w:g}" for t, w in p.retrieval_mix]
-    mix = f" (with {', '.join(weights[:-1])} and {weights[-1]})" if len(weights) > 1 else f" (with {weights[0]})" if weights else ""
+    mix = f" (with {and_list([f'{t} at {w:g}' for t, w in p.retrieval_mix])})" if p.retrieval_mix else ""
     line = (f" Then a retrieval stage of {p.retrieval_steps} steps from that checkpoint (every head kept): the mix{mix} plus "
             f"ranking groups at weight {p.retrieval_weight:g} each, a listing caption with its image and {RANK_GROUP - 1} "
             f"others ({RANK_HARD} of them from the {RANK_NEIGHBOURS} scenes that share most objects with it) and an image "
@@ -266,7 +270,7 @@ def model_card(name: str, p: Profile, det_dir: Path, metrics: dict, det_seconds:
     phases = [(n, tasks) for n, tasks in ((p.lead_steps, p.lead_tasks), *p.curriculum) if n]
     lead = (" (the first " + ", then ".join(f"{n} on {' + '.join(tasks)} alone" for n, tasks in phases) + ")") if phases else ""
     sets = [f"the {t} set (weight {w:g}, through the {head_of(t, p.rank_pool)} head)" for t, w in p.extra_tasks]
-    extra = f"; the mix also draws {' and '.join([', '.join(sets[:-1]), sets[-1]] if len(sets) > 1 else sets)}" if sets else ""
+    extra = f"; the mix also draws {and_list(sets)}" if sets else ""
     return f"""# vlserve model set `{name}`
 
 Built by `vlserve zoo build --profile {name}` in {total_seconds / 60:.1f} min on this machine.

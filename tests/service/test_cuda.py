@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from models.detector.io import load_detector
 from service.app import create_app
 from tests.service.conftest import shapes_image
-from tests.service.test_onnx_runtime import answers, assert_same_answers
+from tests.service.test_onnx_runtime import answers, assert_same_answers, ranked
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none)")]
@@ -44,9 +44,9 @@ def test_every_endpoint_on_cuda_answers_as_on_the_cpu(preset, checkpoints, make_
 
 
 @pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.skipif(not torch.cuda.is_available() or not torch.cuda.is_bf16_supported(),
+                    reason="needs a CUDA GPU with bfloat16 arithmetic")
 def test_bf16_on_cuda_answers_as_fp32(preset, checkpoints, make_settings, image_png, make_png):
-    if not torch.cuda.is_bf16_supported():
-        pytest.skip("this GPU has no bfloat16 arithmetic")
     _, fp32 = served(make_settings(model_dir=checkpoints[preset], precision="fp32", device="cuda"), image_png, make_png)
     model, bf16 = served(make_settings(model_dir=checkpoints[preset], precision="auto", device="cuda"), image_png, make_png)
     assert model["precision"] == "bf16"  # auto picks bfloat16 autocast on a GPU that has it
@@ -59,12 +59,11 @@ def test_bf16_on_cuda_answers_as_fp32(preset, checkpoints, make_settings, image_
 
 
 def scores(answers: dict) -> list[dict]:
-    """Per endpoint answer, item -> score, whatever the order."""
+    """Per endpoint answer, item -> score (each list checked to be ranked best first)."""
     refer = answers["refer"]
-    return [{a["answer"]: a["score"] for a in answers["vqa"]["answers"]},
-            {r["index"]: r["score"] for r in [refer["region"], *refer["runner_up"]]},
-            {h["image_id"]: h["probability"] for h in answers["text_to_images"]["results"]},
-            {h["index"]: h["probability"] for h in answers["image_to_texts"]["results"]},
+    return [ranked(answers["vqa"]["answers"], "answer"), ranked([refer["region"], *refer["runner_up"]], "index"),
+            ranked(answers["text_to_images"]["results"], "image_id", "probability"),
+            ranked(answers["image_to_texts"]["results"], "index", "probability"),
             {"true": answers["nlvr2"]["probability"]}]
 
 
