@@ -23,7 +23,7 @@ from .data.vl_tasks import collate
 from .evaluate import evaluate_tasks
 from .objectives import group_ranking_loss
 from .retrieval import card_metrics, evaluate_retrieval
-from .vl_data import QUESTION_SETS, TaskData, prepare_task_data, tagged
+from .vl_data import EXPRESSION_SETS, QUESTION_SETS, TaskData, prepare_task_data, tagged
 
 log = logging.getLogger(__name__)
 STATE = "train_state.pt"  # resumable state, written beside the checkpoint files
@@ -33,8 +33,9 @@ RANK_TEXT_TASK = "itm_rank_text"  # with its image and others (itm_rank), or an 
 RANK_TASKS = (RANK_TASK, RANK_TEXT_TASK)
 # training sets beyond the heads' own tasks -> the head they train: the ranking groups, and the question sets of
 # vl_data.QUESTION_SETS (one-object positions, "is the red circle on the left?", for a curriculum of the VQA head;
-# every relation or attribute question of a scene)
-TRAINING_SETS = {RANK_TASK: "itm", RANK_TEXT_TASK: "itm", **dict.fromkeys(QUESTION_SETS, "vqa")}
+# every relation or attribute question of a scene), and the expression sets of vl_data.EXPRESSION_SETS (refer head)
+TRAINING_SETS = {RANK_TASK: "itm", RANK_TEXT_TASK: "itm", **dict.fromkeys(QUESTION_SETS, "vqa"),
+                 **dict.fromkeys(EXPRESSION_SETS, "refer")}
 
 
 def head_of(task: str, rank_pool: str | None = None) -> str:
@@ -258,7 +259,7 @@ def run_data(cfg: FinetuneConfig, progress: bool = True, *also: FinetuneConfig) 
     tasks = {t for c in (cfg, *also) for t in training_tasks(c)}
     return prepare_task_data(cfg.detector_dir, cfg.train_scenes, cfg.eval_scenes, cfg.easy_vqa, progress,
                              easy_vqa_images=cfg.easy_vqa_images, ranking=bool(tasks & set(RANK_TASKS)),
-                             question_sets=bool(tasks & set(QUESTION_SETS)))
+                             question_sets=bool(tasks & {*QUESTION_SETS, *EXPRESSION_SETS}))
 
 
 def pairs_per_example(task: str, pool: list) -> int:

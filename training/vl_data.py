@@ -17,21 +17,26 @@ from .data.easy_vqa import load_easy_vqa, load_image as load_easy_vqa_image
 from .data.region_table import RegionTable, extract_table
 from .data.shapes_cache import FORMAT_VERSION, ShapesConfig, ShapesSplit, cache_root, config_hash, load_split
 from .data.shapes_tasks import (
-    ANSWERS, ONE_SIDE, SIDES, TaskConfig, all_attribute_questions, position_questions,
-    relation_questions,
+    ANSWERS, ONE_SIDE, SIDES, TaskConfig, all_attribute_questions, position_questions, related_attribute_questions,
+    related_expressions, relation_questions,
 )
 from .data.shapes_world import WorldConfig
 from .data.vl_tasks import (
-    Example, caption_ranking_examples, easy_vqa_examples, question_examples, ranking_examples, retrieval_examples, shapes_examples,
+    Example, caption_ranking_examples, easy_vqa_examples, expression_examples, question_examples, ranking_examples, retrieval_examples, shapes_examples,
 )
 from .data.vl_tasks import easy_vqa_images as easy_vqa_image_ids
 
 # question sets trained as tasks through the VQA head, beyond a scene's sampled VQA questions: one-object position
 # questions (shapes_tasks.position_questions, both-sided and one-sided), and every relation and every attribute
-# question a scene has (its VQA questions sample vqa_per_type of each kind)
+# question a scene has (its VQA questions sample vqa_per_type of each kind), and attribute questions about objects
+# named through a relation that decides ("what color is the shape left of the red circle?")
 QUESTION_SETS = {"positions": functools.partial(position_questions, sides=tuple(SIDES)),
                  "positions_one_side": functools.partial(position_questions, sides=ONE_SIDE),
-                 "relations": relation_questions, "attributes": all_attribute_questions}
+                 "relations": relation_questions, "attributes": all_attribute_questions,
+                 "related_attributes": related_attribute_questions}
+# expression sets trained as tasks through the refer head: objects named through a relation that decides (a split's
+# expressions use a relation only where nothing shorter fits the object alone)
+EXPRESSION_SETS = {"related_refer": related_expressions}
 Extract = Callable[[str, Callable[[int], np.ndarray], int], RegionTable]  # (cache name, load image i, count)
 
 
@@ -89,7 +94,7 @@ def shapes_part(extract: Extract, split_name: str, scenes: int, data: ShapesConf
                 question_sets: tuple[str, ...] = ()) -> tuple[RegionTable, dict[str, list[Example]]]:
     """Regions of the first max(scenes, retrieval_pool) scenes of a split; task examples of the first `scenes`
     (NLVR2 pairs inside them), with `ranking` the retrieval training groups (itm_rank, itm_rank_text) over them, with
-    `question_sets` the named sets of QUESTION_SETS, and, with retrieval_pool, one gold
+    `question_sets` the named sets of QUESTION_SETS and EXPRESSION_SETS, and, with retrieval_pool, one gold
     caption for each of the first pool scenes."""
     split = load_split(split_name, data, root)
     scenes, pool = min(scenes, len(split)), min(retrieval_pool, len(split))
@@ -102,8 +107,9 @@ def shapes_part(extract: Extract, split_name: str, scenes: int, data: ShapesConf
         examples["itm_rank"] = ranking_examples(scene_split, seed=seed)
         examples["itm_rank_text"] = caption_ranking_examples(scene_split, seed=seed)
     for name in question_sets:
-        examples[name] = question_examples(ShapesSplit(split.directory, split.annotations[:scenes], []), ANSWERS,
-                                           QUESTION_SETS[name])
+        scene_split = ShapesSplit(split.directory, split.annotations[:scenes], [])
+        examples[name] = (question_examples(scene_split, ANSWERS, QUESTION_SETS[name]) if name in QUESTION_SETS
+                          else expression_examples(scene_split, EXPRESSION_SETS[name]))
     if pool:
         examples["retrieval"] = retrieval_examples(ShapesSplit(split.directory, split.annotations[:pool], []))
     return table, examples
@@ -141,11 +147,11 @@ def prepare_task_data(detector_dir: Path, train_scenes: int, eval_scenes: int, e
                       progress: bool = True, data: ShapesConfig = ShapesConfig(), easy_vqa_images: int | None = None,
                       shapes_root: Path | None = None, ranking: bool = False, question_sets: bool = False) -> TaskData:
     """Extract (or load cached) regions for the data a run uses and build its task examples (eval on val);
-    with `ranking` also the itm_rank and itm_rank_text training groups, with `question_sets` the QUESTION_SETS (trained
+    with `ranking` also the itm_rank and itm_rank_text training groups, with `question_sets` the QUESTION_SETS and EXPRESSION_SETS (trained
     through the VQA head; the val scenes' both-sided position questions are scored as `positions`)."""
     cfg, fingerprint, extract = _extractor(detector_dir, progress)
     train_table, train = shapes_part(extract, "train", train_scenes, data, seed=0, root=shapes_root, ranking=ranking,
-                                     question_sets=tuple(QUESTION_SETS) if question_sets else ())
+                                     question_sets=(*QUESTION_SETS, *EXPRESSION_SETS) if question_sets else ())
     eval_table, evals = shapes_part(extract, "val", eval_scenes, data, seed=1, retrieval_pool=eval_scenes, root=shapes_root,
                                     question_sets=("positions",) if question_sets else ())
     train_tables, eval_tables, evals = [train_table], [eval_table], as_eval_sets(evals)

@@ -17,7 +17,9 @@ from models.detector.io import save_detector
 from models.layers import Linear, cpu_bf16_unavailable
 from models.tokenizer import VLTokenizer
 from training.data.shapes_cache import ShapesConfig, load_split
-from training.data.shapes_tasks import all_attribute_questions, relation_questions
+from training.data.shapes_tasks import (
+    all_attribute_questions, related_attribute_questions, related_expressions, relation_questions,
+)
 from training.data.vl_tasks import Example, collate
 from training.finetune import (
     FinetuneConfig, build_model, eval_precision, gemm_precision, head_of, init_from_checkpoint, phase_weights, train, training_tasks,
@@ -431,6 +433,30 @@ def test_question_sets_hold_every_question_of_their_kind_of_each_training_scene(
     sampled = {(i, q["question"]) for i, ann in enumerate(split.annotations[:160]) for q in ann["vqa"] if q["type"] in kinds}
     assert sampled and sampled < every
     assert name not in data.eval and head_of(name) == "vqa"
+
+
+def test_related_sets_train_the_vqa_and_refer_heads(task_data, tmp_path):
+    """related_attributes ("what color is the shape left of the red circle?") trains the vqa head, related_refer
+    ("the shape left of the red circle") the refer head with its referent's box; both hold what the generators
+    give each training scene, and neither is scored on val."""
+    detector, data = task_data
+    split = load_split("train", SHAPES)
+    for row in (0, 1, 2, 3):
+        scene = split.scene(row)
+        assert [(e.text, data.answers[e.label]) for e in data.train["related_attributes"] if e.rows == (row,)] == \
+            [(q["question"], q["answer"]) for q in related_attribute_questions(scene)]
+        assert [(e.text, e.label) for e in data.train["related_refer"] if e.rows == (row,)] == \
+            [(r["expression"], tuple(r["box"])) for r in related_expressions(scene)]
+    assert data.train["related_attributes"] and data.train["related_refer"]
+    assert head_of("related_attributes") == "vqa" and head_of("related_refer") == "refer"
+    assert not {"related_attributes", "related_refer"} & set(data.eval)
+    cfg = tiny(tmp_path / "related", detector, tasks={"vqa": 1.0, "refer": 1.0, "related_refer": 1.0}, steps=6,
+               lead_tasks=("related_refer",), lead_steps=3)
+    torch.manual_seed(0)
+    initial = build_model(cfg, data.feature_dim, len(data.answers)).state_dict()
+    train(cfg, data=data, progress=False, stop_after=3)  # the lead phase: related_refer alone, through the refer head
+    state = torch.load(tmp_path / "related" / "train_state.pt", weights_only=True)["model"]
+    assert {k.split(".")[1] for k in state if k.startswith("heads.") and not torch.equal(state[k], initial[k])} == {"refer"}
 
 
 @pytest.mark.parametrize("curriculum, message", [

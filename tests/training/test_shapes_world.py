@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 
 from training.data.shapes_cache import ShapesConfig, build_shapes, dataset_dir, load_split
-from training.data.shapes_tasks import ANSWERS, ONE_SIDE, TaskConfig, false_listings, nlvr2_examples, position_questions, scene_annotations
+from training.data.shapes_tasks import (
+    ANSWERS, ONE_SIDE, RELATED_PER_OBJECT, TaskConfig, false_listings, nlvr2_examples, position_questions,
+    related_attribute_questions, related_expressions, scene_annotations,
+)
 from training.data.shapes_world import COLORS, SHAPES, SIZES, Scene, WorldConfig, generate_scene, render_scene
 
 WORLD = WorldConfig(seed=3)
@@ -216,6 +219,41 @@ def test_refer_expressions_unique_and_shortest(annotations):
                 if words < n_words:
                     attrs = {k: obj[k] for k in keys}
                     assert sum(fits(attrs, o) for o in scene["objects"]) > 1, (ref, attrs)
+
+
+def relation_decides(expression: str, scene: dict) -> bool:
+    """Does 'the X rel the Y' need its relation: does X alone fit other objects than the anchor Y too?"""
+    m = re.fullmatch(r"(the .+?) (?:left of|right of|above|below) (the .+)", expression)
+    return m is not None and len(set(referents(m.group(1), scene)) - {unique_referent(m.group(2), scene)}) > 1
+
+
+def test_related_questions_and_expressions_need_their_relation(scenes):
+    """The related_* training sets name an object through a relation, never where its description alone (without
+    the anchor) would do; the answers and boxes are the referent's; at most RELATED_PER_OBJECT expressions per
+    object (and asked attribute); seeded by the scene."""
+    questions, expressions, kinds = 0, 0, Counter()
+    for scene in scenes:
+        d = json.loads(json.dumps(scene_annotations(scene)))
+        asked = related_attribute_questions(scene)
+        assert asked == related_attribute_questions(scene)  # the scene's own stream, not a shared generator
+        per_object = Counter()
+        for q in asked:
+            m = re.fullmatch(r"what (color|shape|size) is (the .+)\?", q["question"])
+            i = unique_referent(m.group(2), d)
+            assert relation_decides(m.group(2), d), q
+            assert d["objects"][i][m.group(1)] == q["answer"] and q["type"] == m.group(1)
+            target = re.match(r"the (.+?) (?:left of|right of|above|below) ", m.group(2)).group(1)
+            assert m.group(1) not in parse_np(target), q  # the asked attribute is not said
+            per_object[i, m.group(1)] += 1
+            kinds[m.group(1)] += 1
+        assert max(per_object.values(), default=0) <= RELATED_PER_OBJECT
+        named = related_expressions(scene)
+        for r in named:
+            assert unique_referent(r["expression"], d) == r["object"] and relation_decides(r["expression"], d), r
+            assert r["box"] == d["objects"][r["object"]]["box"]
+        assert max(Counter(r["object"] for r in named).values(), default=0) <= RELATED_PER_OBJECT
+        questions, expressions = questions + len(asked), expressions + len(named)
+    assert questions > 5 * N_SCENES and expressions > 2 * N_SCENES and set(kinds) == {"color", "shape", "size"}
 
 
 def test_retrieval_captions_true_and_negatives_false(annotations):

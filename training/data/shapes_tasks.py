@@ -16,7 +16,8 @@ from .shapes_world import (
 ANSWERS = ["yes", "no", *COLOR_NAMES, *SHAPES, *SIZES, *(str(n) for n in range(MAX_OBJECTS + 1))]
 ATTRIBUTE_VALUES = {"shape": SHAPES, "color": COLOR_NAMES, "size": SIZES}
 FULL_DESCS = tuple(Desc(s, c, z) for s in SHAPES for c in COLOR_NAMES for z in SIZES)  # every object that can be drawn
-TASK_STREAM, PAIR_STREAM = 1, 2  # rng streams of scene_rng, apart from the scene's own draws (stream 0)
+# rng streams of scene_rng, apart from the scene's own draws (stream 0): tasks, pairs, the related_* training sets
+TASK_STREAM, PAIR_STREAM, RELATED_QA_STREAM, RELATED_REFER_STREAM = 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,16 @@ def describe(scene: Scene, i: int, exclude: frozenset[str] = frozenset()) -> Ref
                   for desc in attribute_descs(scene.objects[i], exclude) for rel in RELATIONS]
     candidates.sort(key=Ref.length)  # stable: equal lengths keep the enumeration order
     return next((r for r in candidates if is_unique_ref(scene, r, i)), None)
+
+
+def related_refs(scene: Scene, i: int, exclude: frozenset[str] = frozenset()) -> list[Ref]:
+    """Every expression that picks out object i only through its relation to a uniquely described anchor ("the
+    shape left of the red circle"): its own description fits other objects than the anchor too, so the relation
+    decides."""
+    anchors = [(j, simple_ref(scene, j)) for j in range(len(scene.objects)) if j != i]
+    return [ref for j, anchor in anchors if anchor is not None
+            for desc in attribute_descs(scene.objects[i], exclude) if len(set(matching(scene, desc)) - {j}) > 1
+            for rel in RELATIONS if is_unique_ref(scene, ref := Ref(desc, rel, anchor.target), i)]
 
 
 def count_phrase(n: int, desc: Desc) -> str:
@@ -189,6 +200,20 @@ def all_attribute_questions(scene: Scene) -> list[dict]:
     return [q for a in ATTRIBUTE_VALUES for q in attribute_questions(scene, a)]
 
 
+RELATED_PER_OBJECT = 2  # related_* training sets: expressions drawn per object (and asked attribute)
+
+
+def related_attribute_questions(scene: Scene, per_object: int = RELATED_PER_OBJECT) -> list[dict]:
+    """'what color is the shape left of the red circle?': colour, shape and size questions about objects named
+    through a relation that decides (related_refs), per_object expressions drawn for each object and attribute.
+    A split's questions name an object through a relation only where nothing shorter fits it alone (describe), so
+    they are few; these are training material that makes the relation matter. Seeded by the scene."""
+    rng = scene_rng(scene.seed, scene.split, scene.index, RELATED_QA_STREAM)
+    return [qa(f"what {attribute} is {ref.text()}?", getattr(obj, attribute), attribute)
+            for attribute in ATTRIBUTE_VALUES for i, obj in enumerate(scene.objects)
+            for ref in pick(rng, related_refs(scene, i, frozenset({attribute})), per_object)]
+
+
 def vqa_questions(scene: Scene, rng: np.random.Generator, per_type: int) -> list[dict]:
     pools = [attribute_questions(scene, a) for a in ("color", "shape", "size")] + [relation_questions(scene)]
     picked = [q for pool in pools for q in pick(rng, pool, per_type)]
@@ -205,6 +230,14 @@ def refer_expressions(scene: Scene) -> list[dict]:
         if ref is not None:
             out.append({"expression": ref.text(), "object": i, "box": list(obj.box)})
     return out
+
+
+def related_expressions(scene: Scene, per_object: int = RELATED_PER_OBJECT) -> list[dict]:
+    """Referring expressions that name each object through a relation that decides (related_refs), per_object drawn
+    for each object; training material, as related_attribute_questions. Seeded by the scene."""
+    rng = scene_rng(scene.seed, scene.split, scene.index, RELATED_REFER_STREAM)
+    return [{"expression": ref.text(), "object": i, "box": list(obj.box)} for i, obj in enumerate(scene.objects)
+            for ref in pick(rng, related_refs(scene, i), per_object)]
 
 
 # ---- retrieval: statements are tuples ("listing", descs) | ("exists", d) | ("count", d, n) | ("related", a, rel, b)

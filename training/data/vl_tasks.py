@@ -60,6 +60,13 @@ def question_examples(split: ShapesSplit, answers: list[str], questions: Callabl
             for i in range(len(split.annotations)) for q in questions(split.scene(i))]
 
 
+def expression_examples(split: ShapesSplit, expressions: Callable[[Scene], list[dict]], row_offset: int = 0) -> list[Example]:
+    """Every referring expression `expressions` gives of each scene of a split (e.g. shapes_tasks.related_expressions),
+    as refer examples."""
+    return [Example((i + row_offset,), r["expression"], tuple(r["box"]))
+            for i in range(len(split.annotations)) for r in expressions(split.scene(i))]
+
+
 def retrieval_examples(split: ShapesSplit, row_offset: int = 0) -> list[Example]:
     """One gold caption per scene for retrieval: the listing of every object, left to right (captions[0]).
 

@@ -49,7 +49,8 @@ def finetune(
                                            "itm_rank / itm_rank_text (retrieval groups, a listwise ranking loss through the itm head: a "
                                            "caption with 8 images / an image with its listing and 7 near-miss listings), and the question sets trained through the "
                                            "vqa head: positions / positions_one_side (one-object positions), relations and attributes (every "
-                                           "relation or attribute question of a training scene)")] = "vqa:1,refer:1,itm:1,nlvr2:1",
+                                           "relation or attribute question of a training scene), related_attributes (attribute questions about objects "
+                                           "named through a relation that decides); related_refer (such expressions, through the refer head)")] = "vqa:1,refer:1,itm:1,nlvr2:1",
     lead_tasks: Annotated[str, typer.Option(help="comma-separated tasks trained alone for the first --lead-steps steps "
                                                  "(a grounding curriculum, e.g. refer)")] = "",
     lead_steps: Annotated[int, typer.Option(min=0, help="steps of the lead phase (0: every task from the start)")] = 0,
