@@ -172,7 +172,11 @@ def test_a_ranking_head_reaches_the_finetune_config_and_the_card(tmp_path):
     assert f"heads\nvqa, refer, itm, nlvr2, {RANK_HEAD}, trained together" in card(ranked)
     assert (f"listwise plus pairwise cross-entropy through a ranking head of their own ({RANK_HEAD}, reading pooled; "
             "/retrieve ranks with it).") in card(ranked)
-    assert "(every head kept): the mix (with vqa at 3, nlvr2 at 4, relations at 1.5 and attributes at 1.5) plus ranking groups at weight 6 each" in card(ranked)
+    assert ("(every head kept): the mix (with vqa at 3, nlvr2 at 4, relations at 1.5 (through the vqa head), attributes at 1.5 "
+            "(through the vqa head), related_attributes at 3 (through the vqa head) and related_refer at 2 (through the "
+            "refer head)) plus ranking groups at weight 6 each") in card(ranked)
+    assert (stage.tasks["related_attributes"], stage.tasks["related_refer"]) == (3.0, 2.0)
+    assert not {"related_attributes", "related_refer"} & set(multitask.tasks)
     assert (stage.tasks["relations"], stage.tasks["attributes"], stage.tasks["itm_rank"]) == (1.5, 1.5, 6.0)
     assert (stage.tasks["vqa"], stage.tasks["nlvr2"], stage.tasks["refer"]) == (3.0, 4.0, 1.0)
     assert (multitask.tasks["relations"], multitask.tasks["attributes"]) == (0.5, 0.5)  # the multi-task run keeps its own
