@@ -126,7 +126,8 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(task_data, tmp_path):
         (["--preset", "resnet"], "unknown preset 'resnet'"),
         (["--size", "huge"], "unknown size 'huge'"),
         (["--tasks", "vqa:1,grounding:1"], "head not supported by fine-tuning: grounding (choose vqa, refer, itm, nlvr2, "
-                                           "multiple_choice, itm_rank, itm_rank_text, positions, positions_one_side, relations, attributes)"),
+                                           "multiple_choice, itm_rank, itm_rank_text, positions, positions_one_side, relations, attributes, "
+                                           "related_attributes, related_refer)"),
         (["--tasks", "vqa:0"], "task weights must be positive"),
         (["--size", "tiny"], "--init-text needs size small"),
         (["--vqa-loss", "mse"], "--vqa-loss must be bce or ce"),
