@@ -52,6 +52,8 @@ class FinetuneConfig:
     detector_dir: Path = Path("detector")  # region features come from this detector
     preset: str = "visualbert"  # encoder preset
     size: str = "small"  # encoder size (small: text side from MiniLM)
+    num_layers: int | None = None  # encoder (text) layers; None = the size's (small: MiniLM's 6); fewer start from
+    # MiniLM's first layers
     vqa_pool: str = "pooled"  # "pooled" (CLS), "answer_slot" (VL-BERT's [MASK]) or "regions" (pooled + attention over regions)
     #                        or "regions_geometry" (regions + the boxes of question-located regions)
     #                        or "regions_count" (regions + counts of the regions the question fits)
@@ -107,6 +109,8 @@ def build_model(cfg: FinetuneConfig, feature_dim: int, num_answers: int) -> VLMo
         RANK_HEAD: HeadConfig(kind="itm", pool=cfg.rank_pool or "pooled"),
     }
     overrides = {} if cfg.dropout is None else {"dropout": cfg.dropout, "attention_dropout": cfg.dropout}
+    if cfg.num_layers is not None:
+        overrides["num_layers"] = cfg.num_layers
     if cfg.box_embedding != "linear":
         overrides["box_embedding"] = cfg.box_embedding
     if cfg.region_tags:
@@ -161,11 +165,14 @@ def fit_feature_norm(model: VLModel, table) -> None:
 
 def init_from_checkpoint(model: VLModel, path: Path) -> list[str]:
     """Copy a checkpoint's encoder into model, and each head with the same name, kind and tensor shapes (the
-    rest stay fresh); returns the copied heads. CheckpointError when preset, size, feature dim or box embedding differ."""
+    rest stay fresh); returns the copied heads. CheckpointError when preset, size, feature dim, box embedding or depth
+    differ."""
     enc = model.config.encoder
     source = load_checkpoint(path, preset=enc.preset, size=enc.size, visual_feat_dim=enc.visual_feat_dim).model
     if source.config.encoder.box_embedding != enc.box_embedding:
         raise CheckpointError(f"{path}: encoder.box_embedding is {source.config.encoder.box_embedding!r}, expected {enc.box_embedding!r}")
+    if source.config.encoder.num_layers != enc.num_layers:
+        raise CheckpointError(f"{path}: encoder.num_layers is {source.config.encoder.num_layers}, expected {enc.num_layers}")
     load_state_strict(model.encoder, source.encoder.state_dict(), Path(path) / WEIGHTS)
     shapes = lambda module: {k: v.shape for k, v in module.state_dict().items()}  # noqa: E731
     copied = []

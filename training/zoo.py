@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from models import RANK_HEAD
+from models.registry import encoder_config
 
 from .data.shapes_cache import ShapesConfig, cache_root
 from .data.vl_tasks import RANK_GROUP, RANK_HARD, RANK_NEIGHBOURS
@@ -31,6 +32,7 @@ class Profile:
     proposals: int = 150  # RPN proposals per image at inference
     preset: str = "visualbert"
     size: str = "small"
+    num_layers: int | None = None  # FinetuneConfig.num_layers: encoder layers (None = the size's; small: MiniLM's 6)
     vqa_pool: str = "pooled"  # FinetuneConfig.vqa_pool
     vqa_loss: str = "bce"  # FinetuneConfig.vqa_loss
     itm_pool: str = "pooled"  # FinetuneConfig.itm_pool
@@ -198,7 +200,8 @@ def pretrain_config(p: Profile, det_dir: Path, pre_dir: Path, threads: int = 2) 
 
 def finetune_config(p: Profile, det_dir: Path, enc_dir: Path, threads: int = 2) -> FinetuneConfig:
     """The encoder stage of a profile (from the profile's pretraining checkpoint when it has one)."""
-    return FinetuneConfig(out=enc_dir, detector_dir=det_dir, preset=p.preset, size=p.size, train_scenes=p.train_scenes,
+    return FinetuneConfig(out=enc_dir, detector_dir=det_dir, preset=p.preset, size=p.size, num_layers=p.num_layers,
+                          train_scenes=p.train_scenes,
                           eval_scenes=p.eval_scenes, steps=p.finetune_steps, batch_size=p.batch_size,
                           easy_vqa_images=p.easy_vqa_images, vqa_pool=p.vqa_pool, vqa_loss=p.vqa_loss,
                           itm_pool=p.itm_pool, nlvr2_pool=p.nlvr2_pool, rank_pool=p.rank_pool, lr=p.lr,
@@ -270,6 +273,13 @@ def retrieval_line(p: Profile, multitask: dict | None) -> str:
     return line + "."
 
 
+def text_side(p: Profile) -> str:
+    """The card's words on the encoder's depth and where its text side starts."""
+    layers = encoder_config(p.preset, p.size, **({} if p.num_layers is None else {"num_layers": p.num_layers})).num_layers
+    start = "the pretrained MiniLM-L6" if layers >= 6 else f"the first {layers} layers of the pretrained MiniLM-L6"
+    return f"{layers} layers, text side from {start}"
+
+
 def model_card(name: str, p: Profile, det_dir: Path, metrics: dict, det_seconds: float, total_seconds: float,
                pretrained: dict | None = None, multitask: dict | None = None) -> str:
     det = json.loads((det_dir / "metrics.json").read_text())
@@ -289,7 +299,7 @@ EfficientNet-Lite0 (ImageNet) + FPN Faster R-CNN, trained {p.detector_steps} ste
 Fingerprint `{det["fingerprint"]}`.
 
 ## Encoder
-`{p.preset}` size `{p.size}` (hidden 384, text side from the pretrained MiniLM-L6), one shared encoder with heads
+`{p.preset}` size `{p.size}` (hidden 384, {text_side(p)}), one shared encoder with heads
 vqa, refer, itm, nlvr2{f", {RANK_HEAD}" if p.rank_pool else ""}, trained together for {p.finetune_steps} steps{lead} (batch {p.batch_size}, encoder lr {p.lr:g}) on
 {p.train_scenes} shapes-world scenes (VQA, referring expressions, captions with hard and random negatives, NLVR2
 pairs) plus the easy-VQA training questions, {region_line(p)}; objectives: {vqa_objective} (VQA,

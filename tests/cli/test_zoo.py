@@ -59,6 +59,20 @@ def test_demo_profile_reaches_the_finetune_config_and_the_card(tmp_path):
     assert "float32 training (bf16 asked for; this CPU has no native bf16), word embeddings frozen" in fallback
 
 
+def test_the_encoder_depth_reaches_the_finetune_config_and_the_card(tmp_path):
+    import json
+
+    (tmp_path / "metrics.json").write_text(json.dumps({"val": {"map50": 0.98}, "fingerprint": "f" * 16}))
+    card = lambda p: training.zoo.model_card("demo", p, tmp_path, {"final": {}, "train_seconds": 60},  # noqa: E731
+                                             det_seconds=60, total_seconds=120)
+    four = dataclasses.replace(training.zoo.PROFILES["demo"], num_layers=4)
+    six = dataclasses.replace(four, num_layers=None)
+    assert training.zoo.finetune_config(four, tmp_path, tmp_path / "enc").num_layers == 4
+    assert training.zoo.finetune_config(six, tmp_path, tmp_path / "enc").num_layers is None
+    assert "(hidden 384, 4 layers, text side from the first 4 layers of the pretrained MiniLM-L6)" in card(four)
+    assert "(hidden 384, 6 layers, text side from the pretrained MiniLM-L6)" in card(six)
+
+
 def test_the_card_names_the_lead_phase(tmp_path):
     import json
 

@@ -25,6 +25,16 @@ def test_every_small_preset_takes_minilm_weights(preset, minilm):
     assert len(keys) > 70
 
 
+def test_a_shallower_encoder_takes_minilms_first_layers(minilm):
+    model = create_model("u-visualbert", "small", num_layers=4)
+    init_text_from_minilm(model)
+    own, ref = model.state_dict(), minilm.state_dict()
+    for i in range(4):
+        q = ref[f"encoder.layer.{i}.attention.self.query.weight"]
+        assert torch.equal(own[f"encoder.layer.{i}.attention.qkv.weight"][: q.shape[0]], q)
+    assert not any(k.startswith("encoder.layer.4.") for k in own)
+
+
 def test_text_stream_reproduces_minilm(minilm):
     """LXMERT with no object or cross layers is exactly MiniLM on the text."""
     model = create_model("lxmert", "small", num_image_layers=0, num_cross_layers=0).eval()

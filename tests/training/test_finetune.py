@@ -222,6 +222,24 @@ def test_init_from_rejects_another_box_embedding(task_data, tmp_path):
     assert result.exit_code == 2 and "pass --box-embedding linear" in result.stderr, result.output
 
 
+def test_num_layers_trains_a_shallower_encoder_and_init_from_checks_the_depth(task_data, tmp_path):
+    """num_layers overrides the size's depth (tiny: 2); the checkpoint keeps it, and a run of another depth may
+    not start from it."""
+    detector, data = task_data
+    train(tiny(tmp_path / "one", detector, preset="u-visualbert", tasks={"vqa": 1.0}, steps=2, num_layers=1), data=data,
+          progress=False)
+    ckpt = load_checkpoint(tmp_path / "one")
+    assert ckpt.model.config.encoder.num_layers == 1 and len(ckpt.model.encoder.layer) == 1
+    cfg = tiny(tmp_path / "ft", detector, preset="u-visualbert", init_from=tmp_path / "one")
+    with pytest.raises(CheckpointError, match="encoder.num_layers is 1, expected 2"):
+        build_model(cfg, data.feature_dim, len(data.answers))
+    build_model(dataclasses.replace(cfg, num_layers=1), data.feature_dim, len(data.answers))
+    result = CliRunner().invoke(app, ["train", "finetune", "--out", str(tmp_path / "x"), "--detector", str(detector),
+                                      "--size", "tiny", "--preset", "u-visualbert", "--init-from", str(tmp_path / "one")])
+    assert result.exit_code == 2 and "the encoder has 1 layers, the run 2 (pass --num-layers 1)" in result.stderr, result.output
+    assert not (tmp_path / "x").exists()
+
+
 def test_init_from_is_checked_before_training(task_data, source_checkpoint, tmp_path):
     detector, _ = task_data
     validate_finetune(tiny(tmp_path / "ok", detector, init_from=source_checkpoint, init_text=True))  # no MiniLM needed

@@ -45,6 +45,8 @@ def finetune(
     detector: Annotated[Path, typer.Option(help="detector checkpoint directory (regions are extracted once and cached)")],
     preset: Annotated[str, typer.Option(help="visualbert, vl-bert, vilbert, lxmert or u-visualbert")] = "visualbert",
     size: Annotated[str, typer.Option(help="tiny, small or base")] = "small",
+    num_layers: Annotated[int | None, typer.Option(min=1, help="encoder (text) layers (default: the size's; small: "
+                                                               "MiniLM's 6, fewer start from its first layers)")] = None,
     tasks: Annotated[str, typer.Option(help="comma-separated task:weight list over vqa, refer, itm, nlvr2, multiple_choice and "
                                            "itm_rank / itm_rank_text (retrieval groups, a listwise ranking loss through the itm head: a "
                                            "caption with 8 images / an image with its listing and 7 near-miss listings), and the question sets trained through the "
@@ -95,7 +97,8 @@ def finetune(
 
     try:
         weights = {name: float(w) for name, w in (item.split(":") for item in tasks.split(","))}
-        cfg = FinetuneConfig(out=out, detector_dir=detector, preset=preset, size=size, tasks=weights, steps=steps,
+        cfg = FinetuneConfig(out=out, detector_dir=detector, preset=preset, size=size, num_layers=num_layers,
+                             tasks=weights, steps=steps,
                              batch_size=batch_size, lr=lr, head_lr=head_lr, train_scenes=train_scenes,
                              eval_scenes=eval_scenes, easy_vqa=easy_vqa, init_text=init_text, init_from=init_from,
                              eval_every=eval_every, retrieval_queries=retrieval_queries, warmup=warmup, clip=clip, vqa_loss=vqa_loss, vqa_pool=vqa_pool, bf16=bf16,
@@ -182,7 +185,8 @@ def validate_finetune(cfg) -> None:
     from models.registry import encoder_config
     from training.finetune import RANK_TASKS, TASKS, TRAINING_SETS, check_lead, training_tasks
 
-    encoder_config(cfg.preset, cfg.size, box_embedding=cfg.box_embedding, region_tags=cfg.region_tags)  # unknown preset, size, ...
+    layers = {} if cfg.num_layers is None else {"num_layers": cfg.num_layers}
+    encoder = encoder_config(cfg.preset, cfg.size, box_embedding=cfg.box_embedding, region_tags=cfg.region_tags, **layers)  # unknown preset, size, ...
     if cfg.vqa_loss not in ("bce", "ce"):
         raise ValueError(f"--vqa-loss must be bce or ce, not {cfg.vqa_loss!r}")
     if cfg.vqa_pool not in HEAD_POOLS:
@@ -214,3 +218,6 @@ def validate_finetune(cfg) -> None:
         theirs = source.model.config.encoder.box_embedding
         if theirs != cfg.box_embedding:
             raise ValueError(f"--init-from: encoder.box_embedding is {theirs!r}, expected {cfg.box_embedding!r} (pass --box-embedding {theirs})")
+        if source.model.config.encoder.num_layers != encoder.num_layers:
+            raise ValueError(f"--init-from: the encoder has {source.model.config.encoder.num_layers} layers, the run "
+                             f"{encoder.num_layers} (pass --num-layers {source.model.config.encoder.num_layers})")
