@@ -123,7 +123,9 @@ def test_a_pretraining_stage_feeds_the_finetuning_and_the_card(tmp_path):
 
 def test_the_pretrained_profile_is_the_demo_after_a_grounded_pretraining(tmp_path):
     demo, pretrained = training.zoo.PROFILES["demo"], training.zoo.PROFILES["pretrained"]
-    assert dataclasses.replace(pretrained, pretrain_steps=0, retrieval_steps=demo.retrieval_steps) == demo
+    assert dataclasses.replace(pretrained, pretrain_steps=0, retrieval_steps=demo.retrieval_steps,
+                               num_layers=demo.num_layers) == demo
+    assert pretrained.num_layers is None  # pretraining builds the size's 6 layers
     assert pretrained.pretrain_steps == 1500 and pretrained.retrieval_steps == 0
     cfg = training.zoo.finetune_config(pretrained, tmp_path / "det", tmp_path / "zoo" / "encoder")
     assert cfg.init_from == tmp_path / "zoo" / "pretrained" and cfg.steps == demo.finetune_steps
