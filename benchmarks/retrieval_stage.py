@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--neighbours", type=int, default=RANK_NEIGHBOURS, help="itm_rank: how many closest scenes they come from")
     ap.add_argument("--queries", type=int, default=100, help="listing captions, each ranks the whole val pool")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-layers", type=int, default=DEMO.num_layers, help="encoder layers (that of --init-from)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rank-pool", choices=("pooled", "regions"), default=None,
                     help="the ranking sets train a ranking head of their own reading this pool (default: the itm head)")
@@ -70,7 +71,7 @@ def main() -> None:
     cfg = dataclasses.replace(finetune_config(DEMO, args.detector_dir, args.out), init_from=args.init_from, tasks=tasks,
                               steps=max(1, args.steps), lead_tasks=(), lead_steps=0, curriculum=(), warmup=50,
                               eval_every=10**9, retrieval_queries=0, seed=args.seed, threads=args.threads,
-                              rank_pool=args.rank_pool)
+                              rank_pool=args.rank_pool, num_layers=args.num_layers)
     training.vl_data.ranking_examples = functools.partial(ranking_examples, hard=args.hard, neighbours=args.neighbours)
     data = prepare_task_data(cfg.detector_dir, cfg.train_scenes, cfg.eval_scenes, cfg.easy_vqa, False,
                              easy_vqa_images=cfg.easy_vqa_images, ranking=True, question_sets=True)
