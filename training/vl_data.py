@@ -147,8 +147,9 @@ def prepare_task_data(detector_dir: Path, train_scenes: int, eval_scenes: int, e
                       progress: bool = True, data: ShapesConfig = ShapesConfig(), easy_vqa_images: int | None = None,
                       shapes_root: Path | None = None, ranking: bool = False, question_sets: bool = False) -> TaskData:
     """Extract (or load cached) regions for the data a run uses and build its task examples (eval on val);
-    with `ranking` also the itm_rank and itm_rank_text training groups, with `question_sets` the QUESTION_SETS and EXPRESSION_SETS (trained
-    through the VQA head; the val scenes' both-sided position questions are scored as `positions`)."""
+    with `ranking` also the itm_rank and itm_rank_text training groups, with `question_sets` the QUESTION_SETS
+    (trained through the VQA head) and EXPRESSION_SETS (through the refer head); the val scenes' both-sided position
+    questions are scored as `positions`."""
     cfg, fingerprint, extract = _extractor(detector_dir, progress)
     train_table, train = shapes_part(extract, "train", train_scenes, data, seed=0, root=shapes_root, ranking=ranking,
                                      question_sets=(*QUESTION_SETS, *EXPRESSION_SETS) if question_sets else ())
