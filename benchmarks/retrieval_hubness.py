@@ -54,7 +54,9 @@ def main() -> None:
     tops = collections.Counter(scores.argmax(1).tolist())
     result = {"model": str(args.model_dir), "pool": len(examples), "queries": len(queries), "bank": len(bank),
               "distinct_top1_images": len(tops), "most_top1_per_image": tops.most_common(1)[0][1], "R@1": r1(scores),
-              "R@1_inverted_softmax": {f"T={t:g}": r1(inverted_softmax(scores, bank_scores, t)) for t in (1, 2, 4)}}
+              "R@1_inverted_softmax": {f"T={t:g}": r1(inverted_softmax(scores, bank_scores, t)) for t in (1, 2, 4)},
+              "R@1_by_bank_size": {f"B={b},T={t:g}": r1(inverted_softmax(scores, bank_scores[:b], t))
+                                   for b in (64, 128, 256, 384) if b < len(bank) for t in (0.5, 1, 2)}}
     print(json.dumps(result))
 
 

@@ -16,6 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .config import FORMAT_VERSION, ModelConfig
+from .query_bank import QueryBank
 from .tokenizer import TOKENIZER_FILES, VLTokenizer
 from .vl_model import VLModel
 
@@ -31,7 +32,7 @@ class CheckpointError(ValueError):
 class Checkpoint:
     model: VLModel
     tokenizer: VLTokenizer
-    labels: dict[str, Any]  # {"heads": {task: [answer names]}, "objects": [...], "attributes": [...]}
+    labels: dict[str, Any]  # {"heads": {task: [answer names]}, "objects": [...], "attributes": [...], "retrieval_bank": ...}
     manifest: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None
 
@@ -51,6 +52,10 @@ def _check_labels(config: ModelConfig, labels: dict[str, Any]) -> None:
             raise CheckpointError(f"{LABELS}: labels for unknown head {task!r}")
         if head.num_labels and len(names) != head.num_labels:
             raise CheckpointError(f"{LABELS}: head {task!r} has {len(names)} labels but num_labels={head.num_labels}")
+    try:
+        QueryBank.from_labels(labels)
+    except ValueError as exc:
+        raise CheckpointError(f"{LABELS}: {exc}") from None
 
 
 def write_manifest(out: Path, files: list[str], fields: dict[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from export.detector import OnnxDetector
 from export.repository import Repository, is_repository, load_repository
 from models import ModelConfig
 from models.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from models.query_bank import QueryBank
 from models.detector import RegionDetector
 from models.detector.io import load_detector
 
@@ -32,6 +33,7 @@ from .batcher import Batcher, BatcherConfig, InFlight
 from .errors import PROBLEM_JSON, install_error_handlers
 from .feature_store import create_store
 from .metrics import Metrics, MetricsMiddleware
+from .query_bank import BankPriors
 from .pipeline import Limits, Pipeline, TaskSpec, batch_fn, fused_batch_fn, task_specs
 from .regions import RegionService
 from .routes import ROUTERS
@@ -122,6 +124,15 @@ def stream_cache(settings: Settings, runtime, specs: dict[str, TaskSpec], model:
     return StreamCache(settings.stream_cache_max_bytes, model=model.checkpoint, detector=model.detector)
 
 
+def bank_priors(checkpoint: Checkpoint | Repository, settings: Settings) -> BankPriors | None:
+    """The query-bank priors of a model with a bank (labels.json), None without one."""
+    try:
+        bank = QueryBank.from_labels(checkpoint.labels)
+    except ValueError as exc:
+        raise StartupError(f"{settings.model_dir}: labels.json: {exc}") from None
+    return BankPriors(bank, checkpoint.tokenizer, settings.query_bank_max_images) if bank else None
+
+
 def warm_up(loaded: Loaded, pipeline: Pipeline, runtime) -> None:
     """The detector on a small image, then one example per served task through the runtime."""
     image = np.full((64, 64, 3), 128, np.uint8)
@@ -172,7 +183,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         limits = Limits(settings.max_text_chars, settings.max_text_tokens, settings.max_top_k, settings.max_candidates)
         tokenizer = loaded.checkpoint.tokenizer
         tags = tokenizer.tag_words(loaded.detector.config.classes) if model_config(loaded.checkpoint).encoder.region_tags else None
-        pipeline = Pipeline(regions, tokenizer, specs, batchers, limits, streams, tag_words=tags)
+        pipeline = Pipeline(regions, tokenizer, specs, batchers, limits, streams, tag_words=tags,
+                            bank=bank_priors(loaded.checkpoint, settings) if "itm" in specs else None)
         metrics.watch({**batchers, "detector": regions}, store, regions, streams)
 
         await regions.start()

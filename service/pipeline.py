@@ -25,6 +25,7 @@ from models.tokenizer import VLTokenizer
 from .batcher import Batcher
 from .collate import pad_and_stack
 from .errors import InvalidInput, NoHeadError
+from .query_bank import BankPriors
 from .regions import RegionService
 from .runtime.base import Runtime
 from .stream_cache import Pair, StreamCache
@@ -203,8 +204,9 @@ class Pipeline:
 
     def __init__(self, regions: RegionService, tokenizer: VLTokenizer, specs: dict[str, TaskSpec],
                  batchers: dict[str, Batcher], limits: Limits, streams: StreamCache | None = None,
-                 tag_words: np.ndarray | None = None):
+                 tag_words: np.ndarray | None = None, bank: BankPriors | None = None):
         self.regions = regions
+        self.bank = bank  # the model's query bank: text -> image ranks bank-normalised scores
         self.tag_words = tag_words  # detector class id -> word id, for an encoder fine-tuned with region tags
         self.tokenizer = tokenizer
         self.specs = specs  # kind -> spec
@@ -308,21 +310,38 @@ class Pipeline:
         return {"image_id": image_id, "box": best["box"], "score": best["score"], "region": best,
                 "runner_up": regions[1:], "image_size": list(rf.image_hw)}
 
-    async def text_to_images(self, text: str, image_ids: list[str], top_k: int, timer: Timer) -> dict[str, Any]:
+    async def text_to_images(self, text: str, image_ids: list[str], top_k: int, timer: Timer,
+                             query_bank: bool = True) -> dict[str, Any]:
+        """Ranks the images by the bank-normalised score where the model has a query bank (and query_bank), else
+        by the raw score."""
         spec = self.spec("itm")
         self.check_top_k(top_k)
         self.check_candidates("image_ids", len(image_ids))
         tokens = self.tokens(text, ("text",), timer)
         images = await self.images([(None, i) for i in image_ids], timer)
+        score, prob = match_scores(np.stack(await self.run(spec, self.pairs(tokens, images), timer)))
+        hits = [{"image_id": image_ids[i], "score": float(score[i]), "probability": float(prob[i])} for i in range(len(images))]
+        key = score
+        if self.bank is not None and query_bank:
+            async def score_rows(rows: Sequence[Item], image_id: str, rf: RegionFeatures) -> np.ndarray:
+                pairs = [self.pairs(row, [(image_id, rf)])[0] for row in rows]
+                chunk = self.batchers[spec.task].config.max_batch_size  # a batch at a time: the queue never fills
+                logits = [lg for s in range(0, len(pairs), chunk) for lg in await self.run(spec, pairs[s:s + chunk], Timer())]
+                return match_scores(np.stack(logits))[0]  # (bank,); Timer(): the bank is its own stage
+
+            t0 = time.perf_counter()
+            key = self.bank.normalise(score, await self.bank.priors(images, score_rows))
+            timer.add("query_bank", time.perf_counter() - t0)
+            for hit, value in zip(hits, key):
+                hit["bank_score"] = float(value)
+        return {"direction": "text_to_images", "results": [hits[i] for i in rank(key, top_k)]}
+
+    def pairs(self, tokens: Item, images: Sequence[tuple[str, RegionFeatures]]) -> list[Item] | list[Pair]:
+        """The retrieval head's items of one text row with each image."""
         if self.streams is None:
-            items = [{**tokens, **region_arrays([rf], self.tag_words)} for _, rf in images]
-        else:
-            text_key = self.streams.text_key(tokens)
-            items = [self.streams.pair(text_key, tokens, image_id, rf) for image_id, rf in images]
-        logits = await self.run(spec, items, timer)
-        score, prob = match_scores(np.stack(logits))
-        hits = [{"image_id": image_ids[i], "score": float(score[i]), "probability": float(prob[i])} for i in rank(score, top_k)]
-        return {"direction": "text_to_images", "results": hits}
+            return [{**tokens, **region_arrays([rf], self.tag_words)} for _, rf in images]
+        text_key = self.streams.text_key(tokens)
+        return [self.streams.pair(text_key, tokens, image_id, rf) for image_id, rf in images]
 
     async def image_to_texts(self, data: bytes | None, image_id: str | None, texts: list[str], top_k: int,
                              timer: Timer) -> dict[str, Any]:

@@ -98,6 +98,8 @@ class RetrieveRequest(RequestBody):
     image_id: ImageId | None = None
     texts: list[Text] | None = Field(None, min_length=1)
     top_k: TopK = 5
+    query_bank: bool = Field(True, description="text -> images: rank by the query-bank normalised score (bank_score) "
+                             "where the model has a query bank; false ranks by the raw score")
 
     model_config = ConfigDict(json_schema_extra={"examples": [
         {"text": "a red circle next to a blue square", "image_ids": ["3f" * 32, "a0" * 32], "top_k": 1},
@@ -118,6 +120,8 @@ class RetrieveRequest(RequestBody):
             raise ValueError("text -> images needs both text and image_ids")
         if image_side and (self.texts is None or (self.image is None) == (self.image_id is None)):
             raise ValueError("image -> texts needs texts and exactly one of image or image_id")
+        if image_side and "query_bank" in self.model_fields_set:
+            raise ValueError("query_bank applies to text -> images only")
         return self
 
 
@@ -156,6 +160,7 @@ class Timings(BaseModel):
     tokenize: float = 0.0
     queue: float = 0.0  # waiting in the task's batcher
     encoder: float = 0.0  # the batch this request ran in
+    query_bank: float = 0.0  # /retrieve text -> images: scoring the bank's captions with images first ranked
     total: float = 0.0
 
 
@@ -195,6 +200,10 @@ class ImageHit(BaseModel):
     image_id: str
     score: float = Field(description="logit(match) - logit(no match) of the ranking head (rank) where the model has one, else of the itm head")
     probability: float = Field(description="softmax probability of match")
+    bank_score: float | None = Field(None, description=(
+        "where the model has a query bank: log of exp(score / T) over itself plus exp(s / T) of the image with "
+        "every bank caption (an inverted softmax: an image that matches every caption well ranks lower); the "
+        "results are ranked by it unless the request sets query_bank to false"))
 
 
 class TextHit(BaseModel):

@@ -33,6 +33,7 @@ class Settings(BaseSettings):
     redis_ttl_s: int = Field(604800, gt=0)  # lifetime of a cached image's regions in Redis (a week)
     cache_max_bytes: int = Field(256 * MiB, gt=0)  # in-process feature store bound, in bytes of stored values
     stream_cache_max_bytes: int = Field(256 * MiB, ge=0)  # two-stream retrieval: cached text/image states (torch); 0 = off
+    query_bank_max_images: int = Field(100_000, ge=1)  # images whose query-bank prior (one float) each pod keeps
     # batching (encoder, per task)
     max_batch_size: int = Field(32, ge=1)  # requests per encoder batch
     max_wait_ms: float = Field(5.0, ge=0)  # while the runtime is busy, how long a batch may wait to fill (idle: none)

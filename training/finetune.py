@@ -16,13 +16,14 @@ from tqdm import tqdm
 from models import RANK_HEAD, HeadConfig, VLModel, create_model
 from models.checkpoint import WEIGHTS, CheckpointError, load_checkpoint, load_state_strict, save_checkpoint
 from models.layers import cpu_bf16_unavailable, cpu_has_native_bf16, set_cpu_gemm_dtype
+from models.query_bank import BANK_KEY
 from models.text_init import init_text_from_minilm
 from models.tokenizer import VLTokenizer
 
 from .data.vl_tasks import collate
 from .evaluate import evaluate_tasks
 from .objectives import group_ranking_loss
-from .retrieval import card_metrics, evaluate_retrieval
+from .retrieval import card_metrics, evaluate_retrieval, training_bank
 from .vl_data import EXPRESSION_SETS, QUESTION_SETS, TaskData, prepare_task_data, tagged
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,10 @@ class FinetuneConfig:
     eval_examples: int = 500  # per task, periodic evaluation
     retrieval_queries: int = 0  # with an itm head, the final metrics add text -> image R@K of this many listing captions
     # over the whole eval pool (retrieval.card_metrics; 0 = none; queries x eval_scenes pairs are scored)
+    query_bank: int = 0  # listing captions of the itm_rank training groups kept in the checkpoint as its query bank:
+    # /retrieve and retrieval R@K normalise each image's text -> image scores by its scores with them
+    # (models.query_bank; 0 = none, raw scores rank)
+    query_bank_temperature: float = 1.0
     checkpoint_every: int = 250  # steps between resumable-state saves
     seed: int = 0
     threads: int = 2
@@ -208,6 +213,11 @@ def check_lead(cfg: FinetuneConfig) -> None:
         raise ValueError(f"lead task(s) {', '.join(stray)} not among the run's tasks ({', '.join(cfg.tasks)})")
     if cfg.retrieval_queries and not {"itm", RANK_HEAD} & {head_of(t, cfg.rank_pool) for t in training_tasks(cfg)}:
         raise ValueError("retrieval_queries needs a task that trains the itm or rank head (itm, itm_rank or itm_rank_text)")
+    if cfg.query_bank < 0 or cfg.query_bank_temperature <= 0:
+        raise ValueError(f"query_bank={cfg.query_bank} must be 0 or more and query_bank_temperature="
+                         f"{cfg.query_bank_temperature:g} above 0")
+    if cfg.query_bank and cfg.tasks.get(RANK_TASK, 0) <= 0:
+        raise ValueError(f"query_bank draws the listing captions of the {RANK_TASK} set: give it a weight in tasks")
     known = (*TASKS, *TRAINING_SETS)
     for steps, tasks in cfg.curriculum:
         if steps <= 0 or not tasks:
@@ -351,17 +361,20 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
             return {"losses": losses, "interrupted_at": step}
     bar.close()
     train_seconds = time.perf_counter() - start
+    bank = training_bank(data.train[RANK_TASK], cfg.query_bank, cfg.query_bank_temperature, cfg.seed) if cfg.query_bank else None
     with gemm_precision(model, precision):
         final = evaluate_tasks(model, data, tokenizer, None)
         if cfg.retrieval_queries:
-            found = evaluate_retrieval(model, data, tokenizer, cfg.retrieval_queries, directions=("text_to_image",))
+            found = evaluate_retrieval(model, data, tokenizer, cfg.retrieval_queries, directions=("text_to_image",),
+                                       bank=bank)
             final.update(card_metrics(found) if found else {})
     metrics = {"final": final, "history": history, "train_seconds": round(train_seconds, 1),
                "train_precision": "bf16" if bf16 else "fp32", "eval_precision": precision,
                "config": _jsonable(asdict(cfg))}
     save_checkpoint(
         model, out, tokenizer,
-        labels={"heads": {"vqa": data.answers} if "vqa" in cfg.tasks else {}, "objects": data.objects, "attributes": data.attributes},
+        labels={"heads": {"vqa": data.answers} if "vqa" in cfg.tasks else {}, "objects": data.objects, "attributes": data.attributes,
+                **({BANK_KEY: bank.to_labels()} if bank else {})},
         detector={"fingerprint": data.fingerprint, "feature_dim": data.feature_dim},
         extra={"training": metrics},
     )

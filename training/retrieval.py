@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from models import RANK_HEAD, VLInputs, VLModel
+from models.query_bank import QueryBank, image_prior, normalised
 from models.tokenizer import VLTokenizer
 
 from .data.region_table import RegionTable
@@ -50,8 +51,12 @@ def at_k(ranks: torch.Tensor, ks: Sequence[int]) -> dict[str, float]:
 
 def retrieval_recall(score_pairs: PairScorer, pool: int, queries: int | None = 100, keys: Sequence | None = None,
                      ks: Sequence[int] = KS, seed: int = 0, batch_size: int = 256,
-                     directions: Sequence[str] = DIRECTIONS) -> dict:
+                     directions: Sequence[str] = DIRECTIONS, priors: torch.Tensor | None = None,
+                     temperature: float = 1.0) -> dict:
     """R@K in each of `directions`, counting only the gold image / caption (the standard metric).
+
+    priors (optional, one per pool image, models.query_bank.image_prior at `temperature`): text -> image ranks the
+    query-bank normalised scores, as /retrieve does, and text_to_image_raw reports R@K of the raw scores.
 
     keys (optional, one per pool image): caption i is true of every image whose key equals keys[i]. Then also
     reports how many pool images each query caption is true of and R@K counting any true match as a hit.
@@ -73,6 +78,9 @@ def retrieval_recall(score_pairs: PairScorer, pool: int, queries: int | None = 1
         result["ambiguous_queries"] = int((matches > 1).sum())
     if "text_to_image" in directions:
         t2i = score_grid(score_pairs, q, everything, batch_size)  # (Q, pool): query captions rank every image
+        if priors is not None:
+            result["text_to_image_raw"] = named(recall_at_k(t2i, torch.from_numpy(q), ks)["text_to_image"])
+            t2i = torch.from_numpy(normalised(t2i.numpy(), priors.numpy(), temperature))
         result["text_to_image"] = named(recall_at_k(t2i, torch.from_numpy(q), ks)["text_to_image"])
         if true is not None:
             result["text_to_image_any_true"] = at_k(gold_ranks(t2i, true), ks)
@@ -89,9 +97,16 @@ def retrieval_recall(score_pairs: PairScorer, pool: int, queries: int | None = 1
 def itm_scorer(model: VLModel, task: str, examples: list[Example], table: RegionTable, tokenizer: VLTokenizer,
                max_length: int | None = None) -> PairScorer:
     """Match score (ITM logit of "match" minus "no match") of caption examples[t] with the image of examples[i]."""
-    text = tokenizer.encode([e.text for e in examples], max_length=max_length or tokenizer.max_length)
+    return text_scorer(model, task, [e.text for e in examples], [e.rows[0] for e in examples], table, tokenizer,
+                       max_length)
+
+
+def text_scorer(model: VLModel, task: str, texts: Sequence[str], image_rows: Sequence[int], table: RegionTable,
+                tokenizer: VLTokenizer, max_length: int | None = None) -> PairScorer:
+    """Match score (ITM logit of "match" minus "no match") of texts[t] with the image in table row image_rows[i]."""
+    text = tokenizer.encode(list(texts), max_length=max_length or tokenizer.max_length)
     lengths = text["attention_mask"].sum(1)
-    rows = np.array([e.rows[0] for e in examples])
+    rows = np.asarray(image_rows)
     model.eval()
 
     @torch.inference_mode()
@@ -109,6 +124,24 @@ def itm_scorer(model: VLModel, task: str, examples: list[Example], table: Region
     return score
 
 
+def training_bank(examples: Sequence[Example], size: int, temperature: float, seed: int = 0) -> QueryBank:
+    """A query bank of `size` distinct captions of training examples (the ranking groups' listing captions), drawn
+    with their own generator so the bank does not change the training run."""
+    texts = list(dict.fromkeys(e.text for e in examples))
+    if len(texts) < size:
+        raise ValueError(f"a query bank of {size} captions needs as many distinct training captions, found {len(texts)}")
+    picked = np.sort(np.random.default_rng([seed, 2022]).choice(len(texts), size=size, replace=False))
+    return QueryBank(tuple(texts[i] for i in picked), temperature)
+
+
+def pool_priors(model: VLModel, task: str, bank: QueryBank, image_rows: Sequence[int], table: RegionTable,
+                tokenizer: VLTokenizer, batch_size: int = 256) -> torch.Tensor:
+    """Each pool image's prior (models.query_bank.image_prior) from its scores with every bank caption."""
+    scorer = text_scorer(model, task, bank.texts, image_rows, table, tokenizer)
+    grid = score_grid(scorer, np.arange(len(bank.texts)), np.arange(len(image_rows)), batch_size)  # (B, pool)
+    return torch.from_numpy(image_prior(grid.numpy(), bank.temperature))
+
+
 def retrieval_head(model: VLModel) -> str | None:
     """The head retrieval ranks with: the ranking head where the model has one, else its ITM head."""
     if RANK_HEAD in model.heads and model.config.heads[RANK_HEAD].kind == "itm":
@@ -117,16 +150,24 @@ def retrieval_head(model: VLModel) -> str | None:
 
 
 def evaluate_retrieval(model: VLModel, data, tokenizer: VLTokenizer, queries: int | None = 100, seed: int = 0,
-                       batch_size: int = 256, directions: Sequence[str] = DIRECTIONS) -> dict | None:
+                       batch_size: int = 256, directions: Sequence[str] = DIRECTIONS,
+                       bank: QueryBank | None = None) -> dict | None:
     """Retrieval over data.eval["retrieval"] with the model's ranking or ITM head (retrieval_head); None without
-    either."""
+    either. With a query bank, text -> image ranks the bank-normalised scores (as /retrieve does)."""
     examples = data.eval.get("retrieval")
     task = retrieval_head(model)
     if not examples or task is None:
         return None
     scorer = itm_scorer(model, task, examples, data.eval_table, tokenizer)
-    return retrieval_recall(scorer, len(examples), queries, keys=[e.label for e in examples], seed=seed,
-                            batch_size=batch_size, directions=directions)
+    priors = None
+    if bank is not None and "text_to_image" in directions:
+        priors = pool_priors(model, task, bank, [e.rows[0] for e in examples], data.eval_table, tokenizer, batch_size)
+    result = retrieval_recall(scorer, len(examples), queries, keys=[e.label for e in examples], seed=seed,
+                              batch_size=batch_size, directions=directions, priors=priors,
+                              temperature=bank.temperature if bank else 1.0)
+    if priors is not None:
+        result["query_bank"] = {"captions": len(bank.texts), "temperature": bank.temperature}
+    return result
 
 
 def card_metrics(result: dict, direction: str = "text_to_image") -> dict[str, float]:
@@ -137,4 +178,7 @@ def card_metrics(result: dict, direction: str = "text_to_image") -> dict[str, fl
     out.update({f"retrieval_{short}_{k}": v for k, v in result[direction].items()})
     if f"{direction}_any_true" in result:
         out[f"retrieval_{short}_any_true_R@1"] = result[f"{direction}_any_true"]["R@1"]
+    if f"{direction}_raw" in result:  # ranked by the bank-normalised scores: the raw scores' R@1 beside them
+        out[f"retrieval_{short}_raw_R@1"] = result[f"{direction}_raw"]["R@1"]
+        out["retrieval_query_bank"] = result["query_bank"]["captions"]
     return out

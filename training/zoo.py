@@ -63,6 +63,8 @@ class Profile:
     retrieval_weight: float = 6.0
     retrieval_mix: tuple[tuple[str, float], ...] = ()  # the stage's weights of some mix tasks, where they differ from the multi-task run's
     retrieval_queries: int = 100  # text -> image queries over the eval scenes on the card (0 = none)
+    query_bank: int = 0  # the retrieval stage keeps this many training listing captions as the encoder's query bank
+    query_bank_temperature: float = 1.0  # (models.query_bank: /retrieve and the card's R@K normalise by it; 0 = none)
 
 
 # The measured levers of docs/BENCHMARKS.md ("Training step") and docs/RESULTS.md: 8 regions (shapes scenes
@@ -226,7 +228,8 @@ def retrieval_config(p: Profile, multitask: FinetuneConfig, enc_dir: Path) -> Fi
                                lead_tasks=(), lead_steps=0, curriculum=(), eval_every=p.retrieval_steps,
                                tasks={**multitask.tasks, **dict(p.retrieval_mix), RANK_TASK: p.retrieval_weight,
                                       RANK_TEXT_TASK: p.retrieval_weight},
-                               retrieval_queries=p.retrieval_queries)
+                               retrieval_queries=p.retrieval_queries, query_bank=p.query_bank,
+                               query_bank_temperature=p.query_bank_temperature)
 
 
 def pretraining_line(p: Profile, pretrained: dict | None) -> str:
@@ -271,6 +274,10 @@ def retrieval_line(p: Profile, multitask: dict | None) -> str:
             f"others ({RANK_HARD} of them from the {RANK_NEIGHBOURS} scenes that share most objects with it) and an image "
             f"with its listing and {RANK_GROUP - 1} false near misses (one attribute changed, an object left out or added), "
             f"{ranking_objective(p)}")
+    if p.query_bank:
+        line += (f". The encoder keeps {p.query_bank} listing captions of the training scenes as its query bank: /retrieve "
+                 f"and the card's R@K rank each image by its score's share among its scores with them (an inverted "
+                 f"softmax, temperature {p.query_bank_temperature:g}; retrieval_t2i_raw_R@1: the raw scores)")
     if multitask:
         before = multitask["final"]
         line += (f"; before it: {', '.join(f'{k} {v}' for k, v in before.items() if k.endswith('_acc'))}, "

@@ -12,7 +12,7 @@ async def retrieve(body: RetrieveRequest, request: Request, timings: TimingsQuer
     """`{text, image_ids}` ranks images the service knows; `{image | image_id, texts}` ranks captions. Best first."""
     call = open_call(request, timings)
     if body.direction == "text_to_images":
-        result = await call.pipeline.text_to_images(body.text, body.image_ids, body.top_k, call.timer)
+        result = await call.pipeline.text_to_images(body.text, body.image_ids, body.top_k, call.timer, body.query_bank)
     else:
         result = await call.pipeline.image_to_texts(body.image, body.image_id, body.texts, body.top_k, call.timer)
     return call.respond(RetrieveResponse, result)

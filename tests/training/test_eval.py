@@ -67,6 +67,22 @@ def test_every_metric_of_a_finetuned_checkpoint(trained):
         assert list(recall) == ["R@1", "R@5", "R@10"] and recall["R@1"] <= recall["R@5"] <= recall["R@10"]
 
 
+def test_a_checkpoint_with_a_query_bank_ranks_text_to_image_by_it(trained):
+    """The bank in labels.json: text -> image ranks the bank-normalised scores; the raw scores' R@K (reported beside
+    them) are those of the same weights without a bank; image -> text is unchanged."""
+    from models.query_bank import BANK_KEY
+
+    root, _ = trained
+    plain = load_checkpoint(root / "pretrained")
+    bank = {"texts": ["a red circle", "a rectangle and a triangle", "two red triangles", "a circle"], "temperature": 0.5}
+    save_checkpoint(plain.model, root / "banked", plain.tokenizer, labels={BANK_KEY: bank})
+    args = ("--scenes", 10, "--easy-vqa-images", 0, "--retrieval-pool", 20, "--retrieval-queries", 20)
+    without, banked = (json.loads(evaluate(root, *args, checkpoint=c).stdout)["retrieval"] for c in ("pretrained", "banked"))
+    assert banked["query_bank"] == {"captions": 4, "temperature": 0.5} and "query_bank" not in without
+    assert banked["text_to_image_raw"] == without["text_to_image"] and banked["image_to_text"] == without["image_to_text"]
+    assert "text_to_image_raw" not in without
+
+
 def test_val_numbers_are_those_training_reported(trained):
     root, final = trained
     result = evaluate(root, "--split", "val", "--scenes", 10, "--easy-vqa-images", 0, "--retrieval-pool", 0)

@@ -15,6 +15,7 @@ from models.checkpoint import CheckpointError, load_checkpoint
 from models.detector import DetectorConfig, RegionDetector
 from models.detector.io import save_detector
 from models.layers import Linear, cpu_bf16_unavailable
+from models.query_bank import QueryBank
 from models.tokenizer import VLTokenizer
 from training.data.shapes_cache import ShapesConfig, load_split
 from training.data.shapes_tasks import (
@@ -141,6 +142,8 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(task_data, tmp_path):
         (["--box-embedding", "normalized"], "box_embedding 'normalized' is u-visualbert's; visualbert embeds boxes"),
         (["--preset", "lxmert", "--region-tags"], "region_tags is u-visualbert's; lxmert has no detector-tag embedding"),
         (["--tasks", "vqa:1", "--retrieval-queries", "50"], "retrieval_queries needs a task that trains the itm or rank head"),
+        (["--tasks", "vqa:1,itm:1", "--query-bank", "8"], "query_bank draws the listing captions of the itm_rank set"),
+        (["--tasks", "itm_rank:1", "--query-bank", "8", "--query-bank-temperature", "0"], "query_bank_temperature=0 above 0"),
     ],
 )
 def test_bad_configs_fail_before_training(task_data, tmp_path, args, message):
@@ -538,15 +541,35 @@ def test_a_retrieval_stage_starts_from_the_multitask_checkpoint_keeps_every_head
     detector, data = task_data
     first = tiny(tmp_path / "multitask", detector, tasks={"vqa": 1.0, "itm": 1.0}, steps=30)
     train(first, data=data, progress=False)
-    p = dataclasses.replace(PROFILES["demo"], retrieval_steps=30, retrieval_weight=4.0, retrieval_queries=20, retrieval_mix=())
+    p = dataclasses.replace(PROFILES["demo"], retrieval_steps=30, retrieval_weight=4.0, retrieval_queries=20, retrieval_mix=(),
+                            query_bank=16, query_bank_temperature=0.5)
     cfg = retrieval_config(p, first, tmp_path / "encoder")
     assert (cfg.init_from, cfg.steps, cfg.lead_steps, cfg.curriculum) == (first.out, 30, 0, ())
     assert cfg.tasks == {"vqa": 1.0, "itm": 1.0, "itm_rank": 4.0, "itm_rank_text": 4.0}
+    assert (cfg.query_bank, cfg.query_bank_temperature) == (16, 0.5)
     result = train(cfg, data=data, progress=False)
-    assert set(load_checkpoint(tmp_path / "encoder").model.heads) == {"vqa", "itm"}
+    encoder = load_checkpoint(tmp_path / "encoder")
+    assert set(encoder.model.heads) == {"vqa", "itm"}
+    bank = QueryBank.from_labels(encoder.labels)  # 16 listing captions of the training groups
+    assert len(bank.texts) == 16 and bank.temperature == 0.5
+    assert set(bank.texts) <= {e.text for e in data.train["itm_rank"]}
     final = result["final"]
     assert {"vqa_acc", "itm_acc"} <= set(final)
     assert (final["retrieval_pool"], final["retrieval_queries"]) == (80, 20)  # every val scene, 20 listing captions
+    assert final["retrieval_query_bank"] == 16 and 0.0 <= final["retrieval_t2i_raw_R@1"] <= 1.0
+    # the card's R@K is the bank-normalised ranking's: recomputed here by hand from the raw grid
+    from models.query_bank import normalised
+    from training.retrieval import itm_scorer, pool_priors, query_sample, retrieval_head, score_grid
+
+    examples, head = data.eval["retrieval"], retrieval_head(encoder.model)
+    with gemm_precision(encoder.model, result["eval_precision"]):
+        grid = score_grid(itm_scorer(encoder.model, head, examples, data.eval_table, encoder.tokenizer),
+                          query_sample(80, 20), np.arange(80))
+        priors = pool_priors(encoder.model, head, bank, [e.rows[0] for e in examples], data.eval_table, encoder.tokenizer)
+    q = query_sample(80, 20)
+    ranked = normalised(grid.numpy(), priors.numpy(), 0.5).argmax(1)
+    assert final["retrieval_t2i_R@1"] == pytest.approx((ranked == q).mean(), abs=1e-6)
+    assert final["retrieval_t2i_raw_R@1"] == pytest.approx((grid.numpy().argmax(1) == q).mean(), abs=1e-6)
     for k in ("R@1", "R@5", "R@10", "any_true_R@1"):
         assert 0.0 <= final[f"retrieval_t2i_{k}"] <= 1.0
     assert final["retrieval_t2i_R@1"] <= final["retrieval_t2i_any_true_R@1"] and final["retrieval_t2i_R@5"] <= final["retrieval_t2i_R@10"]

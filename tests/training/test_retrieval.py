@@ -9,7 +9,7 @@ from models.tokenizer import VLTokenizer
 from training.data.region_table import RegionTable
 from training.data.shapes_cache import ShapesSplit
 from training.data.vl_tasks import Example, retrieval_examples
-from training.retrieval import itm_scorer, query_sample, retrieval_recall, score_grid
+from training.retrieval import itm_scorer, query_sample, retrieval_recall, score_grid, training_bank
 
 # caption t (row) x image i (column); caption t is the gold caption of image t
 SCORES = np.array([
@@ -70,6 +70,28 @@ def test_keys_count_true_matches_and_any_true_recall():
     assert result["text_to_image_any_true"] == {"R@1": 0.75}  # caption 2 still ranks image 3 first
     assert result["image_to_text_any_true"] == {"R@1": 1.0}
     assert result["text_to_image"] == {"R@1": 0.5}  # the standard metric counts only the gold image
+
+
+def test_priors_rank_text_to_image_by_the_normalised_scores_and_keep_the_raw_recall():
+    """Image 0 is a hub (prior log 1000): by hand, caption 0's gold image 0 drops to the last place
+    (5 - log(1000 + e^5) = -2.05 against image 1's 1 - log(1 + e) = -0.31, images 2 and 3 at -log 2), caption 1's
+    gold image 1 rises to the first; image -> text does not change (a fixed image's order of captions stays)."""
+    priors = torch.tensor([np.log(1000.0), 0.0, 0.0, 0.0])
+    plain = retrieval_recall(HandScorer(), pool=4, queries=None, ks=(1, 2))
+    result = retrieval_recall(HandScorer(), pool=4, queries=None, ks=(1, 2), priors=priors, temperature=1.0)
+    assert result["text_to_image_raw"] == plain["text_to_image"] == {"R@1": 0.5, "R@2": 1.0}
+    assert result["text_to_image"] == {"R@1": 0.5, "R@2": 0.75}  # captions 1 and 3 first; caption 0's gold third
+    assert result["image_to_text"] == plain["image_to_text"]
+
+
+def test_the_training_bank_draws_distinct_training_captions_with_its_own_generator():
+    examples = [Example((i,), f"caption {i % 7}", None) for i in range(20)]
+    bank = training_bank(examples, 5, 0.5, seed=3)
+    assert len(set(bank.texts)) == 5 and set(bank.texts) <= {f"caption {i}" for i in range(7)}
+    assert bank == training_bank(examples, 5, 0.5, seed=3) and bank.temperature == 0.5
+    assert training_bank(examples, 7, 1.0).texts == tuple(f"caption {i}" for i in range(7))  # all of them, in order
+    with pytest.raises(ValueError, match="needs as many distinct training captions, found 7"):
+        training_bank(examples, 8, 1.0)
 
 
 def test_score_grid_does_not_depend_on_the_batch_size():

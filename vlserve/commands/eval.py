@@ -22,6 +22,7 @@ def detector(
 
     from models.checkpoint import CheckpointError
     from models.detector.io import load_detector
+    from models.query_bank import QueryBank
     from training.data.easy_vqa import load_easy_vqa
     from training.data.shapes_cache import load_split
     from training.detector_eval import easy_vqa_shape_recall, evaluate_map
@@ -62,6 +63,7 @@ def encoder(
 
     from models.checkpoint import CheckpointError, load_checkpoint
     from models.detector.io import load_detector
+    from models.query_bank import QueryBank
     from training.evaluate import evaluate_tasks, head_for
     from training.retrieval import DIRECTIONS, evaluate_retrieval
     from training.vl_data import prepare_eval_data, shapes_config_from_dir, tagged
@@ -103,7 +105,8 @@ def encoder(
     if retrieval_pool:
         retrieval_started = time.perf_counter()
         result["retrieval"] = evaluate_retrieval(model, data, tokenizer, retrieval_queries,
-                                                 directions=directions[retrieval_directions])
+                                                 directions=directions[retrieval_directions],
+                                                 bank=QueryBank.from_labels(checkpoint.labels))
         result["retrieval"]["seconds"] = round(time.perf_counter() - retrieval_started, 1)
     result["seconds"] = round(time.perf_counter() - started, 1)
     typer.echo(json.dumps(result, indent=2))

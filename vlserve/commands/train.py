@@ -72,6 +72,10 @@ def finetune(
     eval_every: Annotated[int, typer.Option(min=1)] = 500,
     retrieval_queries: Annotated[int, typer.Option(min=0, help="final text -> image R@1/5/10 of this many listing "
                                                                "captions over all eval scenes (0: none)")] = 0,
+    query_bank: Annotated[int, typer.Option(min=0, help="keep this many listing captions of the itm_rank groups as the "
+                                                        "checkpoint's query bank: /retrieve and R@K then rank each image's "
+                                                        "score against its scores with them (0: raw scores)")] = 0,
+    query_bank_temperature: Annotated[float, typer.Option(help="the query bank's softmax temperature")] = 1.0,
     warmup: Annotated[int, typer.Option(min=0, help="linear warm-up steps, then linear decay to 0")] = 100,
     clip: Annotated[float, typer.Option(min=0.0, help="gradient norm clip")] = 1.0,
     vqa_loss: Annotated[str, typer.Option(help="bce (soft scores, the VQA standard) or ce (softmax; faster on single-answer data)")] = "bce",
@@ -101,7 +105,8 @@ def finetune(
                              tasks=weights, steps=steps,
                              batch_size=batch_size, lr=lr, head_lr=head_lr, train_scenes=train_scenes,
                              eval_scenes=eval_scenes, easy_vqa=easy_vqa, init_text=init_text, init_from=init_from,
-                             eval_every=eval_every, retrieval_queries=retrieval_queries, warmup=warmup, clip=clip, vqa_loss=vqa_loss, vqa_pool=vqa_pool, bf16=bf16,
+                             eval_every=eval_every, retrieval_queries=retrieval_queries, query_bank=query_bank,
+                             query_bank_temperature=query_bank_temperature, warmup=warmup, clip=clip, vqa_loss=vqa_loss, vqa_pool=vqa_pool, bf16=bf16,
                              itm_pool=itm_pool, nlvr2_pool=nlvr2_pool, rank_pool=rank_pool,
                              lead_tasks=tuple(t.strip() for t in lead_tasks.split(",") if t.strip()), lead_steps=lead_steps,
                              curriculum=parse_curriculum(curriculum),

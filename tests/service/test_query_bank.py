@@ -1,0 +1,92 @@
+"""/retrieve text -> images with a model that carries a query bank (models.query_bank): ranked by the
+bank-normalised score, each image's prior computed once from its scores with the bank's captions."""
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from service.app import StartupError, create_app
+
+BANK = ["a red circle", "two blue squares and a green triangle", "a small yellow rectangle", "nothing here",
+        "three red circles", "a large green square", "a blue triangle", "a purple circle and a red square"]
+TEMPERATURE = 0.5
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module")
+def banked(tmp_path_factory, tiny_detector, make_checkpoint):
+    return make_checkpoint(tmp_path_factory.mktemp("banked"), tiny_detector.fingerprint,
+                           labels_extra={"retrieval_bank": {"texts": BANK, "temperature": TEMPERATURE}})
+
+
+def register(c, make_png, seeds) -> list[str]:
+    return [c.post("/images", json={"image": b64(make_png(seed))}).json()["image_id"] for seed in seeds]
+
+
+def test_text_to_images_ranks_by_bank_normalised_scores(banked, make_settings, make_png):
+    with TestClient(create_app(make_settings(model_dir=banked, max_batch_size=3))) as c:
+        ids = register(c, make_png, (41, 42, 43, 44, 45))
+        r = c.post("/retrieve", json={"text": "a red rectangle", "image_ids": ids, "top_k": 5})
+        assert r.status_code == 200, r.text
+        hits = r.json()["results"]
+        assert sorted(h["image_id"] for h in hits) == sorted(ids)
+        keys = [h["bank_score"] for h in hits]
+        assert keys == sorted(keys, reverse=True) and all(k < 0 for k in keys)  # log shares
+        for h in hits:  # the bank's raw scores with the image, through the same head (image -> texts), by hand
+            bank = c.post("/retrieve", json={"image_id": h["image_id"], "texts": BANK, "top_k": len(BANK)}).json()
+            scores = np.array([b["score"] for b in bank["results"]] + [h["score"]]) / TEMPERATURE
+            expected = scores[-1] - np.log(np.exp(scores).sum())
+            assert h["bank_score"] == pytest.approx(expected, abs=1e-4)
+        pipeline = c.app.state.services.pipeline
+        assert pipeline.bank.computed == len(ids) and len(pipeline.bank) == len(ids)
+        again = c.post("/retrieve", json={"text": "two blue circles", "image_ids": ids[:3], "top_k": 3})
+        assert again.status_code == 200 and pipeline.bank.computed == len(ids)  # priors are kept per image
+        new = register(c, make_png, (46,))
+        timed = c.post("/retrieve?timings=true", json={"text": "a red rectangle", "image_ids": ids + new}).json()
+        assert timed["timings"]["query_bank"] > 0 and pipeline.bank.computed == len(ids) + 1
+
+        raw = c.post("/retrieve", json={"text": "a red rectangle", "image_ids": ids, "top_k": 5, "query_bank": False})
+        assert raw.status_code == 200, raw.text
+        raw_hits = raw.json()["results"]
+        assert all("bank_score" not in h for h in raw_hits)
+        assert [h["score"] for h in raw_hits] == sorted((h["score"] for h in hits), reverse=True)
+        assert {h["image_id"]: h["score"] for h in raw_hits} == pytest.approx({h["image_id"]: h["score"] for h in hits}, abs=1e-6)
+
+
+def test_query_bank_is_a_text_to_images_option(banked, make_settings, image_png, problem):
+    with TestClient(create_app(make_settings(model_dir=banked))) as c:
+        r = c.post("/retrieve", json={"image": b64(image_png), "texts": ["a", "b"], "query_bank": False})
+        problem(r, 422)
+        assert "query_bank applies to text -> images only" in r.text
+
+
+def test_a_model_without_a_bank_ranks_raw_scores(make_settings, make_png):
+    with TestClient(create_app(make_settings())) as c:
+        assert c.app.state.services.pipeline.bank is None
+        ids = register(c, make_png, (41, 42))
+        hits = c.post("/retrieve", json={"text": "a red rectangle", "image_ids": ids}).json()["results"]
+        assert all("bank_score" not in h for h in hits) and hits[0]["score"] >= hits[1]["score"]
+
+
+def test_a_bad_bank_stops_start_up_with_one_line(tmp_path, tiny_detector, make_checkpoint, make_settings):
+    import json
+
+    bad = make_checkpoint(tmp_path / "bad", tiny_detector.fingerprint)
+    labels = json.loads((bad / "labels.json").read_text())
+    # a bank whose manifest is right but whose content is not (the writer's fault, not a corrupt file)
+    from models.checkpoint import CONFIG, LABELS, WEIGHTS, write_manifest
+    from models.tokenizer import TOKENIZER_FILES
+
+    manifest = json.loads((bad / "manifest.json").read_text())
+    (bad / LABELS).write_text(json.dumps({**labels, "retrieval_bank": {"texts": [], "temperature": 1.0}}))
+    write_manifest(bad, [CONFIG, WEIGHTS, LABELS, *TOKENIZER_FILES],
+                   {k: v for k, v in manifest.items() if k not in ("files", "format_version", "code_version", "torch_version")})
+    with pytest.raises(StartupError, match="at least one caption"):
+        with TestClient(create_app(make_settings(model_dir=bad))):
+            pass
