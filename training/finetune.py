@@ -92,6 +92,7 @@ class FinetuneConfig:
     clip: float = 1.0  # gradient norm clip
     eval_every: int = 500
     eval_examples: int = 500  # per task, periodic evaluation
+    final_eval_examples: int | None = None  # per eval set, the final evaluation (None = every example)
     retrieval_queries: int = 0  # with an itm head, the final metrics add text -> image R@K of this many listing captions
     # over the whole eval pool (retrieval.card_metrics; 0 = none; queries x eval_scenes pairs are scored)
     query_bank: int = 0  # listing captions of the itm_rank training groups kept in the checkpoint as its query bank:
@@ -363,7 +364,7 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
     train_seconds = time.perf_counter() - start
     bank = training_bank(data.train[RANK_TASK], cfg.query_bank, cfg.query_bank_temperature, cfg.seed) if cfg.query_bank else None
     with gemm_precision(model, precision):
-        final = evaluate_tasks(model, data, tokenizer, None)
+        final = evaluate_tasks(model, data, tokenizer, cfg.final_eval_examples)
         if cfg.retrieval_queries:
             found = evaluate_retrieval(model, data, tokenizer, cfg.retrieval_queries, directions=("text_to_image",),
                                        bank=bank)

@@ -130,6 +130,7 @@ PROFILES = {
 
 
 MULTITASK = "multitask"  # a profile with a retrieval stage keeps its multi-task checkpoint here (the stage's start)
+BEFORE_STAGE_EXAMPLES = 1_000  # the multi-task checkpoint's final evaluation: examples per val set (the card's "before it")
 
 
 def detector_selection(p: Profile) -> dict:
@@ -218,7 +219,9 @@ def finetune_config(p: Profile, det_dir: Path, enc_dir: Path, threads: int = 2) 
                           box_embedding=p.box_embedding, region_tags=p.region_tags,
                           eval_every=p.eval_every or max(1, p.finetune_steps // 3), threads=threads,
                           init_from=enc_dir.parent / "pretrained" if p.pretrain_steps else None,
-                          retrieval_queries=0 if p.retrieval_steps else p.retrieval_queries)
+                          retrieval_queries=0 if p.retrieval_steps else p.retrieval_queries,
+                          # a stage follows: the multi-task checkpoint's scores only fill the card's "before it"
+                          final_eval_examples=BEFORE_STAGE_EXAMPLES if p.retrieval_steps else None)
 
 
 def retrieval_config(p: Profile, multitask: FinetuneConfig, enc_dir: Path) -> FinetuneConfig:
@@ -228,7 +231,7 @@ def retrieval_config(p: Profile, multitask: FinetuneConfig, enc_dir: Path) -> Fi
                                lead_tasks=(), lead_steps=0, curriculum=(), eval_every=p.retrieval_steps,
                                tasks={**multitask.tasks, **dict(p.retrieval_mix), RANK_TASK: p.retrieval_weight,
                                       RANK_TEXT_TASK: p.retrieval_weight},
-                               retrieval_queries=p.retrieval_queries, query_bank=p.query_bank,
+                               retrieval_queries=p.retrieval_queries, final_eval_examples=None, query_bank=p.query_bank,
                                query_bank_temperature=p.query_bank_temperature)
 
 
@@ -280,7 +283,8 @@ def retrieval_line(p: Profile, multitask: dict | None) -> str:
                  f"softmax, temperature {p.query_bank_temperature:g}; retrieval_t2i_raw_R@1: the raw scores)")
     if multitask:
         before = multitask["final"]
-        line += (f"; before it: {', '.join(f'{k} {v}' for k, v in before.items() if k.endswith('_acc'))}, "
+        line += (f"; before it (the first {BEFORE_STAGE_EXAMPLES} examples of each val set): "
+                 f"{', '.join(f'{k} {v}' for k, v in before.items() if k.endswith('_acc'))}, "
                  f"in {multitask['train_seconds'] / 60:.1f} min")
     return line + "."
 

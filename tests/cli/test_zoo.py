@@ -135,13 +135,19 @@ def test_a_retrieval_stage_goes_on_the_card(tmp_path):
     import json
 
     (tmp_path / "metrics.json").write_text(json.dumps({"val": {"map50": 0.98}, "fingerprint": "f" * 16}))
-    p = dataclasses.replace(training.zoo.PROFILES["demo"], retrieval_steps=1200)
-    assert training.zoo.finetune_config(p, tmp_path, tmp_path / "multitask").retrieval_queries == 0  # scored after the stage
+    p = dataclasses.replace(training.zoo.PROFILES["demo"], retrieval_steps=1200, query_bank=64, query_bank_temperature=2.0)
+    first = training.zoo.finetune_config(p, tmp_path, tmp_path / "multitask")
+    assert first.retrieval_queries == 0 and first.query_bank == 0  # scored after the stage
+    assert first.final_eval_examples == training.zoo.BEFORE_STAGE_EXAMPLES  # only the card's "before it"
+    stage = training.zoo.retrieval_config(p, first, tmp_path / "encoder")
+    assert (stage.final_eval_examples, stage.query_bank, stage.query_bank_temperature) == (None, 64, 2.0)
     multitask = {"train_seconds": 480, "final": {"vqa_acc": 0.83, "itm_acc": 0.72, "vqa_acc_number": 0.71}}
     metrics = {"final": {"vqa_acc": 0.84, "retrieval_t2i_R@1": 0.74}, "train_seconds": 420}
     card = training.zoo.model_card("demo", p, tmp_path, metrics, det_seconds=60, total_seconds=1200, multitask=multitask)
     assert "Then a retrieval stage of 1200 steps from that checkpoint (every head kept)" in card
-    assert "; before it: vqa_acc 0.83, itm_acc 0.72, in 8.0 min." in card
+    assert "The encoder keeps 64 listing captions of the training scenes as its query bank" in card
+    assert "temperature 2; retrieval_t2i_raw_R@1: the raw scores)" in card
+    assert "; before it (the first 1000 examples of each val set): vqa_acc 0.83, itm_acc 0.72, in 8.0 min." in card
     assert "Training time 7.0 min (the retrieval stage)." in card and "| retrieval_t2i_R@1 | 0.74 |" in card
     assert training.zoo.PROFILES["demo"].retrieval_steps == 2000
     plain = training.zoo.PROFILES["pretrained"]  # no retrieval stage: its one run scores retrieval itself
