@@ -6,6 +6,7 @@ captions over the val pool, with the kinds of top-1 misses (the experiments of d
         --tasks vqa:1,refer:1,itm:1,nlvr2:1,positions:0.5,itm_rank:6,itm_rank_text:6
     python benchmarks/retrieval_stage.py --out /tmp/base --steps 0   # the starting encoder alone
     python benchmarks/retrieval_stage.py --out /tmp/rank --steps 1500 --rank-pool pooled --tasks ...  # a ranking head of its own
+    python benchmarks/retrieval_stage.py ... --query-bank 256  # also ranked with a query bank (models.query_bank)
 
 The run is the demo profile's fine-tuning config (data, bf16, lr, frozen word table) started from --init-from with
 a 50-step warm-up, no lead phase or curriculum; --hard/--neighbours set the image groups (itm_rank) of
@@ -30,7 +31,10 @@ import training.vl_data  # noqa: E402
 from models.checkpoint import load_checkpoint  # noqa: E402
 from training.data.vl_tasks import RANK_HARD, RANK_NEIGHBOURS, ranking_examples  # noqa: E402
 from training.finetune import gemm_precision, train  # noqa: E402
-from training.retrieval import itm_scorer, query_sample, retrieval_head, retrieval_recall, score_grid  # noqa: E402
+from models.query_bank import normalised  # noqa: E402
+from training.retrieval import (  # noqa: E402
+    itm_scorer, pool_priors, query_sample, retrieval_head, retrieval_recall, score_grid, training_bank,
+)
 from training.vl_data import prepare_task_data, tagged  # noqa: E402
 from training.zoo import DEMO, MULTITASK, finetune_config, zoo_dir  # noqa: E402
 
@@ -63,6 +67,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-layers", type=int, default=DEMO.num_layers, help="encoder layers (that of --init-from)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--query-bank", type=int, default=0, help="also rank with a query bank of this many training listing "
+                                                                  "captions (models.query_bank; 0: raw scores only)")
+    ap.add_argument("--query-bank-temperature", type=float, default=1.0)
     ap.add_argument("--rank-pool", choices=("pooled", "regions"), default=None,
                     help="the ranking sets train a ranking head of their own reading this pool (default: the itm head)")
     args = ap.parse_args()
@@ -92,10 +99,17 @@ def main() -> None:
     with gemm_precision(model, "bf16"):
         grid = score_grid(itm_scorer(model, retrieval_head(model), examples, data.eval_table, tokenizer), q, np.arange(len(examples)))
     # the project's metrics over that grid (retrieval_recall scores the same queries against every pool image)
+    priors, temperature = None, args.query_bank_temperature
+    if args.query_bank:  # as a stage with --query-bank keeps it: listing captions of the training groups
+        bank = training_bank(data.train["itm_rank"], args.query_bank, temperature)
+        with gemm_precision(model, "bf16"):
+            priors = pool_priors(model, retrieval_head(model), bank, [e.rows[0] for e in examples], data.eval_table, tokenizer)
+        result["query_bank"] = {"captions": args.query_bank, "temperature": temperature}
     found = retrieval_recall(lambda t, i: grid[np.searchsorted(q, t), i], len(examples), args.queries, keys=keys,
-                             directions=("text_to_image",))
+                             directions=("text_to_image",), priors=priors, temperature=temperature)
+    ranked = grid if priors is None else torch.from_numpy(normalised(grid.numpy(), priors.numpy(), temperature))
     fits = Counter(keys)
-    misses = Counter(miss_kind(keys[i], keys[t]) for i, t in zip(q, grid.argmax(1).tolist()) if keys[i] != keys[t])
+    misses = Counter(miss_kind(keys[i], keys[t]) for i, t in zip(q, ranked.argmax(1).tolist()) if keys[i] != keys[t])
     result.update(found, gold_r1_ceiling=round(float(np.mean([1 / fits[keys[i]] for i in q])), 4),
                   top1_misses=dict(misses.most_common()), retrieval_seconds=round(time.perf_counter() - started, 1))
     print(json.dumps(result), flush=True)

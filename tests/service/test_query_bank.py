@@ -90,3 +90,22 @@ def test_a_bad_bank_stops_start_up_with_one_line(tmp_path, tiny_detector, make_c
     with pytest.raises(StartupError, match="at least one caption"):
         with TestClient(create_app(make_settings(model_dir=bad))):
             pass
+
+
+def test_the_bank_travels_through_export_and_onnxruntime_ranks_the_same(banked, tmp_path, make_settings, make_png):
+    """labels.json (and so the bank) is copied into the model repository; the onnxruntime runtime's bank scores
+    agree with the torch runtime's."""
+    from export.repository import export_repository, load_repository
+
+    repo = tmp_path / "repo"
+    export_repository(banked, repo, examples=16)
+    assert load_repository(repo).labels["retrieval_bank"] == {"texts": BANK, "temperature": TEMPERATURE}
+
+    def ranked(**overrides) -> dict[str, float]:
+        with TestClient(create_app(make_settings(**overrides))) as c:
+            ids = register(c, make_png, (61, 62, 63))
+            r = c.post("/retrieve", json={"text": "two blue circles", "image_ids": ids, "top_k": 3})
+            assert r.status_code == 200, r.text
+            return {h["image_id"]: h["bank_score"] for h in r.json()["results"]}
+
+    assert ranked(model_dir=repo, runtime="onnxruntime") == pytest.approx(ranked(model_dir=banked), abs=1e-3)
