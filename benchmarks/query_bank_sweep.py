@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0.5,1,2")
     ap.add_argument("--train-scenes", type=int, default=DEMO.train_scenes)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--save", type=Path, default=None, help="also write the scored grids (.npz) for later analysis")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     sizes, temperatures = sorted(int(b) for b in floats(args.banks)), floats(args.temperatures)
@@ -63,6 +64,8 @@ def main() -> None:
         grid = score_grid(text_scorer(model, head, texts, [e.rows[0] for e in examples], data.eval_table, tokenizer),
                           np.arange(len(texts)), np.arange(len(examples)))
     queries, bank_grid = grid[:len(q)], grid[len(q):].numpy()
+    if args.save:
+        np.savez(args.save, queries=queries.numpy(), bank=bank_grid, q=q, keys=np.array([str(k) for k in [e.label for e in examples]]))
     keys = [e.label for e in examples]
 
     def recall(priors: torch.Tensor | None, t: float) -> dict:

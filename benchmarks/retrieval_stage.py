@@ -67,6 +67,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-layers", type=int, default=DEMO.num_layers, help="encoder layers (that of --init-from)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lead-tasks", default="", help="comma-separated tasks the stage trains alone first")
+    ap.add_argument("--lead-steps", type=int, default=0, help="steps of --lead-tasks alone")
     ap.add_argument("--query-bank", type=int, default=0, help="also rank with a query bank of this many training listing "
                                                                   "captions (models.query_bank; 0: raw scores only)")
     ap.add_argument("--query-bank-temperature", type=float, default=1.0)
@@ -76,14 +78,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     tasks = {name: float(w) for name, w in (item.split(":") for item in args.tasks.split(","))}
     cfg = dataclasses.replace(finetune_config(DEMO, args.detector_dir, args.out), init_from=args.init_from, tasks=tasks,
-                              steps=max(1, args.steps), lead_tasks=(), lead_steps=0, curriculum=(), warmup=50,
+                              steps=max(1, args.steps), lead_tasks=tuple(t for t in args.lead_tasks.split(",") if t),
+                              lead_steps=args.lead_steps, curriculum=(), warmup=50,
                               eval_every=10**9, retrieval_queries=0, seed=args.seed, threads=args.threads,
                               rank_pool=args.rank_pool, num_layers=args.num_layers)
     training.vl_data.ranking_examples = functools.partial(ranking_examples, hard=args.hard, neighbours=args.neighbours)
     data = prepare_task_data(cfg.detector_dir, cfg.train_scenes, cfg.eval_scenes, cfg.easy_vqa, False,
                              easy_vqa_images=cfg.easy_vqa_images, ranking=True, question_sets=True)
     result: dict = {"init_from": str(args.init_from), "steps": args.steps, "tasks": tasks, "rank_pool": args.rank_pool, "hard": args.hard,
-                    "neighbours": args.neighbours}
+                    "neighbours": args.neighbours, "seed": args.seed,
+                    **({"lead": [cfg.lead_tasks, cfg.lead_steps]} if cfg.lead_steps else {})}
     if args.steps:
         metrics = train(cfg, data=data, progress=False)
         result.update(final=metrics["final"], train_seconds=metrics["train_seconds"])

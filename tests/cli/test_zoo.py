@@ -148,6 +148,12 @@ def test_a_retrieval_stage_goes_on_the_card(tmp_path):
     assert "The encoder keeps 64 listing captions of the training scenes as its query bank" in card
     assert "temperature 2; retrieval_t2i_raw_R@1: the raw scores)" in card
     assert "; before it (the first 1000 examples of each val set): vqa_acc 0.83, itm_acc 0.72, in 8.0 min." in card
+    assert (stage.lead_tasks, stage.lead_steps) == ((), 0)  # no ranking lead unless the profile asks
+    led = dataclasses.replace(p, retrieval_lead_steps=300)
+    stage = training.zoo.retrieval_config(led, first, tmp_path / "encoder")
+    assert (stage.lead_tasks, stage.lead_steps) == (("itm_rank", "itm_rank_text"), 300)
+    assert "Then a retrieval stage of 1200 steps (the first 300 on the ranking sets alone) from that checkpoint" in \
+        training.zoo.model_card("demo", led, tmp_path, metrics, det_seconds=60, total_seconds=1200, multitask=multitask)
     assert "Training time 7.0 min (the retrieval stage)." in card and "| retrieval_t2i_R@1 | 0.74 |" in card
     assert training.zoo.PROFILES["demo"].retrieval_steps == 2000
     plain = training.zoo.PROFILES["pretrained"]  # no retrieval stage: its one run scores retrieval itself
