@@ -135,7 +135,8 @@ def test_a_retrieval_stage_goes_on_the_card(tmp_path):
     import json
 
     (tmp_path / "metrics.json").write_text(json.dumps({"val": {"map50": 0.98}, "fingerprint": "f" * 16}))
-    p = dataclasses.replace(training.zoo.PROFILES["demo"], retrieval_steps=1200, query_bank=64, query_bank_temperature=2.0)
+    p = dataclasses.replace(training.zoo.PROFILES["demo"], retrieval_steps=1200, query_bank=64, query_bank_temperature=2.0,
+                            retrieval_lead_steps=0)
     first = training.zoo.finetune_config(p, tmp_path, tmp_path / "multitask")
     assert first.retrieval_queries == 0 and first.query_bank == 0  # scored after the stage
     assert first.final_eval_examples == training.zoo.BEFORE_STAGE_EXAMPLES  # only the card's "before it"
