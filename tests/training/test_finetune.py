@@ -542,9 +542,10 @@ def test_a_retrieval_stage_starts_from_the_multitask_checkpoint_keeps_every_head
     first = tiny(tmp_path / "multitask", detector, tasks={"vqa": 1.0, "itm": 1.0}, steps=30)
     train(first, data=data, progress=False)
     p = dataclasses.replace(PROFILES["demo"], retrieval_steps=30, retrieval_weight=4.0, retrieval_queries=20, retrieval_mix=(),
-                            query_bank=16, query_bank_temperature=0.5)
+                            query_bank=16, query_bank_temperature=0.5, retrieval_lead_steps=10)
     cfg = retrieval_config(p, first, tmp_path / "encoder")
-    assert (cfg.init_from, cfg.steps, cfg.lead_steps, cfg.curriculum) == (first.out, 30, 0, ())
+    assert (cfg.init_from, cfg.steps, cfg.lead_steps, cfg.curriculum) == (first.out, 30, 10, ())
+    assert cfg.lead_tasks == ("itm_rank", "itm_rank_text")  # the ranking sets alone first
     assert cfg.tasks == {"vqa": 1.0, "itm": 1.0, "itm_rank": 4.0, "itm_rank_text": 4.0}
     assert (cfg.query_bank, cfg.query_bank_temperature) == (16, 0.5)
     result = train(cfg, data=data, progress=False)
