@@ -2,7 +2,9 @@
 retrieval head (training.retrieval.retrieval_head): how often one image is the top-1 of several captions (a "hub"),
 and gold R@1 of the query captions before and after an inverted softmax over a bank of other captions (each image's
 score normalised by how it scores against the bank; Smith et al. 2017, Bogolin et al. 2022's query-bank
-normalisation). An analysis: the service ranks with the raw scores (docs/RESULTS.md, session 19).
+normalisation). Here the bank is other val captions (an optimistic bank: they include the pool images' own
+listings); models.query_bank is the served form, with a bank of training captions, and
+benchmarks/query_bank_sweep.py measures it (docs/RESULTS.md, sessions 19 and 20).
 
     python benchmarks/retrieval_hubness.py [--model-dir CKPT] [--detector-dir DET] [--pool 500] [--queries 100] [--bank 100]
 """
