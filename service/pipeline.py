@@ -324,7 +324,11 @@ class Pipeline:
         key = score
         if self.bank is not None and query_bank:
             async def score_rows(rows: Sequence[Item], image_id: str, rf: RegionFeatures) -> np.ndarray:
-                pairs = [self.pairs(row, [(image_id, rf)])[0] for row in rows]
+                if self.streams is None:  # the image's arrays once for every bank row
+                    regions = region_arrays([rf], self.tag_words)
+                    pairs = [{**row, **regions} for row in rows]
+                else:
+                    pairs = [self.pairs(row, [(image_id, rf)])[0] for row in rows]
                 chunk = self.batchers[spec.task].config.max_batch_size  # a batch at a time: the queue never fills
                 logits = [lg for s in range(0, len(pairs), chunk) for lg in await self.run(spec, pairs[s:s + chunk], Timer())]
                 return match_scores(np.stack(logits))[0]  # (bank,); Timer(): the bank is its own stage

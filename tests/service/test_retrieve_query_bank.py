@@ -19,18 +19,26 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
+def make_banked(tmp_path_factory, tiny_detector, make_checkpoint, preset="visualbert"):
+    return make_checkpoint(tmp_path_factory.mktemp(f"banked-{preset}"), tiny_detector.fingerprint, preset=preset,
+                           labels_extra={"retrieval_bank": {"texts": BANK, "temperature": TEMPERATURE}})
+
+
 @pytest.fixture(scope="module")
 def banked(tmp_path_factory, tiny_detector, make_checkpoint):
-    return make_checkpoint(tmp_path_factory.mktemp("banked"), tiny_detector.fingerprint,
-                           labels_extra={"retrieval_bank": {"texts": BANK, "temperature": TEMPERATURE}})
+    return make_banked(tmp_path_factory, tiny_detector, make_checkpoint)
 
 
 def register(c, make_png, seeds) -> list[str]:
     return [c.post("/images", json={"image": b64(make_png(seed))}).json()["image_id"] for seed in seeds]
 
 
-def test_text_to_images_ranks_by_bank_normalised_scores(banked, make_settings, make_png):
+@pytest.mark.parametrize("preset", ["visualbert", "vilbert"])  # vilbert: retrieval through the two-stream cache
+def test_text_to_images_ranks_by_bank_normalised_scores(preset, tmp_path_factory, tiny_detector, make_checkpoint,
+                                                        make_settings, make_png):
+    banked = make_banked(tmp_path_factory, tiny_detector, make_checkpoint, preset)
     with TestClient(create_app(make_settings(model_dir=banked, max_batch_size=3))) as c:
+        assert (c.app.state.services.pipeline.streams is not None) == (preset == "vilbert")
         ids = register(c, make_png, (41, 42, 43, 44, 45))
         r = c.post("/retrieve", json={"text": "a red rectangle", "image_ids": ids, "top_k": 5})
         assert r.status_code == 200, r.text
