@@ -10,6 +10,7 @@ its batch function takes each side's states from the StreamCache (encoding the m
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -323,22 +324,24 @@ class Pipeline:
         hits = [{"image_id": image_ids[i], "score": float(score[i]), "probability": float(prob[i])} for i in range(len(images))]
         key = score
         if self.bank is not None and query_bank:
-            async def score_rows(rows: Sequence[Item], image_id: str, rf: RegionFeatures) -> np.ndarray:
-                if self.streams is None:  # the image's arrays once for every bank row
-                    regions = region_arrays([rf], self.tag_words)
-                    pairs = [{**row, **regions} for row in rows]
-                else:
-                    pairs = [self.pairs(row, [(image_id, rf)])[0] for row in rows]
-                chunk = self.batchers[spec.task].config.max_batch_size  # a batch at a time: the queue never fills
-                logits = [lg for s in range(0, len(pairs), chunk) for lg in await self.run(spec, pairs[s:s + chunk], Timer())]
-                return match_scores(np.stack(logits))[0]  # (bank,); Timer(): the bank is its own stage
-
             t0 = time.perf_counter()
-            key = self.bank.normalise(score, await self.bank.priors(images, score_rows))
+            key = self.bank.normalise(score, await self.bank.priors(images, functools.partial(self.score_rows, spec)))
             timer.add("query_bank", time.perf_counter() - t0)
             for hit, value in zip(hits, key):
                 hit["bank_score"] = float(value)
         return {"direction": "text_to_images", "results": [hits[i] for i in rank(key, top_k)]}
+
+    async def score_rows(self, spec: TaskSpec, rows: Sequence[Item], image_id: str, rf: RegionFeatures) -> np.ndarray:
+        """Match scores of text rows (a query bank's) with one image, a batch at a time so the queue never fills;
+        their queue and encoder time are not the request's (it counts them as its query_bank stage)."""
+        if self.streams is None:  # the image's arrays once for every row
+            regions = region_arrays([rf], self.tag_words)
+            pairs = [{**row, **regions} for row in rows]
+        else:
+            pairs = [self.pairs(row, [(image_id, rf)])[0] for row in rows]
+        chunk = self.batchers[spec.task].config.max_batch_size
+        logits = [lg for s in range(0, len(pairs), chunk) for lg in await self.run(spec, pairs[s:s + chunk], Timer())]
+        return match_scores(np.stack(logits))[0]
 
     def pairs(self, tokens: Item, images: Sequence[tuple[str, RegionFeatures]]) -> list[Item] | list[Pair]:
         """The retrieval head's items of one text row with each image."""
