@@ -109,6 +109,31 @@ def test_zero_shot_retrieval_from_an_itm_only_checkpoint(trained):
     assert retrieval["text_to_image"] == report["retrieval"]["text_to_image"] and "image_to_text" not in retrieval
 
 
+def test_bf16_precision_is_what_the_card_reports_with(trained):
+    """--precision bf16 evaluates with bfloat16 GEMMs (the card's and the service's default arithmetic here): the
+    numbers are those of the same evaluation inside gemm_precision, and close to float32's."""
+    from models.layers import cpu_bf16_unavailable
+    from training.evaluate import evaluate_tasks
+    from training.finetune import gemm_precision
+    from training.vl_data import prepare_eval_data, shapes_config_from_dir
+
+    if cpu_bf16_unavailable() is not None:
+        pytest.skip(f"needs fast bfloat16 GEMMs on this CPU: {cpu_bf16_unavailable()}")
+    root, _ = trained
+    args = ("--split", "val", "--scenes", 10, "--easy-vqa-images", 0, "--retrieval-pool", 0)
+    fp32, bf16 = (json.loads(evaluate(root, *args, "--precision", p).stdout) for p in ("fp32", "bf16"))
+    assert (fp32["precision"], bf16["precision"]) == ("fp32", "bf16")
+    ckpt = load_checkpoint(root / "encoder")
+    data, shapes_root = shapes_config_from_dir(dataset_dir(SHAPES, root))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLSERVE_CACHE", str(root))
+        eval_data = prepare_eval_data(root / "detector", "val", 10, 0, 0, data=data, shapes_root=shapes_root)
+    with gemm_precision(ckpt.model, "bf16"):
+        by_hand = evaluate_tasks(ckpt.model, eval_data, ckpt.tokenizer, head_answers=ckpt.labels.get("heads"))
+    assert {k: bf16[k] for k in by_hand} == by_hand
+    assert all(abs(bf16[k] - fp32[k]) <= 0.15 for k in by_hand)
+
+
 def test_bad_inputs_exit_2(trained, tmp_path):
     root, _ = trained
     shutil.copytree(root / "encoder", tmp_path / "corrupt")
@@ -125,6 +150,7 @@ def test_bad_inputs_exit_2(trained, tmp_path):
         (evaluate(root, checkpoint="pretrained", detector=tmp_path / "narrow-detector"), "reads 16-d region features"),
         (evaluate(root, "--split", "train"), "--split must be val or test"),
         (evaluate(root, "--retrieval-directions", "sideways"), "--retrieval-directions must be one of"),
+        (evaluate(root, "--precision", "fp16"), "--precision must be fp32 or bf16"),
         (CliRunner().invoke(app, ["eval", "encoder", str(root / "encoder"), "--detector-dir", str(root / "detector"),
                                   "--shapes-dir", str(tmp_path)]), "not a shapes-world dataset directory"),
     ]
