@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout without installing
 from models.checkpoint import load_checkpoint  # noqa: E402
+from models.query_bank import image_prior, normalised  # noqa: E402
 from training.finetune import gemm_precision  # noqa: E402
 from training.retrieval import itm_scorer, query_sample, retrieval_head, score_grid  # noqa: E402
 from training.vl_data import prepare_eval_data  # noqa: E402
@@ -28,9 +29,8 @@ from training.zoo import zoo_dir  # noqa: E402
 
 
 def inverted_softmax(scores: torch.Tensor, bank: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log of exp(s / T) over the image's summed exp(bank / T) and exp(s / T): (Q, N) scores, (B, N) bank scores."""
-    both = torch.cat([bank.unsqueeze(0).expand(len(scores), -1, -1), scores.unsqueeze(1)], dim=1) / temperature
-    return scores / temperature - torch.logsumexp(both, dim=1)
+    """models.query_bank's normalisation: (Q, N) scores, (B, N) bank scores -> (Q, N) log shares."""
+    return torch.from_numpy(normalised(scores.numpy(), image_prior(bank.numpy(), temperature), temperature))
 
 
 def main() -> None:

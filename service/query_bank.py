@@ -32,7 +32,7 @@ class BankPriors:
             self.rows.append({name: value[0] for name, value in encoded.items()})
         self.max_images = max_images
         self._priors: OrderedDict[str, float] = OrderedDict()
-        self.computed = 0  # priors computed (misses), for tests and metrics
+        self.computed = 0  # priors computed (misses)
 
     def __len__(self) -> int:
         return len(self._priors)

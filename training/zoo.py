@@ -65,7 +65,8 @@ class Profile:
     retrieval_mix: tuple[tuple[str, float], ...] = ()  # the stage's weights of some mix tasks, where they differ from the multi-task run's
     retrieval_queries: int = 100  # text -> image queries over the eval scenes on the card (0 = none)
     query_bank: int = 0  # the retrieval stage keeps this many training listing captions as the encoder's query bank
-    query_bank_temperature: float = 1.0  # (models.query_bank: /retrieve and the card's R@K normalise by it; 0 = none)
+    # (models.query_bank: /retrieve and the card's R@K normalise by it; 0 = none)
+    query_bank_temperature: float = 1.0
 
 
 # The measured levers of docs/BENCHMARKS.md ("Training step") and docs/RESULTS.md: 8 regions (shapes scenes

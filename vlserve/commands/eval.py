@@ -22,7 +22,6 @@ def detector(
 
     from models.checkpoint import CheckpointError
     from models.detector.io import load_detector
-    from models.query_bank import QueryBank
     from training.data.easy_vqa import load_easy_vqa
     from training.data.shapes_cache import load_split
     from training.detector_eval import easy_vqa_shape_recall, evaluate_map
