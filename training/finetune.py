@@ -94,7 +94,9 @@ class FinetuneConfig:
     eval_examples: int = 500  # per task, periodic evaluation
     final_eval_examples: int | None = None  # per eval set, the final evaluation (None = every example)
     retrieval_queries: int = 0  # with an itm head, the final metrics add text -> image R@K of this many listing captions
-    # over the whole eval pool (retrieval.card_metrics; 0 = none; queries x eval_scenes pairs are scored)
+    # over the eval pool (retrieval.card_metrics; 0 = none; queries x pool pairs are scored)
+    retrieval_pool: int | None = None  # the first this many eval scenes are the pool (None = all eval_scenes); with a
+    # query bank each pool image is also scored with every bank caption, so the pool sets the final evaluation's cost
     query_bank: int = 0  # listing captions of the itm_rank training groups kept in the checkpoint as its query bank:
     # /retrieve and retrieval R@K normalise each image's text -> image scores by its scores with them
     # (models.query_bank; 0 = none, raw scores rank)
@@ -202,6 +204,12 @@ def param_groups(model: VLModel, cfg: FinetuneConfig) -> list[dict]:
     ]
 
 
+def adamw(groups: list[dict], lr: float) -> torch.optim.AdamW:
+    """AdamW with the fused kernel (one pass over each parameter's weights, gradient and moments): 1.11x per demo step
+    against foreach on this CPU (docs/BENCHMARKS.md, "Training step: the levers of the demo's time budget")."""
+    return torch.optim.AdamW(groups, lr=lr, fused=True)
+
+
 def check_lead(cfg: FinetuneConfig) -> None:
     """The lead phase trains some of the run's tasks (with a weight above 0), then the curriculum's phases train
     known tasks, all together for fewer steps than the run."""
@@ -214,6 +222,8 @@ def check_lead(cfg: FinetuneConfig) -> None:
         raise ValueError(f"lead task(s) {', '.join(stray)} not among the run's tasks ({', '.join(cfg.tasks)})")
     if cfg.retrieval_queries and not {"itm", RANK_HEAD} & {head_of(t, cfg.rank_pool) for t in training_tasks(cfg)}:
         raise ValueError("retrieval_queries needs a task that trains the itm or rank head (itm, itm_rank or itm_rank_text)")
+    if cfg.retrieval_pool is not None and not 2 <= cfg.retrieval_pool <= cfg.eval_scenes:
+        raise ValueError(f"retrieval_pool={cfg.retrieval_pool} must be None or from 2 to eval_scenes={cfg.eval_scenes}")
     if cfg.query_bank < 0 or cfg.query_bank_temperature <= 0:
         raise ValueError(f"query_bank={cfg.query_bank} must be 0 or more and query_bank_temperature="
                          f"{cfg.query_bank_temperature:g} above 0")
@@ -318,7 +328,7 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
         fit_feature_norm(model, data.train_table)
     if cfg.freeze_word_embeddings:  # before the optimizer: param_groups skips frozen parameters
         model.encoder.embeddings.word_embeddings.weight.requires_grad_(False)
-    opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, foreach=True)  # one fused update, not one per tensor
+    opt = adamw(param_groups(model, cfg), cfg.lr)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     step, losses = (load_state(out / STATE, model, opt, rng) if (out / STATE).exists() else (0, []))
@@ -367,7 +377,7 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
         final = evaluate_tasks(model, data, tokenizer, cfg.final_eval_examples)
         if cfg.retrieval_queries:
             found = evaluate_retrieval(model, data, tokenizer, cfg.retrieval_queries, directions=("text_to_image",),
-                                       bank=bank)
+                                       bank=bank, pool=cfg.retrieval_pool)
             final.update(card_metrics(found) if found else {})
     metrics = {"final": final, "history": history, "train_seconds": round(train_seconds, 1),
                "train_precision": "bf16" if bf16 else "fp32", "eval_precision": precision,

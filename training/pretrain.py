@@ -34,7 +34,7 @@ from models.tokenizer import VLTokenizer
 
 from .data.region_table import tags_of
 from .evaluate import evaluate_tasks
-from .finetune import STATE, _jsonable, autocast, fit_feature_norm, load_state, lr_scale, param_groups, save_state, train_precision
+from .finetune import STATE, _jsonable, adamw, autocast, fit_feature_norm, load_state, lr_scale, param_groups, save_state, train_precision
 from .objectives import (
     IGNORE, TokenIds, grounded_token_ids, image_only_batch, image_qa_labels, itm_pairs, mask_regions, mask_tokens, pretraining_losses,
     region_class_labels, text_only_batch, with_images,
@@ -285,7 +285,7 @@ def pretrain(cfg: PretrainConfig, data: TaskData | None = None, progress: bool =
     model = build_model(cfg, detector.feature_dim, len(data.objects), len(data.answers))
     fit_feature_norm(model, data.train_table)
     batches = BatchBuilder(cfg, data, tokenizer)
-    opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, foreach=True)  # one fused update, not one per tensor
+    opt = adamw(param_groups(model, cfg), cfg.lr)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     # records: one {objective: loss, "total": loss} per step; resumed with the state

@@ -151,10 +151,13 @@ def retrieval_head(model: VLModel) -> str | None:
 
 def evaluate_retrieval(model: VLModel, data, tokenizer: VLTokenizer, queries: int | None = 100, seed: int = 0,
                        batch_size: int = 256, directions: Sequence[str] = DIRECTIONS,
-                       bank: QueryBank | None = None) -> dict | None:
-    """Retrieval over data.eval["retrieval"] with the model's ranking or ITM head (retrieval_head); None without
-    either. With a query bank, text -> image ranks the bank-normalised scores (as /retrieve does)."""
+                       bank: QueryBank | None = None, pool: int | None = None) -> dict | None:
+    """Retrieval over data.eval["retrieval"] (its first `pool` images; None = all) with the model's ranking or ITM
+    head (retrieval_head); None without either. With a query bank, text -> image ranks the bank-normalised scores (as
+    /retrieve does)."""
     examples = data.eval.get("retrieval")
+    if examples and pool is not None:
+        examples = examples[:pool]
     task = retrieval_head(model)
     if not examples or task is None:
         return None

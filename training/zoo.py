@@ -64,6 +64,7 @@ class Profile:
     retrieval_lead_steps: int = 0  # the stage's first steps train the two ranking sets alone (then the mix)
     retrieval_mix: tuple[tuple[str, float], ...] = ()  # the stage's weights of some mix tasks, where they differ from the multi-task run's
     retrieval_queries: int = 100  # text -> image queries over the eval scenes on the card (0 = none)
+    retrieval_pool: int | None = None  # the card's retrieval pool: the first this many eval scenes (None = all)
     query_bank: int = 0  # the retrieval stage keeps this many training listing captions as the encoder's query bank
     # (models.query_bank: /retrieve and the card's R@K normalise by it; 0 = none)
     query_bank_temperature: float = 1.0
@@ -140,7 +141,7 @@ PROFILES = {
 
 
 MULTITASK = "multitask"  # a profile with a retrieval stage keeps its multi-task checkpoint here (the stage's start)
-BEFORE_STAGE_EXAMPLES = 1_000  # the multi-task checkpoint's final evaluation: examples per val set (the card's "before it")
+BEFORE_STAGE_EXAMPLES = 500  # the multi-task checkpoint's final evaluation: examples per val set (the card's "before it")
 
 
 def detector_selection(p: Profile) -> dict:
@@ -181,8 +182,9 @@ def build_zoo(profile: str = "demo", root: Path | None = None, force: bool = Fal
         for run in (out / "pretrained", out / MULTITASK, enc_dir):
             (run / STATE).unlink(missing_ok=True)
     if force or not (det_dir / "manifest.json").exists():
-        train_detector(DetectorTrainConfig(out=det_dir, steps=p.detector_steps, eval_every=max(1, p.detector_steps // 2),
-                                           eval_images=100, final_eval_images=p.detector_eval_images,
+        # no periodic evaluation (the build uses the final weights): only the final one, on detector_eval_images
+        train_detector(DetectorTrainConfig(out=det_dir, steps=p.detector_steps, eval_every=p.detector_steps,
+                                           final_eval_images=p.detector_eval_images,
                                            threads=threads, data=ShapesConfig(),
                                            detector=detector_selection(p)),
                        progress=progress)
@@ -229,7 +231,7 @@ def finetune_config(p: Profile, det_dir: Path, enc_dir: Path, threads: int = 2) 
                           box_embedding=p.box_embedding, region_tags=p.region_tags,
                           eval_every=p.eval_every or max(1, p.finetune_steps // 3), threads=threads,
                           init_from=enc_dir.parent / "pretrained" if p.pretrain_steps else None,
-                          retrieval_queries=0 if p.retrieval_steps else p.retrieval_queries,
+                          retrieval_queries=0 if p.retrieval_steps else p.retrieval_queries, retrieval_pool=p.retrieval_pool,
                           # a stage follows: the multi-task checkpoint's scores only fill the card's "before it"
                           final_eval_examples=BEFORE_STAGE_EXAMPLES if p.retrieval_steps else None)
 

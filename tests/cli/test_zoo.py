@@ -148,7 +148,7 @@ def test_a_retrieval_stage_goes_on_the_card(tmp_path):
     assert "Then a retrieval stage of 1200 steps from that checkpoint (every head kept)" in card
     assert "The encoder keeps 64 listing captions of the training scenes as its query bank" in card
     assert "temperature 2; retrieval_t2i_raw_R@1: the raw scores)" in card
-    assert "; before it (the first 1000 examples of each val set): vqa_acc 0.83, itm_acc 0.72, in 8.0 min." in card
+    assert "; before it (the first 500 examples of each val set): vqa_acc 0.83, itm_acc 0.72, in 8.0 min." in card
     assert (stage.lead_tasks, stage.lead_steps) == ((), 0)  # no ranking lead unless the profile asks
     led = dataclasses.replace(p, retrieval_lead_steps=300)
     stage = training.zoo.retrieval_config(led, first, tmp_path / "encoder")

@@ -72,6 +72,9 @@ def finetune(
     eval_every: Annotated[int, typer.Option(min=1)] = 500,
     retrieval_queries: Annotated[int, typer.Option(min=0, help="final text -> image R@1/5/10 of this many listing "
                                                                "captions over all eval scenes (0: none)")] = 0,
+    retrieval_pool: Annotated[int | None, typer.Option(help="rank over the first this many eval scenes instead of all: "
+                                                            "with a query bank each is also scored with every bank "
+                                                            "caption")] = None,
     query_bank: Annotated[int, typer.Option(min=0, help="keep this many listing captions of the itm_rank groups as the "
                                                         "checkpoint's query bank: /retrieve and R@K then rank each image's "
                                                         "score against its scores with them (0: raw scores)")] = 0,
@@ -105,7 +108,8 @@ def finetune(
                              tasks=weights, steps=steps,
                              batch_size=batch_size, lr=lr, head_lr=head_lr, train_scenes=train_scenes,
                              eval_scenes=eval_scenes, easy_vqa=easy_vqa, init_text=init_text, init_from=init_from,
-                             eval_every=eval_every, retrieval_queries=retrieval_queries, query_bank=query_bank,
+                             eval_every=eval_every, retrieval_queries=retrieval_queries, retrieval_pool=retrieval_pool,
+                             query_bank=query_bank,
                              query_bank_temperature=query_bank_temperature, warmup=warmup, clip=clip, vqa_loss=vqa_loss, vqa_pool=vqa_pool, bf16=bf16,
                              itm_pool=itm_pool, nlvr2_pool=nlvr2_pool, rank_pool=rank_pool,
                              lead_tasks=tuple(t.strip() for t in lead_tasks.split(",") if t.strip()), lead_steps=lead_steps,
