@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout without installing
 import training.vl_data  # noqa: E402
 from models.checkpoint import load_checkpoint  # noqa: E402
-from training.data.vl_tasks import RANK_HARD, RANK_NEIGHBOURS, ranking_examples  # noqa: E402
+from training.data.vl_tasks import RANK_GROUP, RANK_HARD, RANK_NEIGHBOURS, ranking_examples  # noqa: E402
 from training.finetune import gemm_precision, train  # noqa: E402
 from models.query_bank import normalised  # noqa: E402
 from training.retrieval import (  # noqa: E402
@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--tasks", default="itm_rank:1,itm_rank_text:1", help="task:weight list of the stage")
     ap.add_argument("--hard", type=int, default=RANK_HARD, help="itm_rank: negatives drawn from the closest scenes")
     ap.add_argument("--neighbours", type=int, default=RANK_NEIGHBOURS, help="itm_rank: how many closest scenes they come from")
+    ap.add_argument("--group", type=int, default=RANK_GROUP, help="itm_rank: images per group (the caption's own first)")
+    ap.add_argument("--by-objects", action="store_true", help="itm_rank: a scene of n objects gives n groups")
     ap.add_argument("--queries", type=int, default=100, help="listing captions, each ranks the whole val pool")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-layers", type=int, default=DEMO.num_layers, help="encoder layers (that of --init-from)")
@@ -82,10 +84,12 @@ def main() -> None:
                               lead_steps=args.lead_steps, curriculum=(), warmup=50,
                               eval_every=10**9, retrieval_queries=0, seed=args.seed, threads=args.threads,
                               rank_pool=args.rank_pool, num_layers=args.num_layers)
-    training.vl_data.ranking_examples = functools.partial(ranking_examples, hard=args.hard, neighbours=args.neighbours)
+    training.vl_data.ranking_examples = functools.partial(ranking_examples, hard=args.hard, neighbours=args.neighbours,
+                                                          group_size=args.group, by_objects=args.by_objects)
     data = prepare_task_data(cfg.detector_dir, cfg.train_scenes, cfg.eval_scenes, cfg.easy_vqa, False,
                              easy_vqa_images=cfg.easy_vqa_images, ranking=True, question_sets=True)
     result: dict = {"init_from": str(args.init_from), "steps": args.steps, "tasks": tasks, "rank_pool": args.rank_pool, "hard": args.hard,
+                    "group": args.group, "by_objects": args.by_objects,
                     "neighbours": args.neighbours, "seed": args.seed,
                     **({"lead": [cfg.lead_tasks, cfg.lead_steps]} if cfg.lead_steps else {})}
     if args.steps:

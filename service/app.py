@@ -184,7 +184,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tokenizer = loaded.checkpoint.tokenizer
         tags = tokenizer.tag_words(loaded.detector.config.classes) if model_config(loaded.checkpoint).encoder.region_tags else None
         pipeline = Pipeline(regions, tokenizer, specs, batchers, limits, streams, tag_words=tags,
-                            bank=bank_priors(loaded.checkpoint, settings) if "itm" in specs else None)
+                            bank=bank_priors(loaded.checkpoint, settings) if "itm" in specs else None,
+                            bank_on_register=settings.query_bank_on_register)
         metrics.watch({**batchers, "detector": regions}, store, regions, streams)
 
         await regions.start()
@@ -192,6 +193,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         for batcher in batchers.values():
             await batcher.start()
             stack.push_async_callback(batcher.stop, settings.shutdown_timeout_s)
+        if pipeline.bank is not None:  # before the batchers stop: scheduled priors are cancelled, not left waiting
+            stack.push_async_callback(pipeline.bank.close)
         await loop.run_in_executor(inference, warm_up, loaded, pipeline, runtime)
 
         # Start-up leaves ~400k long-lived objects (modules, tensors, tokenizer). A full garbage collection scans

@@ -205,9 +205,10 @@ class Pipeline:
 
     def __init__(self, regions: RegionService, tokenizer: VLTokenizer, specs: dict[str, TaskSpec],
                  batchers: dict[str, Batcher], limits: Limits, streams: StreamCache | None = None,
-                 tag_words: np.ndarray | None = None, bank: BankPriors | None = None):
+                 tag_words: np.ndarray | None = None, bank: BankPriors | None = None, bank_on_register: bool = True):
         self.regions = regions
         self.bank = bank  # the model's query bank: text -> image ranks bank-normalised scores
+        self.bank_on_register = bank_on_register  # POST /images schedules the image's prior (in the background)
         self.tag_words = tag_words  # detector class id -> word id, for an encoder fine-tuned with region tags
         self.tokenizer = tokenizer
         self.specs = specs  # kind -> spec
@@ -378,6 +379,8 @@ class Pipeline:
 
     async def register(self, data: bytes, timer: Timer) -> dict[str, Any]:
         image_id, rf = await self.image(data, None, timer)
+        if self.bank is not None and self.bank_on_register:
+            self.bank.schedule(image_id, rf, functools.partial(self.score_rows, self.spec("itm")))
         return {"image_id": image_id, "num_boxes": rf.num_boxes, "image_size": list(rf.image_hw),
                 "cached": bool(timer.cache_hit)}
 

@@ -1,12 +1,18 @@
 """Each known image's query-bank prior for text -> image ranking (models.query_bank), computed once per image.
 
-The checkpoint's bank captions are tokenized once at start-up. The first text -> image request that ranks an image
-scores the image against every bank caption through the retrieval head's batcher (one row per caption, batched
-like any other pairs) and keeps the prior, keyed by the image id (a hash of the image), in a bounded LRU; later
-requests read it. Priors depend only on the model and the image, so each pod computes its own.
+The checkpoint's bank captions are tokenized once at start-up, shortest first (a batch of rows is padded to its
+longest, so rows of like length batch together). An image's prior is its scores with every bank caption through the
+retrieval head's batcher (one row per caption, batched like any other pairs), kept by image id (a hash of the
+image) in a bounded LRU. It is computed when the image is registered (`schedule`, in the background: POST
+/images does not wait for it) or else by the first text -> image request that ranks the image; a request that
+finds the computation under way waits for it instead of repeating it. Priors depend only on the model and the
+image, so each pod computes its own.
 """
 from __future__ import annotations
 
+import asyncio
+import functools
+import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -15,6 +21,8 @@ import numpy as np
 from models.query_bank import QueryBank, image_prior, normalised
 from models.region_features import RegionFeatures
 from models.tokenizer import VLTokenizer
+
+log = logging.getLogger(__name__)
 
 Item = dict[str, np.ndarray]
 # (bank token rows, image id, regions) -> the match scores of each row with the image
@@ -26,32 +34,98 @@ class BankPriors:
         if max_images < 1:
             raise ValueError(f"max_images must be >= 1, got {max_images}")
         self.bank = bank
-        self.rows: list[Item] = []
+        rows = []
         for text in bank.texts:  # one row per caption, each only as long as its own word pieces
             encoded = tokenizer.encode([text])
-            self.rows.append({name: value[0] for name, value in encoded.items()})
+            rows.append({name: value[0] for name, value in encoded.items()})
+        self.rows: list[Item] = sorted(rows, key=lambda row: len(row["input_ids"]))  # the prior is order-free
         self.max_images = max_images
         self._priors: OrderedDict[str, float] = OrderedDict()
+        self._pending: dict[str, asyncio.Future[float]] = {}  # priors being computed, by image id
+        self._background: dict[str, asyncio.Task] = {}  # scheduled computations by image id (the reference keeps each alive)
+        self._slot: asyncio.Semaphore | None = None  # scheduled computations run one at a time (made in the loop)
         self.computed = 0  # priors computed (misses)
 
     def __len__(self) -> int:
         return len(self._priors)
 
+    def known(self, image_id: str) -> bool:
+        return image_id in self._priors
+
+    async def prior(self, image_id: str, rf: RegionFeatures, score_rows: ScoreRows) -> float:
+        """The image's prior: kept, being computed (waited for), or computed now."""
+        while True:
+            prior = self._priors.get(image_id)
+            if prior is not None:
+                self._priors.move_to_end(image_id)
+                return prior
+            pending = self._pending.get(image_id)
+            if pending is None:
+                return await self._compute(image_id, rf, score_rows)
+            try:
+                return await asyncio.shield(pending)  # our own cancellation does not cancel theirs
+            except asyncio.CancelledError:
+                if not pending.cancelled() or asyncio.current_task().cancelling():
+                    raise  # this request is being cancelled
+                # theirs was cancelled (a scheduled computation at shutdown): compute it here
+
+    async def _compute(self, image_id: str, rf: RegionFeatures, score_rows: ScoreRows) -> float:
+        future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self._pending[image_id] = future
+        try:
+            prior = float(image_prior(await score_rows(self.rows, image_id, rf), self.bank.temperature))
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+        except Exception as exc:  # waiters get the same error (e.g. a full queue: 429)
+            future.set_exception(exc)
+            future.exception()  # retrieved: no "never retrieved" warning when nobody waits
+            raise
+        finally:
+            del self._pending[image_id]
+        self.computed += 1
+        self._priors[image_id] = prior
+        while len(self._priors) > self.max_images:
+            self._priors.popitem(last=False)
+        future.set_result(prior)
+        return prior
+
     async def priors(self, images: Sequence[tuple[str, RegionFeatures]], score_rows: ScoreRows) -> np.ndarray:
         """(len(images),) priors, computing those of images not seen yet (each distinct image once)."""
-        out = np.empty(len(images), np.float64)
-        for n, (image_id, rf) in enumerate(images):
-            prior = self._priors.get(image_id)
-            if prior is None:
-                prior = float(image_prior(await score_rows(self.rows, image_id, rf), self.bank.temperature))
-                self.computed += 1
-                self._priors[image_id] = prior
-                while len(self._priors) > self.max_images:
-                    self._priors.popitem(last=False)
-            else:
-                self._priors.move_to_end(image_id)
-            out[n] = prior
-        return out
+        return np.array([await self.prior(image_id, rf, score_rows) for image_id, rf in images], np.float64)
+
+    def schedule(self, image_id: str, rf: RegionFeatures, score_rows: ScoreRows) -> bool:
+        """Compute the image's prior in the background unless it is known, under way or scheduled; True if
+        scheduled. Scheduled computations take turns (one image's rows in the batcher's queue at a time, beside the
+        requests' own), so registering many images at once never fills the queue."""
+        if image_id in self._priors or image_id in self._pending or image_id in self._background:
+            return False
+        if self._slot is None:
+            self._slot = asyncio.Semaphore(1)
+        task = asyncio.get_running_loop().create_task(self._in_turn(image_id, rf, score_rows), name=f"bank-prior-{image_id}")
+        self._background[image_id] = task
+        task.add_done_callback(functools.partial(self._finished, image_id))
+        return True
+
+    async def _in_turn(self, image_id: str, rf: RegionFeatures, score_rows: ScoreRows) -> None:
+        async with self._slot:
+            await self.prior(image_id, rf, score_rows)  # known by now if a request ranked the image meanwhile
+
+    def _finished(self, image_id: str, task: asyncio.Task) -> None:
+        self._background.pop(image_id, None)
+        if not task.cancelled() and task.exception() is not None:  # the next request that ranks the image retries
+            log.warning("query-bank prior of a registered image failed: %s", task.exception())
+
+    async def settle(self) -> None:
+        """Wait for every scheduled computation (tests, benchmarks)."""
+        while self._background:
+            await asyncio.gather(*self._background.values(), return_exceptions=True)
+
+    async def close(self) -> None:
+        """Cancel the scheduled computations (shutdown, before the batchers stop)."""
+        for task in self._background.values():
+            task.cancel()
+        await asyncio.gather(*self._background.values(), return_exceptions=True)
 
     def normalise(self, scores: np.ndarray, priors: np.ndarray) -> np.ndarray:
         return normalised(scores, priors, self.bank.temperature)

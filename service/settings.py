@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     cache_max_bytes: int = Field(256 * MiB, gt=0)  # in-process feature store bound, in bytes of stored values
     stream_cache_max_bytes: int = Field(256 * MiB, ge=0)  # two-stream retrieval: cached text/image states (torch); 0 = off
     query_bank_max_images: int = Field(100_000, ge=1)  # images whose query-bank prior (one float) each pod keeps
+    # POST /images also computes the image's query-bank prior, in the background, so that the first text -> image
+    # /retrieve that ranks it does not wait for it (its 256 bank rows); off: the first such request computes it
+    query_bank_on_register: bool = True
     # batching (encoder, per task)
     max_batch_size: int = Field(32, ge=1)  # requests per encoder batch
     max_wait_ms: float = Field(5.0, ge=0)  # while the runtime is busy, how long a batch may wait to fill (idle: none)

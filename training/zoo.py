@@ -40,6 +40,7 @@ class Profile:
     rank_pool: str | None = None  # FinetuneConfig.rank_pool: the ranking sets train a ranking head of their own
     lead_tasks: tuple[str, ...] = ()  # FinetuneConfig.lead_tasks: trained alone for the first lead_steps steps
     lead_steps: int = 0
+    lead_retries: int = 2  # FinetuneConfig.lead_retries: a lead phase still on its plateau starts the run again (next seed)
     curriculum: tuple[tuple[int, tuple[str, ...]], ...] = ()  # FinetuneConfig.curriculum: phases after the lead phase
     extra_tasks: tuple[tuple[str, float], ...] = ()  # training sets added to the mix (finetune.TRAINING_SETS), with weights
     lr: float = 1e-4  # encoder peak learning rate
@@ -225,7 +226,8 @@ def finetune_config(p: Profile, det_dir: Path, enc_dir: Path, threads: int = 2) 
                           eval_scenes=p.eval_scenes, steps=p.finetune_steps, batch_size=p.batch_size,
                           easy_vqa_images=p.easy_vqa_images, vqa_pool=p.vqa_pool, vqa_loss=p.vqa_loss,
                           itm_pool=p.itm_pool, nlvr2_pool=p.nlvr2_pool, rank_pool=p.rank_pool, lr=p.lr,
-                          lead_tasks=p.lead_tasks, lead_steps=p.lead_steps, curriculum=p.curriculum,
+                          lead_tasks=p.lead_tasks, lead_steps=p.lead_steps, lead_retries=p.lead_retries if p.lead_steps else 0,
+                          curriculum=p.curriculum,
                           tasks={"vqa": 1.0, "refer": 1.0, "itm": 1.0, "nlvr2": 1.0, **dict(p.extra_tasks)},
                           bf16=p.bf16, freeze_word_embeddings=p.freeze_word_embeddings, dropout=p.dropout,
                           box_embedding=p.box_embedding, region_tags=p.region_tags,
@@ -242,7 +244,7 @@ def retrieval_config(p: Profile, multitask: FinetuneConfig, enc_dir: Path) -> Fi
     50-step warm-up and linear decay."""
     return dataclasses.replace(multitask, out=enc_dir, init_from=multitask.out, steps=p.retrieval_steps, warmup=50,
                                lead_tasks=(RANK_TASK, RANK_TEXT_TASK) if p.retrieval_lead_steps else (),
-                               lead_steps=p.retrieval_lead_steps, curriculum=(), eval_every=p.retrieval_steps,
+                               lead_steps=p.retrieval_lead_steps, lead_retries=0, curriculum=(), eval_every=p.retrieval_steps,
                                tasks={**multitask.tasks, **dict(p.retrieval_mix), RANK_TASK: p.retrieval_weight,
                                       RANK_TEXT_TASK: p.retrieval_weight},
                                retrieval_queries=p.retrieval_queries, final_eval_examples=None, query_bank=p.query_bank,
@@ -320,6 +322,10 @@ def model_card(name: str, p: Profile, det_dir: Path, metrics: dict, det_seconds:
     lead = (" (the first " + ", then ".join(f"{n} on {' + '.join(tasks)} alone" for n, tasks in phases) + ")") if phases else ""
     sets = [f"the {t} set (weight {w:g}, through the {head_of(t, p.rank_pool)} head)" for t, w in p.extra_tasks]
     extra = f"; the mix also draws {and_list(sets)}" if sets else ""
+    runs = [m for m in (multitask, metrics) if m]
+    restarts = sum(m.get("lead_restarts", 0) for m in runs)
+    stalled = (f" Its lead phase stalled {restarts} time(s) (loss still on its plateau at the lead's end): the run "
+               f"started again with seed {runs[0]['config']['seed']}.") if restarts else ""
     return f"""# vlserve model set `{name}`
 
 Built by `vlserve zoo build --profile {name}` in {total_seconds / 60:.1f} min on this machine.
@@ -339,7 +345,7 @@ read from {p.vqa_pool}; ITM from {p.itm_pool}, NLVR2 from {p.nlvr2_pool}), IoU>=
 {" (bf16 asked for; this CPU has no native bf16)" if p.bf16 and metrics.get("train_precision") == "fp32" else ""}\
 {", word embeddings frozen" if p.freeze_word_embeddings else ""}, {p.box_embedding} box embedding\
 {", detector class words as region tags" if p.region_tags else ""}, \
-dropout {0.1 if p.dropout is None else p.dropout:g}; metrics computed with {metrics.get("eval_precision", "fp32")} GEMMs.
+dropout {0.1 if p.dropout is None else p.dropout:g}; metrics computed with {metrics.get("eval_precision", "fp32")} GEMMs.{stalled}
 {pretraining_line(p, pretrained)} Training time {metrics["train_seconds"] / 60:.1f} min\
 {" (the retrieval stage)" if p.retrieval_steps else ""}.
 

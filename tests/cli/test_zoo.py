@@ -156,6 +156,10 @@ def test_a_retrieval_stage_goes_on_the_card(tmp_path):
     assert "Then a retrieval stage of 1200 steps (the first 300 on the ranking sets alone) from that checkpoint" in \
         training.zoo.model_card("demo", led, tmp_path, metrics, det_seconds=60, total_seconds=1200, multitask=multitask)
     assert "Training time 7.0 min (the retrieval stage)." in card and "| retrieval_t2i_R@1 | 0.74 |" in card
+    assert (first.lead_retries, stage.lead_retries) == (2, 0) and "stalled" not in card  # the multi-task run's lead only
+    restarted = {**multitask, "lead_restarts": 1, "config": {"seed": 1}}
+    assert "Its lead phase stalled 1 time(s) (loss still on its plateau at the lead's end): the run started again with " \
+           "seed 1." in training.zoo.model_card("demo", p, tmp_path, metrics, 60, 1200, multitask=restarted)
     assert training.zoo.PROFILES["demo"].retrieval_steps == 2000
     plain = training.zoo.PROFILES["pretrained"]  # no retrieval stage: its one run scores retrieval itself
     assert "retrieval stage" not in training.zoo.model_card("pretrained", plain, tmp_path, {"final": {}, "train_seconds": 60},

@@ -36,8 +36,9 @@ def register(c, make_png, seeds) -> list[str]:
 @pytest.mark.parametrize("preset", ["visualbert", "vilbert"])  # vilbert: retrieval through the two-stream cache
 def test_text_to_images_ranks_by_bank_normalised_scores(preset, tmp_path_factory, tiny_detector, make_checkpoint,
                                                         make_settings, make_png):
+    """Priors computed by the first request that ranks each image (query_bank_on_register off)."""
     banked = make_banked(tmp_path_factory, tiny_detector, make_checkpoint, preset)
-    with TestClient(create_app(make_settings(model_dir=banked, max_batch_size=3))) as c:
+    with TestClient(create_app(make_settings(model_dir=banked, max_batch_size=3, query_bank_on_register=False))) as c:
         assert (c.app.state.services.pipeline.streams is not None) == (preset == "vilbert")
         ids = register(c, make_png, (41, 42, 43, 44, 45))
         r = c.post("/retrieve", json={"text": "a red rectangle", "image_ids": ids, "top_k": 5})
@@ -53,6 +54,7 @@ def test_text_to_images_ranks_by_bank_normalised_scores(preset, tmp_path_factory
             assert h["bank_score"] == pytest.approx(expected, abs=1e-4)
         pipeline = c.app.state.services.pipeline
         assert pipeline.bank.computed == len(ids) and len(pipeline.bank) == len(ids)
+        assert not pipeline.bank._background  # nothing was scheduled
         again = c.post("/retrieve", json={"text": "two blue circles", "image_ids": ids[:3], "top_k": 3})
         assert again.status_code == 200 and pipeline.bank.computed == len(ids)  # priors are kept per image
         new = register(c, make_png, (46,))
@@ -65,6 +67,69 @@ def test_text_to_images_ranks_by_bank_normalised_scores(preset, tmp_path_factory
         assert all("bank_score" not in h for h in raw_hits)
         assert [h["score"] for h in raw_hits] == sorted((h["score"] for h in hits), reverse=True)
         assert {h["image_id"]: h["score"] for h in raw_hits} == pytest.approx({h["image_id"]: h["score"] for h in hits}, abs=1e-6)
+
+
+def test_registration_computes_the_prior_in_the_background_and_ranking_reuses_it(banked, make_settings, make_png):
+    with TestClient(create_app(make_settings(model_dir=banked, max_batch_size=3, max_queue=16))) as c:
+        pipeline = c.app.state.services.pipeline
+        ids = register(c, make_png, (71, 72, 73))
+        c.portal.call(pipeline.bank.settle)
+        assert pipeline.bank.computed == 3 and all(pipeline.bank.known(i) for i in ids)
+        many = register(c, make_png, range(100, 112))  # 12 images x 8 bank rows through a queue of 16: in turns
+        c.portal.call(pipeline.bank.settle)
+        assert pipeline.bank.computed == 15 and all(pipeline.bank.known(i) for i in many)
+        assert register(c, make_png, (71,)) == ids[:1]
+        c.portal.call(pipeline.bank.settle)
+        assert pipeline.bank.computed == 15  # registered again: kept, not recomputed
+        timed = c.post("/retrieve?timings=true", json={"text": "a red rectangle", "image_ids": ids}).json()
+        assert pipeline.bank.computed == 15 and len(timed["results"]) == 3
+        register(c, make_png, (74, 75))  # shut down with their priors under way: cancelled, no hang
+        bank = pipeline.bank
+    assert not bank._background and not bank._pending
+    # the same ranking as priors computed by the request itself
+    with TestClient(create_app(make_settings(model_dir=banked, max_batch_size=3, query_bank_on_register=False))) as c:
+        lazy_ids = register(c, make_png, (71, 72, 73))
+        assert c.app.state.services.pipeline.bank.computed == 0
+        lazy = c.post("/retrieve", json={"text": "a red rectangle", "image_ids": lazy_ids}).json()
+    assert [(h["image_id"], round(h["bank_score"], 5)) for h in lazy["results"]] == \
+        [(h["image_id"], round(h["bank_score"], 5)) for h in timed["results"]]
+
+
+def test_concurrent_requests_compute_an_image_prior_once(banked, make_settings, make_png):
+    """Requests that rank an image whose prior is under way wait for it; a failed computation fails its waiters
+    the same way and the next request computes the prior again."""
+    import asyncio
+
+    with TestClient(create_app(make_settings(model_dir=banked, query_bank_on_register=False))) as c:
+        pipeline = c.app.state.services.pipeline
+        (image_id,) = register(c, make_png, (81,))
+        rf = c.portal.call(pipeline.regions.from_id, image_id)
+        calls = []
+
+        async def slow_rows(rows, iid, regions):
+            calls.append(iid)
+            await asyncio.sleep(0.05)
+            return np.linspace(-1.0, 1.0, len(rows))
+
+        async def three():
+            return await asyncio.gather(*(pipeline.bank.prior(image_id, rf, slow_rows) for _ in range(3)))
+
+        priors = c.portal.call(three)
+        assert calls == [image_id] and len(set(priors)) == 1 and pipeline.bank.computed == 1
+
+        async def failing(rows, iid, regions):
+            calls.append(iid)
+            await asyncio.sleep(0.05)
+            raise RuntimeError("queue full")
+
+        async def two_failing():
+            return await asyncio.gather(*(pipeline.bank.prior("other", rf, failing) for _ in range(2)), return_exceptions=True)
+
+        errors = c.portal.call(two_failing)
+        assert [str(e) for e in errors] == ["queue full", "queue full"] and calls.count("other") == 1
+        assert not pipeline.bank.known("other") and not pipeline.bank._pending
+        c.portal.call(pipeline.bank.prior, "other", rf, slow_rows)  # computed again by the next request
+        assert pipeline.bank.known("other") and pipeline.bank.computed == 2
 
 
 def test_query_bank_is_a_text_to_images_option(banked, make_settings, image_png, problem):

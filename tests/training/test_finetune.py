@@ -1,6 +1,7 @@
 """Multi-task fine-tuning: a tiny end-to-end run learns, saves and loads; resume reproduces the loss curve; multiple
 choice; starting from a checkpoint."""
 import collections
+import json
 import dataclasses
 import re
 import os
@@ -290,6 +291,24 @@ def test_ranking_groups_hold_the_own_image_first_and_never_a_true_one(task_data)
         assert all(objects_key(shapes[o]) != objects_key(shapes[own]) for o in others)
 
 
+def test_ranking_groups_by_objects_give_a_scene_one_group_per_object_each_with_its_own_negatives(task_data):
+    from training.data.shapes_cache import ShapesSplit, load_split
+    from training.data.vl_tasks import objects_key, ranking_examples
+
+    split = load_split("train", SHAPES)
+    scenes = ShapesSplit(split.directory, split.annotations[:60], [])
+    plain, weighted = ranking_examples(scenes, seed=2), ranking_examples(scenes, seed=2, by_objects=True)
+    assert len(plain) == 60
+    per_scene = collections.Counter(e.rows[0] for e in weighted)
+    assert per_scene == {i: len(a["objects"]) for i, a in enumerate(scenes.annotations)}
+    for e in weighted:
+        own, *others = e.rows
+        assert e.text == scenes.annotations[own]["captions"][0] and len(set(e.rows)) == 8
+        assert all(objects_key(scenes.annotations[o]) != objects_key(scenes.annotations[own]) for o in others)
+    many = [i for i, n in per_scene.items() if n >= 3]
+    assert any(len({e.rows[1:] for e in weighted if e.rows[0] == i}) > 1 for i in many)  # fresh negatives per copy
+
+
 def load_split_annotations(task_data):
     from training.data.shapes_cache import load_split
 
@@ -404,6 +423,32 @@ def test_lead_phase_trains_only_the_lead_tasks_then_all(task_data, tmp_path):
     assert moved_heads(model) == {"refer"}
     train(cfg, data=data, progress=False)  # resumes at step 12: all three tasks from here on
     assert moved_heads(load_checkpoint(tmp_path / "lead").model) == {"vqa", "refer", "nlvr2"}
+
+
+def test_lead_stalled_compares_the_lead_phases_first_and_last_steps():
+    from training.finetune import lead_stalled
+
+    cfg = FinetuneConfig(tasks={"refer": 1.0, "vqa": 1.0}, lead_tasks=("refer",), lead_steps=100, lead_takeoff=0.8)
+    plateau = [1.38] * 100 + [0.1] * 50  # the mix's later losses do not count
+    assert lead_stalled(cfg, plateau) == (True, pytest.approx(1.38), pytest.approx(1.38))
+    took_off = [1.4] * 25 + [0.5] * 75
+    assert lead_stalled(cfg, took_off) == (False, pytest.approx(1.4), pytest.approx(0.5))
+    assert lead_stalled(cfg, [1.0] * 75 + [0.81] * 25)[0] and not lead_stalled(cfg, [1.0] * 75 + [0.79] * 25)[0]
+
+
+@pytest.mark.parametrize("takeoff, restarts", [(0.0, 2), (1e9, 0)])  # 0: no loss is below 0 x its start, a stall every time
+def test_a_stalled_lead_starts_the_run_again_with_the_next_seed(task_data, tmp_path, takeoff, restarts):
+    detector, data = task_data
+    cfg = tiny(tmp_path / "lead", detector, tasks={"vqa": 1.0, "refer": 1.0}, steps=16, lead_tasks=("refer",), lead_steps=6,
+               lead_retries=2, lead_takeoff=takeoff, seed=5)
+    result = train(cfg, data=data, progress=False)
+    assert result["lead_restarts"] == restarts and result["config"]["seed"] == 5 + restarts
+    assert len(result["losses"]) == 16  # each restart began at step 0
+    saved = json.loads((tmp_path / "lead" / "metrics.json").read_text())
+    assert saved["lead_restarts"] == restarts and not (tmp_path / "lead" / "train_state.pt").exists()
+    # the last run is the plain run of that seed: the same losses
+    again = train(dataclasses.replace(cfg, out=tmp_path / "plain", seed=5 + restarts, lead_retries=0), data=data, progress=False)
+    assert again["losses"] == result["losses"] and again["lead_restarts"] == 0
 
 
 @pytest.mark.parametrize("lead, message", [

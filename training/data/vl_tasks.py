@@ -80,10 +80,12 @@ RANK_GROUP, RANK_HARD, RANK_NEIGHBOURS = 8, 5, 20  # ranking groups: size, close
 
 
 def ranking_examples(split: ShapesSplit, group_size: int = RANK_GROUP, hard: int = RANK_HARD,
-                     neighbours: int = RANK_NEIGHBOURS, seed: int = 0, row_offset: int = 0) -> list[Example]:
+                     neighbours: int = RANK_NEIGHBOURS, seed: int = 0, row_offset: int = 0,
+                     by_objects: bool = False) -> list[Example]:
     """Retrieval training groups: each scene's listing caption (captions[0]) with its own image first, then
     `hard` scenes drawn from the `neighbours` whose objects overlap its own most, then random scenes; never a
-    scene the caption is true of (the same objects_key). Rows are scene index + row_offset."""
+    scene the caption is true of (the same objects_key). Rows are scene index + row_offset. With by_objects, a scene
+    of n objects gives n groups, each with negatives of its own: long listings are drawn n times as often."""
     keys = [objects_key(ann) for ann in split.annotations]
     n = len(keys)
     if n < group_size:
@@ -105,12 +107,13 @@ def ranking_examples(split: ShapesSplit, group_size: int = RANK_GROUP, hard: int
         overlap = np.minimum(counts[i], counts[others]).sum(1) - np.abs(sizes[others] - sizes[i])  # shared objects minus size gap
         near = min(neighbours, len(others))
         close = others[np.argpartition(-overlap, near - 1)[:near]]
-        picked = [int(j) for j in rng.permutation(close)[:hard]]
-        while len(picked) < group_size - 1:
-            j = int(others[rng.integers(len(others))])
-            if j not in picked:
-                picked.append(j)
-        out.append(Example(tuple(r + row_offset for r in (i, *picked)), split.annotations[i]["captions"][0], 0))
+        for _ in range(int(sizes[i]) if by_objects else 1):
+            picked = [int(j) for j in rng.permutation(close)[:hard]]
+            while len(picked) < group_size - 1:
+                j = int(others[rng.integers(len(others))])
+                if j not in picked:
+                    picked.append(j)
+            out.append(Example(tuple(r + row_offset for r in (i, *picked)), split.annotations[i]["captions"][0], 0))
     return out
 
 

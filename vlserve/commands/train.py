@@ -56,6 +56,8 @@ def finetune(
     lead_tasks: Annotated[str, typer.Option(help="comma-separated tasks trained alone for the first --lead-steps steps "
                                                  "(a grounding curriculum, e.g. refer)")] = "",
     lead_steps: Annotated[int, typer.Option(min=0, help="steps of the lead phase (0: every task from the start)")] = 0,
+    lead_retries: Annotated[int, typer.Option(min=0, help="a lead phase whose loss has not fallen below 0.8x its start "
+                                                          "starts the run again with the next seed, this many times")] = 0,
     curriculum: Annotated[str, typer.Option(help="phases after the lead phase, in order, as TASKS=STEPS items (TASKS "
                                                  "joined by +), e.g. positions_one_side=200,positions=200: one-object "
                                                  "position questions through the vqa head")] = "",
@@ -113,6 +115,7 @@ def finetune(
                              query_bank_temperature=query_bank_temperature, warmup=warmup, clip=clip, vqa_loss=vqa_loss, vqa_pool=vqa_pool, bf16=bf16,
                              itm_pool=itm_pool, nlvr2_pool=nlvr2_pool, rank_pool=rank_pool,
                              lead_tasks=tuple(t.strip() for t in lead_tasks.split(",") if t.strip()), lead_steps=lead_steps,
+                             lead_retries=lead_retries,
                              curriculum=parse_curriculum(curriculum),
                              freeze_word_embeddings=freeze_word_embeddings, dropout=dropout,
                              feature_norm=feature_norm, box_embedding=box_embedding, region_tags=region_tags,
