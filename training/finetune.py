@@ -322,6 +322,7 @@ def batch_loss(model: VLModel, task: str, head: str, inputs, labels: torch.Tenso
 
 
 LEAD_WINDOW = 25  # steps at each end of the lead phase whose mean losses decide whether it took off
+RESTARTS = "lead_restarts.txt"  # beside the resumable state: how many times the run has started again
 
 
 class LeadStalled(Exception):
@@ -341,16 +342,24 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
     """Multi-task fine-tuning; resumes from out/train_state.pt when present. Returns the metrics. A stalled lead
     phase (lead_stalled) starts the run again with the next seed, up to cfg.lead_retries times."""
     check_lead(cfg)  # before any data is prepared
-    restarts = 0
+    out = Path(cfg.out)
+    if not (out / STATE).exists():  # a new run: nothing of an earlier one's restarts
+        (out / RESTARTS).unlink(missing_ok=True)
+    # a run resumed after an interruption goes on with the seed its restarts had reached
+    restarts = int((out / RESTARTS).read_text()) if (out / RESTARTS).exists() else 0
     while True:
         try:
-            run = replace(cfg, seed=cfg.seed + restarts)
-            return _train(run, data, progress, stop_after, restarts)
+            result = _train(replace(cfg, seed=cfg.seed + restarts), data, progress, stop_after, restarts)
         except LeadStalled as stalled:
             restarts += 1
             data = stalled.data
             log.warning("%s: the lead phase stalled (%s); starting again with seed %d", cfg.out, stalled, cfg.seed + restarts)
-            (Path(cfg.out) / STATE).unlink(missing_ok=True)
+            (out / STATE).unlink(missing_ok=True)
+            (out / RESTARTS).write_text(str(restarts))
+            continue
+        if "final" in result:
+            (out / RESTARTS).unlink(missing_ok=True)
+        return result
 
 
 def _train(cfg: FinetuneConfig, data: TaskData | None, progress: bool, stop_after: int | None, restarts: int) -> dict:

@@ -449,6 +449,13 @@ def test_a_stalled_lead_starts_the_run_again_with_the_next_seed(task_data, tmp_p
     # the last run is the plain run of that seed: the same losses
     again = train(dataclasses.replace(cfg, out=tmp_path / "plain", seed=5 + restarts, lead_retries=0), data=data, progress=False)
     assert again["losses"] == result["losses"] and again["lead_restarts"] == 0
+    # interrupted after its restarts and resumed: it goes on with the seed they reached, to the same losses
+    resumed = dataclasses.replace(cfg, out=tmp_path / "resumed")
+    assert "interrupted_at" in train(resumed, data=data, progress=False, stop_after=10)
+    assert (tmp_path / "resumed" / "lead_restarts.txt").exists() == bool(restarts)
+    final = train(resumed, data=data, progress=False)
+    assert final["losses"] == result["losses"] and final["lead_restarts"] == restarts
+    assert final["config"]["seed"] == 5 + restarts and not (tmp_path / "resumed" / "lead_restarts.txt").exists()
 
 
 @pytest.mark.parametrize("lead, message", [
