@@ -59,9 +59,17 @@ def zscore(x: np.ndarray) -> np.ndarray:
     return (x - x.mean()) / (x.std() + 1e-9)
 
 
-def rules(rank: np.ndarray, rank_bank: np.ndarray, itm: np.ndarray, itm_bank: np.ndarray) -> dict[str, np.ndarray]:
+def rules(rank: np.ndarray, rank_bank: np.ndarray, itm: np.ndarray, itm_bank: np.ndarray, query_tokens: np.ndarray,
+          bank_tokens: np.ndarray) -> dict[str, np.ndarray]:
     """Named (Q, pool) score matrices, higher = better."""
     out: dict[str, np.ndarray] = {"rank raw": rank, "itm raw": itm}
+    for delta in (2, 4, 8):  # each query normalised by the bank captions of about its own length (at least 8 of them)
+        by_length = np.empty_like(rank)
+        for n, length in enumerate(query_tokens):
+            near = np.argsort(np.abs(bank_tokens - length), kind="stable")
+            rows = near[:max(8, int((np.abs(bank_tokens - length) <= delta).sum()))]
+            by_length[n] = normalised(rank[n], image_prior(rank_bank[rows], 2.0), 2.0)
+        out[f"rank bank T2, captions within {delta} tokens of the query's length"] = by_length
     for t in (1.0, 2.0, 4.0):
         p = image_prior(rank_bank, t)
         out[f"rank bank T{t:g}"] = normalised(rank, p, t)
@@ -107,6 +115,7 @@ def main() -> None:
     if args.load:
         saved = np.load(args.load)
         grid, q, keys, meta = saved["grid"], saved["q"], saved["keys"], json.loads(str(saved["meta"]))
+        tokens = saved["tokens"]
     else:
         ckpt = load_checkpoint(args.model_dir)
         model, tokenizer = ckpt.model, ckpt.tokenizer
@@ -119,15 +128,16 @@ def main() -> None:
         q = query_sample(len(examples), args.queries, 0)
         keys = np.array([str(e.label) for e in examples])
         heads = [retrieval_head(model), head_for(model, "itm")]
+        texts = [examples[i].text for i in q] + list(bank.texts)
+        tokens = tokenizer.encode(texts, max_length=tokenizer.max_length)["attention_mask"].sum(1)
         with gemm_precision(model, "bf16"):
-            grid = score_heads(model, heads, [examples[i].text for i in q] + list(bank.texts),
-                               np.array([e.rows[0] for e in examples]), data.eval_table, tokenizer)
+            grid = score_heads(model, heads, texts, np.array([e.rows[0] for e in examples]), data.eval_table, tokenizer)
         meta = {"model": str(args.model_dir), "split": args.split, "heads": heads, "queries": len(q),
                 "bank": len(bank.texts), "score_seconds": round(time.perf_counter() - started, 1)}
         if args.save:
-            np.savez(args.save, grid=grid, q=q, keys=keys, meta=json.dumps(meta))
+            np.savez(args.save, grid=grid, q=q, keys=keys, tokens=tokens, meta=json.dumps(meta))
     nq = len(q)
-    named = rules(grid[0, :nq], grid[0, nq:], grid[1, :nq], grid[1, nq:])
+    named = rules(grid[0, :nq], grid[0, nq:], grid[1, :nq], grid[1, nq:], tokens[:nq], tokens[nq:])
     result = {**meta, "pool": grid.shape[2], "rules": {n: recall(s, q, keys) for n, s in named.items()}}
     print(json.dumps(result, indent=1))
 
