@@ -226,7 +226,7 @@ def finetune_config(p: Profile, det_dir: Path, enc_dir: Path, threads: int = 2) 
                           eval_scenes=p.eval_scenes, steps=p.finetune_steps, batch_size=p.batch_size,
                           easy_vqa_images=p.easy_vqa_images, vqa_pool=p.vqa_pool, vqa_loss=p.vqa_loss,
                           itm_pool=p.itm_pool, nlvr2_pool=p.nlvr2_pool, rank_pool=p.rank_pool, lr=p.lr,
-                          lead_tasks=p.lead_tasks, lead_steps=p.lead_steps, lead_retries=p.lead_retries if p.lead_steps else 0,
+                          lead_tasks=p.lead_tasks, lead_steps=p.lead_steps, lead_retries=p.lead_retries,
                           curriculum=p.curriculum,
                           tasks={"vqa": 1.0, "refer": 1.0, "itm": 1.0, "nlvr2": 1.0, **dict(p.extra_tasks)},
                           bf16=p.bf16, freeze_word_embeddings=p.freeze_word_embeddings, dropout=p.dropout,
