@@ -22,7 +22,7 @@ def evaluate_map(detector: RegionDetector, split: ShapesSplit, indices, batch_si
         chunk = indices[s : s + batch_size]
         images = [np.asarray(split.image(i), dtype=np.uint8) for i in chunk]
         outputs = detector.analyze(images, batch_size)
-        preds = [d for _, d in outputs]
+        preds = [{k: v.cpu() for k, v in d.items()} for _, d in outputs]  # from the GPU, if the detector is there
         gold = []
         for i, (rf, _) in zip(chunk, outputs):
             objects = split.annotations[i]["objects"]

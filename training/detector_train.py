@@ -18,6 +18,7 @@ from models.detector.io import save_detector
 from .data.shapes_cache import ShapesConfig, ShapesSplit, load_split
 from .data.shapes_world import COLOR_NAMES, SHAPES, SIZES
 from .detector_eval import evaluate_map
+from .device import resolve_device
 
 log = logging.getLogger(__name__)
 ATTRIBUTES = (*COLOR_NAMES, *SIZES)
@@ -38,6 +39,7 @@ class DetectorTrainConfig:
     final_eval_images: int | None = None  # val images of the evaluation at the end (None = the whole split)
     seed: int = 0
     threads: int = 2  # torch intra-op threads
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N" (training.device); images are prepared on the CPU and moved
     data: ShapesConfig = field(default_factory=ShapesConfig)
     detector: dict = field(default_factory=dict)  # DetectorConfig overrides (feature_dim, num_boxes, ...)
 
@@ -102,12 +104,13 @@ def lr_at(step: int, cfg: DetectorTrainConfig) -> float:
 
 def train_detector(cfg: DetectorTrainConfig, progress: bool = True) -> dict:
     """Train, evaluate and save; returns the metrics recorded in the checkpoint manifest."""
+    device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     rng = np.random.default_rng(cfg.seed)
     train, val = load_split("train", cfg.data), load_split("val", cfg.data)
     det_cfg = DetectorConfig(classes=list(SHAPES), attributes=list(ATTRIBUTES), **cfg.detector)
-    detector = RegionDetector(det_cfg)
+    detector = RegionDetector(det_cfg).to(device)
     params = [p for p in detector.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
     history: list[dict] = []
@@ -139,6 +142,6 @@ def train_detector(cfg: DetectorTrainConfig, progress: bool = True) -> dict:
     final = evaluate_map(detector, val, range(min(len(val), cfg.final_eval_images or len(val))))
     metrics = {"val": final, "history": history, "train_seconds": round(train_seconds, 1), "steps": cfg.steps,
                "batch_size": cfg.batch_size, "data": asdict(cfg.data)}
-    fingerprint = save_detector(detector, cfg.out, extra={"training": metrics})
+    fingerprint = save_detector(detector.cpu(), cfg.out, extra={"training": metrics})
     (Path(cfg.out) / "metrics.json").write_text(json.dumps({**metrics, "fingerprint": fingerprint}, indent=2))
     return {**metrics, "fingerprint": fingerprint}

@@ -11,6 +11,7 @@ from models.heads import NEG
 from models.tokenizer import VLTokenizer
 
 from .data.vl_tasks import Example, collate
+from .device import model_device
 from .metrics import accuracy, answer_type, refer_accuracy, vqa_accuracy_by_type, vqa_soft_accuracy
 
 # eval set -> the kind of head it measures
@@ -28,14 +29,16 @@ def head_for(model: VLModel, kind: str) -> str | None:
 @torch.inference_mode()
 def predictions(model: VLModel, task: str, examples: list[Example], table, tokenizer: VLTokenizer, batch_size: int = 64) -> torch.Tensor:
     """Logits of the task's head for every example, in order. A batch keeps only the region slots its images need
-    (collate), so per-region logits (refer) come back padded to the table's slots with the heads' padding logit."""
+    (collate), so per-region logits (refer) come back padded to the table's slots with the heads' padding logit. The
+    model may be on a GPU: batches go there, logits come back to the CPU in float32."""
     model.eval()
+    device = model_device(model)
     head = model.config.heads[task]
     slots = table.mask.shape[1]
     out = []
     for s in range(0, len(examples), batch_size):
         inputs, _ = collate(head.kind, examples[s : s + batch_size], table, tokenizer, head, tokenizer.max_length)
-        logits = model(inputs, task).logits
+        logits = model(inputs.to(device), task).logits.to("cpu", torch.float32)
         if head.kind == "refer":
             logits = F.pad(logits, (0, slots - logits.shape[-1]), value=NEG)
         out.append(logits)

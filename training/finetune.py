@@ -21,6 +21,7 @@ from models.text_init import init_text_from_minilm
 from models.tokenizer import VLTokenizer
 
 from .data.vl_tasks import collate
+from .device import autocast, gpu_bf16_unavailable, model_device, resolve_device, rng_state, set_rng_state, to_device
 from .evaluate import evaluate_tasks
 from .objectives import group_ranking_loss
 from .retrieval import card_metrics, evaluate_retrieval, training_bank
@@ -110,6 +111,7 @@ class FinetuneConfig:
     checkpoint_every: int = 250  # steps between resumable-state saves
     seed: int = 0
     threads: int = 2
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N" (training.device): batches are collated on the CPU and moved there
     max_length: int = 40  # text tokens
 
 
@@ -140,30 +142,41 @@ def build_model(cfg: FinetuneConfig, feature_dim: int, num_answers: int) -> VLMo
     return model
 
 
-def autocast(enabled: bool):
-    """bfloat16 autocast on CPU when enabled (weights, optimizer state and the loss stay float32)."""
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
-
-
-def train_precision(bf16: bool) -> str:
-    """The precision a run trains in: bf16 autocast when asked for and the CPU computes bf16 dot products natively;
-    float32 otherwise (oneDNN emulates bf16 on AVX2-only CPUs, several times slower per step than float32 there:
-    benchmarks/train_step.py, docs/BENCHMARKS.md)."""
+def train_precision(bf16: bool, device: torch.device | str = "cpu") -> str:
+    """The precision a run trains in: bf16 autocast when asked for and the CPU computes bf16 dot products natively
+    (or the GPU has bf16); float32 otherwise (oneDNN emulates bf16 on AVX2-only CPUs, several times slower per step
+    than float32 there: benchmarks/train_step.py, docs/BENCHMARKS.md)."""
+    device = torch.device(device)
+    if bf16 and device.type == "cuda":
+        reason = gpu_bf16_unavailable(device)
+        if reason:
+            log.warning("bf16 asked for, but %s: training in float32", reason)
+        return "fp32" if reason else "bf16"
     if bf16 and not cpu_has_native_bf16():
         log.warning("bf16 asked for, but this CPU has no native bfloat16 (AVX512-BF16 or AMX): training in float32")
         return "fp32"
     return "bf16" if bf16 else "fp32"
 
 
-def eval_precision(bf16: bool) -> str:
+def eval_precision(bf16: bool, device: torch.device | str = "cpu") -> str:
     """The precision evaluations run in: a bf16 run is evaluated with bfloat16 GEMMs where they are fast on this CPU
-    (as the service's VLSERVE_PRECISION=auto then serves it, docs/BENCHMARKS.md), float32 elsewhere."""
+    (as the service's VLSERVE_PRECISION=auto then serves it, docs/BENCHMARKS.md), or in bfloat16 autocast on a GPU
+    with bf16 (the service's `auto` there), float32 elsewhere."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return "bf16" if bf16 and gpu_bf16_unavailable(device) is None else "fp32"
     return "bf16" if bf16 and cpu_bf16_unavailable() is None else "fp32"
 
 
 @contextmanager
 def gemm_precision(model: VLModel, precision: str):
-    """Inference GEMMs of model in `precision` ("fp32" or "bf16") inside the block, float32 after it."""
+    """Inference GEMMs of model in `precision` ("fp32" or "bf16") inside the block, float32 after it: the CPU's
+    packed bfloat16 GEMMs, or bfloat16 autocast for a model on a GPU."""
+    device = model_device(model)
+    if device.type != "cpu":
+        with autocast(precision == "bf16", device):
+            yield
+        return
     set_cpu_gemm_dtype(model, torch.bfloat16 if precision == "bf16" else torch.float32)
     try:
         yield
@@ -278,16 +291,20 @@ def lr_scale(step: int, cfg: FinetuneConfig) -> float:
 def save_state(path: Path, model, opt, step: int, rng: np.random.Generator, losses: list[float]) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                "numpy_rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(), "losses": losses}, tmp)
+                "numpy_rng": rng.bit_generator.state, **rng_state(model_device(model)), "losses": losses}, tmp)
     tmp.replace(path)  # never a half-written state file
 
 
 def load_state(path: Path, model, opt, rng: np.random.Generator) -> tuple[int, list[float]]:
-    state = torch.load(path, weights_only=True)  # our own file, still never unpickled beyond plain data
+    """Restore a save_state file into model and opt (on whatever device the model is: the file may come from
+    another)."""
+    device = model_device(model)
+    # our own file, still never unpickled beyond plain data; tensors land on the CPU, load_state_dict moves them
+    state = torch.load(path, weights_only=True, map_location="cpu")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     rng.bit_generator.state = state["numpy_rng"]
-    torch.set_rng_state(state["torch_rng"])
+    set_rng_state(state, device)
     return int(state["step"]), list(state["losses"])
 
 
@@ -342,6 +359,7 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
     """Multi-task fine-tuning; resumes from out/train_state.pt when present. Returns the metrics. A stalled lead
     phase (lead_stalled) starts the run again with the next seed, up to cfg.lead_retries times."""
     check_lead(cfg)  # before any data is prepared
+    resolve_device(cfg.device)
     out = Path(cfg.out)
     if not (out / STATE).exists():  # a new run: nothing of an earlier one's restarts
         (out / RESTARTS).unlink(missing_ok=True)
@@ -378,13 +396,15 @@ def _train(cfg: FinetuneConfig, data: TaskData | None, progress: bool, stop_afte
         fit_feature_norm(model, data.train_table)
     if cfg.freeze_word_embeddings:  # before the optimizer: param_groups skips frozen parameters
         model.encoder.embeddings.word_embeddings.weight.requires_grad_(False)
+    device = resolve_device(cfg.device)
+    model.to(device)
     opt = adamw(param_groups(model, cfg), cfg.lr)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     step, losses = (load_state(out / STATE, model, opt, rng) if (out / STATE).exists() else (0, []))
     tasks, phases = training_tasks(cfg), phase_weights(cfg)
     history: list[dict] = []
-    precision, bf16 = eval_precision(cfg.bf16), train_precision(cfg.bf16) == "bf16"
+    precision, bf16 = eval_precision(cfg.bf16, device), train_precision(cfg.bf16, device) == "bf16"
     start = time.perf_counter()
     bar = tqdm(total=cfg.steps, initial=step, desc="finetune", disable=not progress)
     while step < cfg.steps:
@@ -415,7 +435,8 @@ def _train(cfg: FinetuneConfig, data: TaskData | None, progress: bool, stop_afte
         batch = [pool[int(i)] for i in rng.integers(0, len(pool), max(1, cfg.batch_size // group))]
         inputs, labels = collate(collate_kind(model, task, head), batch, data.train_table, tokenizer,
                                  model.config.heads[head], cfg.max_length)
-        with autocast(bf16):
+        inputs, labels = to_device((inputs, labels), device)
+        with autocast(bf16, device):
             loss = batch_loss(model, task, head, inputs, labels, group)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -437,8 +458,10 @@ def _train(cfg: FinetuneConfig, data: TaskData | None, progress: bool, stop_afte
             found = evaluate_retrieval(model, data, tokenizer, cfg.retrieval_queries, directions=("text_to_image",),
                                        bank=bank, pool=cfg.retrieval_pool)
             final.update(card_metrics(found) if found else {})
+    model.cpu()  # the checkpoint's tensors, whatever the device
     metrics = {"final": final, "history": history, "train_seconds": round(train_seconds, 1),
                "train_precision": "bf16" if bf16 else "fp32", "eval_precision": precision, "lead_restarts": restarts,
+               "device": str(device) if device.type == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})",
                "config": _jsonable(asdict(cfg))}
     save_checkpoint(
         model, out, tokenizer,

@@ -34,7 +34,8 @@ from models.tokenizer import VLTokenizer
 
 from .data.region_table import tags_of
 from .evaluate import evaluate_tasks
-from .finetune import STATE, _jsonable, adamw, autocast, fit_feature_norm, load_state, lr_scale, param_groups, save_state, train_precision
+from .device import autocast, model_device, resolve_device, to_device
+from .finetune import STATE, _jsonable, adamw, fit_feature_norm, load_state, lr_scale, param_groups, save_state, train_precision
 from .objectives import (
     IGNORE, TokenIds, grounded_token_ids, image_only_batch, image_qa_labels, itm_pairs, mask_regions, mask_tokens, pretraining_losses,
     region_class_labels, text_only_batch, with_images,
@@ -94,6 +95,7 @@ class PretrainConfig:
     eval_examples: int | None = 2000  # held-out ITM examples evaluated at the end (None = all)
     seed: int = 0
     threads: int = 2
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N" (training.device)
     max_length: int = 40  # text tokens
 
     def __post_init__(self) -> None:
@@ -104,6 +106,7 @@ def validate_config(cfg: PretrainConfig) -> DetectorConfig:
     """Fail with one PretrainConfigError before any data work; returns the detector's config."""
     try:
         encoder_config(cfg.preset, cfg.size, box_embedding=cfg.box_embedding)  # raises for an unknown preset, size or box embedding
+        resolve_device(cfg.device)  # an unknown device, or a GPU torch cannot see
     except ValueError as exc:
         raise PretrainConfigError(str(exc)) from None
     unknown = [o for o in cfg.objectives if o not in OBJECTIVES]
@@ -275,6 +278,7 @@ class BatchBuilder:
 def pretrain(cfg: PretrainConfig, data: TaskData | None = None, progress: bool = True, stop_after: int | None = None) -> dict:
     """Pretrain; resumes from out/train_state.pt when present. Returns the metrics and the per-step losses."""
     detector = validate_config(cfg)
+    device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     rng = np.random.default_rng(cfg.seed)
@@ -284,13 +288,14 @@ def pretrain(cfg: PretrainConfig, data: TaskData | None = None, progress: bool =
     tokenizer = VLTokenizer.pretrained_minilm(max_length=cfg.max_length)
     model = build_model(cfg, detector.feature_dim, len(data.objects), len(data.answers))
     fit_feature_norm(model, data.train_table)
+    model.to(device)
     batches = BatchBuilder(cfg, data, tokenizer)
     opt = adamw(param_groups(model, cfg), cfg.lr)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     # records: one {objective: loss, "total": loss} per step; resumed with the state
     step, records = (load_state(out / STATE, model, opt, rng) if (out / STATE).exists() else (0, []))
-    precision = train_precision(cfg.bf16)
+    precision = train_precision(cfg.bf16, device)
     start = time.perf_counter()
     bar = tqdm(total=cfg.steps, initial=step, desc=f"pretrain {cfg.preset}", disable=not progress)
     while step < cfg.steps:
@@ -305,8 +310,9 @@ def pretrain(cfg: PretrainConfig, data: TaskData | None = None, progress: bool =
         # forward / backward
         model.train()
         batch = batches(step, rng)
-        with autocast(precision == "bf16"):
-            losses = pretraining_losses(model, batch.inputs, batch.targets)
+        inputs, targets = to_device((batch.inputs, batch.targets), device)
+        with autocast(precision == "bf16", device):
+            losses = pretraining_losses(model, inputs, targets)
         opt.zero_grad(set_to_none=True)
         losses["total"].backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
@@ -325,6 +331,7 @@ def pretrain(cfg: PretrainConfig, data: TaskData | None = None, progress: bool =
     final = evaluate_tasks(model, data, tokenizer, cfg.eval_examples)  # zero-shot ITM accuracy when there is an itm head
     if "weak" not in cfg.objectives:  # weak mode never sees a caption with its image
         final.update(grounded_word_accuracy(model, data, tokenizer, cfg.eval_examples))
+    model.cpu()  # the checkpoint's tensors, whatever the device
     metrics = {"final": final, "history": history, "train_seconds": round(train_seconds, 1), "train_precision": precision,
                "config": _jsonable(asdict(cfg))}
     head_labels = {"mrc": data.objects, "image_qa": data.answers}
@@ -357,6 +364,7 @@ def grounded_word_accuracy(model: VLModel, data: TaskData, tokenizer: VLTokenize
     grounded = grounded_token_ids(tokenizer, data.objects + data.attributes)
     correct, total = {"own": 0, "other": 0}, 0
     model.eval()
+    device = model_device(model)
     for s in range(0, len(examples), batch_size):
         batch = examples[s : s + batch_size]
         text = {k: torch.from_numpy(v) for k, v in tokenizer.encode([e.text for e in batch]).items()}
@@ -364,8 +372,8 @@ def grounded_word_accuracy(model: VLModel, data: TaskData, tokenizer: VLTokenize
         target = torch.isin(ids, grounded) & text["attention_mask"].bool()
         text["input_ids"] = ids.masked_fill(target, tokenizer.mask_id)
         for image, image_rows in (("own", rows[s : s + batch_size]), ("other", other[s : s + batch_size])):
-            enc = model.forward_features(VLInputs(**text, **data.eval_table.tensors(image_rows)))
-            guess = model.heads["mlm"].decode(enc.text[target]).argmax(-1)
+            enc = model.forward_features(VLInputs(**text, **data.eval_table.tensors(image_rows)).to(device))
+            guess = model.heads["mlm"].decode(enc.text[target.to(device)]).argmax(-1).cpu()
             correct[image] += int((guess == ids[target]).sum())
         total += int(target.sum())
     if not total:

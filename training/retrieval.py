@@ -18,6 +18,7 @@ from models.tokenizer import VLTokenizer
 
 from .data.region_table import RegionTable
 from .data.vl_tasks import Example
+from .device import model_device
 from .evaluate import head_for
 from .metrics import gold_ranks, recall_at_k
 
@@ -108,6 +109,7 @@ def text_scorer(model: VLModel, task: str, texts: Sequence[str], image_rows: Seq
     lengths = text["attention_mask"].sum(1)
     rows = np.asarray(image_rows)
     model.eval()
+    device = model_device(model)
 
     @torch.inference_mode()
     def score(texts: np.ndarray, images: np.ndarray) -> torch.Tensor:
@@ -118,7 +120,7 @@ def text_scorer(model: VLModel, task: str, texts: Sequence[str], image_rows: Seq
             token_type_ids=torch.from_numpy(text["token_type_ids"][texts, :width]),
             **table.tensors(rows[images], table.width(rows[images])),  # padding no image of the batch needs is dropped
         )
-        logits = model(inputs, task).logits  # (P, 2)
+        logits = model(inputs.to(device), task).logits.to("cpu", torch.float32)  # (P, 2), from the GPU if there
         return logits[:, 1] - logits[:, 0]
 
     return score

@@ -168,7 +168,14 @@ def is_built(path: Path) -> bool:
     return (path / "detector" / "manifest.json").exists() and (path / "encoder" / "manifest.json").exists()
 
 
-def build_zoo(profile: str = "demo", root: Path | None = None, force: bool = False, threads: int = 2, progress: bool = True) -> Path:
+def trained_on(metrics: dict) -> str:
+    """The card's note of a GPU build ("" on the CPU, where the profiles' times are measured)."""
+    device = metrics.get("device", "cpu")
+    return "" if device == "cpu" else f" (the encoder trained on {device})"
+
+
+def build_zoo(profile: str = "demo", root: Path | None = None, force: bool = False, threads: int = 2, progress: bool = True,
+              device: str = "cpu") -> Path:
     """Train the detector, extract regions, fine-tune the encoder; write MODEL_CARD.md. Skips what exists."""
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
@@ -186,7 +193,7 @@ def build_zoo(profile: str = "demo", root: Path | None = None, force: bool = Fal
         # no periodic evaluation (the build uses the final weights): only the final one, on detector_eval_images
         train_detector(DetectorTrainConfig(out=det_dir, steps=p.detector_steps, eval_every=p.detector_steps,
                                            final_eval_images=p.detector_eval_images,
-                                           threads=threads, data=ShapesConfig(),
+                                           threads=threads, device=device, data=ShapesConfig(),
                                            detector=detector_selection(p)),
                        progress=progress)
     det_seconds = time.perf_counter() - started
@@ -194,9 +201,9 @@ def build_zoo(profile: str = "demo", root: Path | None = None, force: bool = Fal
     if p.pretrain_steps:
         pre_dir = out / "pretrained"
         if force or not (pre_dir / "metrics.json").exists():
-            pretrain(pretrain_config(p, det_dir, pre_dir, threads), progress=progress)
+            pretrain(dataclasses.replace(pretrain_config(p, det_dir, pre_dir, threads), device=device), progress=progress)
         pretrained = json.loads((pre_dir / "metrics.json").read_text())
-    cfg = finetune_config(p, det_dir, out / MULTITASK if p.retrieval_steps else enc_dir, threads)
+    cfg = dataclasses.replace(finetune_config(p, det_dir, out / MULTITASK if p.retrieval_steps else enc_dir, threads), device=device)
     multitask, stage = None, retrieval_config(p, cfg, enc_dir) if p.retrieval_steps else None
     data = run_data(cfg, progress, *([stage] if stage else []))  # one preparation for both runs
     if stage:  # the multi-task run, then the retrieval stage from it into encoder/
@@ -328,7 +335,7 @@ def model_card(name: str, p: Profile, det_dir: Path, metrics: dict, det_seconds:
                f"started again with seed {runs[0]['config']['seed']}.") if restarts else ""
     return f"""# vlserve model set `{name}`
 
-Built by `vlserve zoo build --profile {name}` in {total_seconds / 60:.1f} min on this machine.
+Built by `vlserve zoo build --profile {name}` in {total_seconds / 60:.1f} min on this machine{trained_on(metrics)}.
 
 ## Detector
 EfficientNet-Lite0 (ImageNet) + FPN Faster R-CNN, trained {p.detector_steps} steps (batch 8) on shapes-world scenes

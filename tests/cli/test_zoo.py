@@ -15,15 +15,15 @@ runner = CliRunner()
 def test_root_is_the_cache_root_of_the_whole_build(tmp_path, monkeypatch):
     seen = {}
 
-    def build_zoo(profile, root, force=False, threads=2, progress=True):
-        seen.update(profile=profile, root=root, cache=cache_root())  # where data and region features will go
+    def build_zoo(profile, root, force=False, threads=2, progress=True, device="cpu"):
+        seen.update(profile=profile, root=root, cache=cache_root(), device=device)  # where data and region features will go
         return root / "zoo" / profile
 
     monkeypatch.delenv("VLSERVE_CACHE", raising=False)
     monkeypatch.setattr(training.zoo, "build_zoo", build_zoo)
     result = runner.invoke(app, ["zoo", "build", "--root", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    assert seen == {"profile": "demo", "root": tmp_path, "cache": tmp_path}
+    assert seen == {"profile": "demo", "root": tmp_path, "cache": tmp_path, "device": "cpu"}
     monkeypatch.delenv("VLSERVE_CACHE", raising=False)  # the command set it for its own process
     assert "VLSERVE_CACHE" not in os.environ
 
@@ -31,6 +31,20 @@ def test_root_is_the_cache_root_of_the_whole_build(tmp_path, monkeypatch):
 def test_unknown_profile_exits_2():
     result = runner.invoke(app, ["zoo", "build", "--profile", "huge"])
     assert result.exit_code == 2 and "unknown profile 'huge'" in result.output
+
+
+@pytest.mark.parametrize("device, message", [("tpu", "device 'tpu' unknown: choose cpu, cuda or cuda:N"),
+                                             ("cuda:7", "device 'cuda:7': torch sees")])
+def test_a_device_it_cannot_train_on_exits_2_before_building(device, message, tmp_path):
+    result = runner.invoke(app, ["zoo", "build", "--root", str(tmp_path / "cache"), "--device", device])
+    assert result.exit_code == 2 and message in result.output
+    assert not (tmp_path / "cache").exists()
+
+
+def test_detector_training_on_a_device_it_cannot_use_exits_2(tmp_path):
+    result = runner.invoke(app, ["train", "detector", "--out", str(tmp_path / "det"), "--device", "cuda:7"])
+    assert result.exit_code == 2 and "device 'cuda:7': torch sees" in result.output
+    assert not (tmp_path / "det").exists()
 
 
 def test_demo_profile_reaches_the_finetune_config_and_the_card(tmp_path):

@@ -155,6 +155,8 @@ def test_bad_inputs_exit_2(trained, tmp_path):
         (evaluate(root, "--split", "train"), "--split must be val or test"),
         (evaluate(root, "--retrieval-directions", "sideways"), "--retrieval-directions must be one of"),
         (evaluate(root, "--precision", "fp16"), "--precision must be fp32 or bf16"),
+        (evaluate(root, "--device", "tpu"), "device 'tpu' unknown: choose cpu, cuda or cuda:N"),
+        (evaluate(root, "--device", "cuda:7"), "device 'cuda:7': torch sees"),
         (CliRunner().invoke(app, ["eval", "encoder", str(root / "encoder"), "--detector-dir", str(root / "detector"),
                                   "--shapes-dir", str(tmp_path)]), "not a shapes-world dataset directory"),
     ]

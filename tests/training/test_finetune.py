@@ -147,6 +147,8 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(task_data, tmp_path):
         (["--tasks", "itm_rank:1", "--query-bank", "8", "--query-bank-temperature", "0"], "query_bank_temperature=0 above 0"),
         (["--tasks", "itm_rank:1", "--retrieval-queries", "5", "--eval-scenes", "40", "--retrieval-pool", "41"],
          "retrieval_pool=41 must be None or from 2 to eval_scenes=40"),
+        (["--device", "tpu"], "device 'tpu' unknown: choose cpu, cuda or cuda:N"),
+        (["--device", "cuda:7"], "device 'cuda:7': torch sees"),  # no GPU here, or fewer than 8 where there are some
     ],
 )
 def test_bad_configs_fail_before_training(task_data, tmp_path, args, message):

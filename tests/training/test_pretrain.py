@@ -183,6 +183,8 @@ def test_grounded_masked_lm_targets_detector_words_of_matched_pairs_only(detecto
         (dict(init_text=True), "--init-text needs size small"),
         (dict(detector_dir="nowhere"), "checkpoint directory not found"),
         (dict(preset="vl-bert", box_embedding="normalized"), "box_embedding 'normalized' is u-visualbert's"),
+        (dict(device="tpu"), "device 'tpu' unknown: choose cpu, cuda or cuda:N"),
+        (dict(device="cuda:7"), "device 'cuda:7': torch sees"),
     ],
 )
 def test_bad_configs_fail_before_training(changes, message, detector_dir, data, tmp_path):
@@ -213,6 +215,7 @@ def test_data_that_does_not_fit_fails_before_training(bad_data, message, detecto
         (["--visual-feat-dim", "2048"], "feature dim mismatch"),
         (["--mlm-words", "nouns"], "unknown mlm_words 'nouns'"),
         (["--preset", "vl-bert", "--mlm-matched-only"], "mlm_matched_only needs both the mlm and the itm objective"),
+        (["--device", "gpu"], "device 'gpu' unknown"),
     ],
 )
 def test_cli_bad_configs_exit_2_with_one_message(args, message, detector_dir, tmp_path):

@@ -54,7 +54,9 @@ def encoder(
     shapes_dir: Annotated[Path | None, typer.Option(help="a built shapes-world dataset directory (default: the standard one)")] = None,
     threads: Annotated[int, typer.Option(min=1)] = 2,
     precision: Annotated[str, typer.Option(help="fp32, or bf16: bfloat16 GEMMs as the service serves by default where "
-                                                "the CPU has native bfloat16 (as the model card's metrics; about 2x faster)")] = "fp32",
+                                                "the CPU has native bfloat16 (as the model card's metrics; about 2x faster), "
+                                                "bfloat16 autocast on a GPU")] = "fp32",
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N: where the model runs")] = "cpu",
 ) -> None:
     """Every metric the checkpoint's heads support, as JSON: vqa/refer/itm/nlvr2/mc/easy_vqa accuracy and
     retrieval R@1/5/10 both ways (zero-shot from a pretraining checkpoint's ITM head)."""
@@ -67,6 +69,7 @@ def encoder(
     from models.query_bank import QueryBank
     from models.layers import cpu_bf16_unavailable
     from training.evaluate import evaluate_tasks, head_for
+    from training.device import gpu_bf16_unavailable, resolve_device
     from training.finetune import gemm_precision
     from training.retrieval import DIRECTIONS, evaluate_retrieval
     from training.vl_data import prepare_eval_data, shapes_config_from_dir, tagged
@@ -79,8 +82,13 @@ def encoder(
         fail(f"--split must be val or test, got {split!r}")
     if precision not in ("fp32", "bf16"):
         fail(f"--precision must be fp32 or bf16, got {precision!r}")
-    if precision == "bf16" and cpu_bf16_unavailable() is not None:
-        fail(f"--precision bf16: {cpu_bf16_unavailable()}")
+    try:
+        where = resolve_device(device)
+    except ValueError as exc:
+        fail(str(exc))
+    unavailable = gpu_bf16_unavailable(where) if where.type == "cuda" else cpu_bf16_unavailable()
+    if precision == "bf16" and unavailable is not None:
+        fail(f"--precision bf16: {unavailable}")
     directions = {"both": DIRECTIONS, "text-to-image": ("text_to_image",), "image-to-text": ("image_to_text",)}
     if retrieval_directions not in directions:
         fail(f"--retrieval-directions must be one of {', '.join(directions)}, got {retrieval_directions!r}")
@@ -106,9 +114,10 @@ def encoder(
     easy_vqa_images = easy_vqa_images if head_for(model, "vqa") else 0  # extract only what some head reads
     retrieval_pool = retrieval_pool if head_for(model, "itm") else 0
     data = tagged(prepare_eval_data(detector_dir, split, scenes, easy_vqa_images, retrieval_pool, **shapes), model, tokenizer)
+    model.to(where)
     with gemm_precision(model, precision):
         result = {"encoder": str(path), "preset": enc.preset, "size": enc.size, "heads": model.tasks,
-                  "detector": fingerprint, "split": split, "scenes": scenes, "precision": precision,
+                  "detector": fingerprint, "split": split, "scenes": scenes, "precision": precision, "device": str(where),
                   **evaluate_tasks(model, data, tokenizer, head_answers=checkpoint.labels.get("heads"))}
         if retrieval_pool:
             retrieval_started = time.perf_counter()

@@ -26,14 +26,21 @@ def detector(
     num_boxes: Annotated[int, typer.Option(min=1, help="regions per image (fixed mode)")] = 36,
     seed: Annotated[int, typer.Option(help="seed of data order and initialisation")] = 0,
     threads: Annotated[int, typer.Option(min=1, help="torch threads")] = 2,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N: where the model trains")] = "cpu",
 ) -> None:
     """Fine-tune the EfficientNet-Lite0 Faster R-CNN region detector on shapes-world scenes."""
     from training.data.shapes_cache import ShapesConfig
     from training.detector_train import DetectorTrainConfig, train_detector
+    from training.device import resolve_device
 
+    try:
+        resolve_device(device)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     data = ShapesConfig(splits=(("train", train_scenes), ("val", val_scenes), ("test", test_scenes)))
     cfg = DetectorTrainConfig(out=out, steps=steps, batch_size=batch_size, lr=lr, eval_every=eval_every, seed=seed, threads=threads,
-                              data=data, detector={"feature_dim": feature_dim, "num_boxes": num_boxes})
+                              device=device, data=data, detector={"feature_dim": feature_dim, "num_boxes": num_boxes})
     metrics = train_detector(cfg)
     typer.echo(json.dumps({"out": str(out), "val": metrics["val"], "train_seconds": metrics["train_seconds"],
                            "fingerprint": metrics["fingerprint"]}, indent=2))
@@ -100,6 +107,8 @@ def finetune(
                                                    "its pretraining (and so at inference: the service feeds them too)")] = False,
     seed: Annotated[int, typer.Option()] = 0,
     threads: Annotated[int, typer.Option(min=1)] = 2,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N: where the model trains (batches are collated on the "
+                                             "CPU; metrics and the checkpoint come back to it)")] = "cpu",
 ) -> None:
     """Multi-task fine-tuning: one shared encoder with vqa, refer, itm, nlvr2 and multiple_choice heads."""
     from training.finetune import FinetuneConfig, train
@@ -119,7 +128,7 @@ def finetune(
                              curriculum=parse_curriculum(curriculum),
                              freeze_word_embeddings=freeze_word_embeddings, dropout=dropout,
                              feature_norm=feature_norm, box_embedding=box_embedding, region_tags=region_tags,
-                             seed=seed, threads=threads)
+                             seed=seed, threads=threads, device=device)
         validate_finetune(cfg)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -157,6 +166,8 @@ def pretrain(
     box_embedding: Annotated[str, typer.Option(help=BOX_EMBEDDING_HELP)] = "linear",
     seed: Annotated[int, typer.Option()] = 0,
     threads: Annotated[int, typer.Option(min=1)] = 2,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N: where the model trains (batches are collated on the "
+                                             "CPU; metrics and the checkpoint come back to it)")] = "cpu",
 ) -> None:
     """Pretrain an encoder preset with its paper's objectives (weak mode for u-visualbert) on cached regions."""
     from training.pretrain import PretrainConfig, PretrainConfigError
@@ -167,7 +178,8 @@ def pretrain(
                          visual_feat_dim=visual_feat_dim, easy_vqa=easy_vqa, train_scenes=train_scenes,
                          eval_scenes=eval_scenes, steps=steps, batch_size=batch_size, lr=lr, head_lr=head_lr,
                          warmup=warmup, clip=clip, mask_prob=mask_prob, region_mask_prob=region_mask_prob,
-                         mlm_words=mlm_words, mlm_matched_only=mlm_matched_only, bf16=bf16, feature_norm=feature_norm, box_embedding=box_embedding, seed=seed, threads=threads)
+                         mlm_words=mlm_words, mlm_matched_only=mlm_matched_only, bf16=bf16, feature_norm=feature_norm, box_embedding=box_embedding, seed=seed, threads=threads,
+                         device=device)
     try:
         metrics = run_pretrain(cfg)  # validates the config, then the data, before the first step
     except PretrainConfigError as exc:
@@ -196,6 +208,9 @@ def validate_finetune(cfg) -> None:
     from models.detector.io import load_detector
     from models.registry import encoder_config
     from training.finetune import RANK_TASKS, TASKS, TRAINING_SETS, check_lead, training_tasks
+    from training.device import resolve_device
+
+    resolve_device(cfg.device)  # an unknown device, or a GPU torch cannot see
 
     layers = {} if cfg.num_layers is None else {"num_layers": cfg.num_layers}
     encoder = encoder_config(cfg.preset, cfg.size, box_embedding=cfg.box_embedding, region_tags=cfg.region_tags, **layers)  # unknown preset, size, ...

@@ -18,14 +18,22 @@ def build(
                                               "~/.cache/vlserve)")] = None,
     force: Annotated[bool, typer.Option(help="rebuild even if it exists")] = False,
     threads: Annotated[int, typer.Option(min=1)] = 2,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N: where the detector and the encoder train (the "
+                                             "profiles' times and figures are the CPU's)")] = "cpu",
 ) -> None:
     """Train the detector, extract regions once, fine-tune the encoder and write MODEL_CARD.md."""
+    from training.device import resolve_device
     from training.zoo import PROFILES, build_zoo
 
     if profile not in PROFILES:
         typer.echo(f"error: unknown profile {profile!r}; choose one of {', '.join(PROFILES)}", err=True)
         raise typer.Exit(2)
+    try:
+        resolve_device(device)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     if root is not None:  # data and feature caches read the cache root from the environment
         os.environ["VLSERVE_CACHE"] = str(root)
-    path = build_zoo(profile, root, force=force, threads=threads)
+    path = build_zoo(profile, root, force=force, threads=threads, device=device)
     typer.echo(str(path))
