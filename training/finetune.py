@@ -314,7 +314,7 @@ def run_data(cfg: FinetuneConfig, progress: bool = True, *also: FinetuneConfig) 
     tasks = {t for c in (cfg, *also) for t in training_tasks(c)}
     return prepare_task_data(cfg.detector_dir, cfg.train_scenes, cfg.eval_scenes, cfg.easy_vqa, progress,
                              easy_vqa_images=cfg.easy_vqa_images, ranking=bool(tasks & set(RANK_TASKS)),
-                             question_sets=bool(tasks & {*QUESTION_SETS, *EXPRESSION_SETS}))
+                             question_sets=bool(tasks & {*QUESTION_SETS, *EXPRESSION_SETS}), device=cfg.device)
 
 
 def pairs_per_example(task: str, pool: list) -> int:

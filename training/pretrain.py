@@ -283,7 +283,7 @@ def pretrain(cfg: PretrainConfig, data: TaskData | None = None, progress: bool =
     torch.set_num_threads(cfg.threads)
     rng = np.random.default_rng(cfg.seed)
     data = data or prepare_task_data(cfg.detector_dir, cfg.train_scenes, cfg.eval_scenes, cfg.easy_vqa, progress,
-                                     easy_vqa_images=cfg.easy_vqa_images)
+                                     easy_vqa_images=cfg.easy_vqa_images, device=cfg.device)
     check_data(cfg, data, detector)
     tokenizer = VLTokenizer.pretrained_minilm(max_length=cfg.max_length)
     model = build_model(cfg, detector.feature_dim, len(data.objects), len(data.answers))

@@ -25,6 +25,7 @@ from .data.vl_tasks import (
     Example, caption_ranking_examples, easy_vqa_examples, expression_examples, question_examples, ranking_examples, retrieval_examples, shapes_examples,
 )
 from .data.vl_tasks import easy_vqa_images as easy_vqa_image_ids
+from .device import resolve_device
 
 # question sets trained as tasks through the VQA head, beyond a scene's sampled VQA questions: one-object position
 # questions (shapes_tasks.position_questions, both-sided and one-sided), and every relation and every attribute
@@ -132,9 +133,12 @@ def as_eval_sets(examples: dict[str, list[Example]]) -> dict[str, list[Example]]
     return {("mc" if task == "multiple_choice" else task): exs for task, exs in examples.items()}
 
 
-def _extractor(detector_dir: Path, progress: bool) -> tuple[DetectorConfig, str, Extract]:
-    """The detector's config, its fingerprint, and a cached region extractor (features/<fingerprint>/<name>.vlfeat)."""
+def _extractor(detector_dir: Path, progress: bool, device: str = "cpu") -> tuple[DetectorConfig, str, Extract]:
+    """The detector's config, its fingerprint, and a cached region extractor (features/<fingerprint>/<name>.vlfeat)
+    that runs the detector on `device` (a GPU's regions are the CPU's; features within about 1e-3, the float16 they
+    are stored in: docs/BENCHMARKS.md "GPU")."""
     detector, fingerprint = load_detector(detector_dir)
+    detector.to(resolve_device(device))
     features_dir = cache_root() / "features" / fingerprint
 
     def extract(name: str, load_image: Callable[[int], np.ndarray], count: int) -> RegionTable:
@@ -145,12 +149,13 @@ def _extractor(detector_dir: Path, progress: bool) -> tuple[DetectorConfig, str,
 
 def prepare_task_data(detector_dir: Path, train_scenes: int, eval_scenes: int, easy_vqa: bool = True,
                       progress: bool = True, data: ShapesConfig = ShapesConfig(), easy_vqa_images: int | None = None,
-                      shapes_root: Path | None = None, ranking: bool = False, question_sets: bool = False) -> TaskData:
+                      shapes_root: Path | None = None, ranking: bool = False, question_sets: bool = False,
+                      device: str = "cpu") -> TaskData:
     """Extract (or load cached) regions for the data a run uses and build its task examples (eval on val);
     with `ranking` also the itm_rank and itm_rank_text training groups, with `question_sets` the QUESTION_SETS
     (trained through the VQA head) and EXPRESSION_SETS (through the refer head); the val scenes' both-sided position
-    questions are scored as `positions`."""
-    cfg, fingerprint, extract = _extractor(detector_dir, progress)
+    questions are scored as `positions`. Regions not yet cached are extracted on `device`."""
+    cfg, fingerprint, extract = _extractor(detector_dir, progress, device)
     train_table, train = shapes_part(extract, "train", train_scenes, data, seed=0, root=shapes_root, ranking=ranking,
                                      question_sets=(*QUESTION_SETS, *EXPRESSION_SETS) if question_sets else ())
     eval_table, evals = shapes_part(extract, "val", eval_scenes, data, seed=1, retrieval_pool=eval_scenes, root=shapes_root,
@@ -168,12 +173,12 @@ def prepare_task_data(detector_dir: Path, train_scenes: int, eval_scenes: int, e
 
 def prepare_eval_data(detector_dir: Path, split: str = "test", scenes: int = 1_000, easy_vqa_images: int = 1_000,
                       retrieval_pool: int = 1_000, progress: bool = True, data: ShapesConfig = ShapesConfig(),
-                      shapes_root: Path | None = None) -> TaskData:
+                      shapes_root: Path | None = None, device: str = "cpu") -> TaskData:
     """Held-out data only (no training table): a shapes-world split, easy-VQA test images (0 = none), and the
     retrieval pool (the split's first `retrieval_pool` scenes, 0 = none)."""
     if split not in ("val", "test"):
         raise ValueError(f"evaluation split must be val or test, got {split!r}")
-    cfg, fingerprint, extract = _extractor(detector_dir, progress)
+    cfg, fingerprint, extract = _extractor(detector_dir, progress, device)
     table, evals = shapes_part(extract, split, scenes, data, seed=1, retrieval_pool=retrieval_pool, root=shapes_root)
     tables, evals = [table], as_eval_sets(evals)
     if easy_vqa_images:

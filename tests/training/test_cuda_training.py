@@ -19,7 +19,8 @@ from training.finetune import train
 from training.pretrain import pretrain
 from vlserve.cli import app
 from tests.training.test_detector_train import SMALL, TINY
-from tests.training.test_finetune import task_data, tiny  # noqa: F401 (a fixture)
+from training.vl_data import prepare_task_data
+from tests.training.test_finetune import SHAPES, task_data, tiny  # noqa: F401 (a fixture)
 from tests.training.test_pretrain import data, detector_dir  # noqa: F401 (fixtures)
 from tests.training.test_pretrain import tiny as tiny_pretrain
 
@@ -39,7 +40,7 @@ def test_finetuning_on_cuda_follows_the_cpu_run_and_saves_a_checkpoint_the_cpu_s
     # float32 both (no TF32 for matmuls by default): the same first steps to rounding, then near each other
     assert gpu["losses"][:10] == pytest.approx(cpu["losses"][:10], rel=1e-3, abs=1e-4)
     assert sum(gpu["losses"][-20:]) / 20 == pytest.approx(sum(cpu["losses"][-20:]) / 20, rel=0.1)
-    assert gpu["final"]["nlvr2_acc"] > 0.5 and gpu["final"]["vqa_acc"] > 0.2
+    assert sum(gpu["losses"][-20:]) < 0.9 * sum(gpu["losses"][:20])  # it learns
     ckpt = load_checkpoint(tmp_path / "cuda")
     assert {p.device.type for p in ckpt.model.parameters()} == {"cpu"}
     rescored = evaluate_tasks(ckpt.model, data, ckpt.tokenizer)
@@ -100,6 +101,21 @@ def test_the_detector_trains_on_cuda_and_loads_on_the_cpu(tmp_path, monkeypatch)
     detector, fingerprint = load_detector(tmp_path / "det")
     assert fingerprint == metrics["fingerprint"]
     assert {p.device.type for p in detector.parameters()} == {"cpu"}
+
+
+def test_regions_extracted_on_cuda_are_the_cpus(task_data, tmp_path, monkeypatch):  # noqa: F811
+    detector, _ = task_data
+    tables = {}
+    for device in ("cpu", "cuda"):
+        monkeypatch.setenv("VLSERVE_CACHE", str(tmp_path / device))  # each extracts into a cache of its own
+        tables[device] = prepare_task_data(detector, 24, 8, easy_vqa=False, progress=False, data=SHAPES,
+                                           device=device).train_table
+    cpu, gpu = tables["cpu"], tables["cuda"]
+    assert (gpu.mask == cpu.mask).all()  # as many regions per image
+    # the same regions in the same order, but for near-tied scores of this untrained detector that may swap
+    same = (abs(gpu.boxes - cpu.boxes).max(-1) < 0.01) & (cpu.mask == 1)
+    assert same.sum() >= 0.9 * cpu.mask.sum()
+    assert abs(gpu.features[same].astype("float32") - cpu.features[same].astype("float32")).max() < 2e-2
 
 
 def test_eval_encoder_on_cuda_scores_as_on_the_cpu(task_data, tmp_path, monkeypatch):  # noqa: F811

@@ -113,7 +113,7 @@ def encoder(
     model, tokenizer = checkpoint.model, checkpoint.tokenizer
     easy_vqa_images = easy_vqa_images if head_for(model, "vqa") else 0  # extract only what some head reads
     retrieval_pool = retrieval_pool if head_for(model, "itm") else 0
-    data = tagged(prepare_eval_data(detector_dir, split, scenes, easy_vqa_images, retrieval_pool, **shapes), model, tokenizer)
+    data = tagged(prepare_eval_data(detector_dir, split, scenes, easy_vqa_images, retrieval_pool, **shapes, device=device), model, tokenizer)
     model.to(where)
     with gemm_precision(model, precision):
         result = {"encoder": str(path), "preset": enc.preset, "size": enc.size, "heads": model.tasks,
