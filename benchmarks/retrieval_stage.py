@@ -51,6 +51,8 @@ def miss_kind(query: tuple, top: tuple) -> str:
         return "one object fewer"
     if (m, e) == (0, 1):
         return "one object more"
+    if e == 0:
+        return "a part of the listing (two or more objects fewer)"
     return "two or more objects differ"
 
 
@@ -65,6 +67,8 @@ def main() -> None:
     ap.add_argument("--neighbours", type=int, default=RANK_NEIGHBOURS, help="itm_rank: how many closest scenes they come from")
     ap.add_argument("--group", type=int, default=RANK_GROUP, help="itm_rank: images per group (the caption's own first)")
     ap.add_argument("--by-objects", action="store_true", help="itm_rank: a scene of n objects gives n groups")
+    ap.add_argument("--partial", type=int, default=0, help="itm_rank: negatives drawn from the scenes made of a part of "
+                                                            "the listing's objects")
     ap.add_argument("--queries", type=int, default=100, help="listing captions, each ranks the whole val pool")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-layers", type=int, default=DEMO.num_layers, help="encoder layers (that of --init-from)")
@@ -85,11 +89,12 @@ def main() -> None:
                               eval_every=10**9, retrieval_queries=0, seed=args.seed, threads=args.threads,
                               rank_pool=args.rank_pool, num_layers=args.num_layers)
     training.vl_data.ranking_examples = functools.partial(ranking_examples, hard=args.hard, neighbours=args.neighbours,
-                                                          group_size=args.group, by_objects=args.by_objects)
+                                                          group_size=args.group, by_objects=args.by_objects,
+                                                          partial=args.partial)
     data = prepare_task_data(cfg.detector_dir, cfg.train_scenes, cfg.eval_scenes, cfg.easy_vqa, False,
                              easy_vqa_images=cfg.easy_vqa_images, ranking=True, question_sets=True)
     result: dict = {"init_from": str(args.init_from), "steps": args.steps, "tasks": tasks, "rank_pool": args.rank_pool, "hard": args.hard,
-                    "group": args.group, "by_objects": args.by_objects,
+                    "group": args.group, "by_objects": args.by_objects, "partial": args.partial,
                     "neighbours": args.neighbours, "seed": args.seed,
                     **({"lead": [cfg.lead_tasks, cfg.lead_steps]} if cfg.lead_steps else {})}
     if args.steps:

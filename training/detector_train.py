@@ -40,6 +40,7 @@ class DetectorTrainConfig:
     seed: int = 0
     threads: int = 2  # torch intra-op threads
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N" (training.device); images are prepared on the CPU and moved
+    attribute_weight: float = 1.0  # weight of the colour/size attribute loss beside the box and class losses
     data: ShapesConfig = field(default_factory=ShapesConfig)
     detector: dict = field(default_factory=dict)  # DetectorConfig overrides (feature_dim, num_boxes, ...)
 
@@ -132,7 +133,7 @@ def train_detector(cfg: DetectorTrainConfig, progress: bool = True) -> dict:
         batch = [random_zoom(img, t, rng) if rng.random() < cfg.zoom_prob else (img, t) for img, t in batch]
         batch = [random_stretch(img, t, rng) if rng.random() < cfg.stretch_prob else (img, t) for img, t in batch]
         losses = detector.losses([img for img, _ in batch], [t for _, t in batch])
-        loss = sum(losses.values())
+        loss = sum(v * (cfg.attribute_weight if k == "loss_attributes" else 1.0) for k, v in losses.items())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 10.0)

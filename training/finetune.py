@@ -20,7 +20,7 @@ from models.query_bank import BANK_KEY
 from models.text_init import init_text_from_minilm
 from models.tokenizer import VLTokenizer
 
-from .data.vl_tasks import collate
+from .data.vl_tasks import RANK_GROUP, collate
 from .device import autocast, gpu_bf16_unavailable, model_device, resolve_device, rng_state, set_rng_state, to_device
 from .evaluate import evaluate_tasks
 from .objectives import group_ranking_loss
@@ -102,6 +102,10 @@ class FinetuneConfig:
     # /retrieve and retrieval R@K normalise each image's text -> image scores by its scores with them
     # (models.query_bank; 0 = none, raw scores rank)
     query_bank_temperature: float = 1.0
+    # the itm_rank groups' negatives besides the caption's own image (vl_tasks.ranking_examples): rank_hard of the
+    # scenes that share most of its objects, rank_partial of the scenes made of a part of them, the rest random
+    rank_hard: int = 5
+    rank_partial: int = 0
     # The lead phase exists to get its tasks off their plateau (refer: docs/RESULTS.md session 7), and when they leave
     # it depends on rounding (session 21: from step 60 to past 200 over seeds and AdamW kernels). A lead whose mean
     # loss over its last LEAD_WINDOW steps is not below lead_takeoff x its first LEAD_WINDOW steps' is stalled: the
@@ -250,6 +254,9 @@ def check_lead(cfg: FinetuneConfig) -> None:
     if cfg.query_bank < 0 or cfg.query_bank_temperature <= 0:
         raise ValueError(f"query_bank={cfg.query_bank} must be 0 or more and query_bank_temperature="
                          f"{cfg.query_bank_temperature:g} above 0")
+    if cfg.rank_hard < 0 or cfg.rank_partial < 0 or cfg.rank_hard + cfg.rank_partial > RANK_GROUP - 1:
+        raise ValueError(f"rank_hard={cfg.rank_hard} and rank_partial={cfg.rank_partial} must be 0 or more and together "
+                         f"at most {RANK_GROUP - 1} (the negatives of a ranking group)")
     if cfg.query_bank and cfg.tasks.get(RANK_TASK, 0) <= 0:
         raise ValueError(f"query_bank draws the listing captions of the {RANK_TASK} set: give it a weight in tasks")
     known = (*TASKS, *TRAINING_SETS)
@@ -312,8 +319,10 @@ def run_data(cfg: FinetuneConfig, progress: bool = True, *also: FinetuneConfig) 
     """The regions and examples a run trains and is scored on (extracted once per detector, then cached): the
     ranking groups and question sets only where the run (or one of `also`, runs on the same data) trains them."""
     tasks = {t for c in (cfg, *also) for t in training_tasks(c)}
+    ranker = next((c for c in (cfg, *also) if set(training_tasks(c)) & set(RANK_TASKS)), cfg)  # whose groups they are
     return prepare_task_data(cfg.detector_dir, cfg.train_scenes, cfg.eval_scenes, cfg.easy_vqa, progress,
                              easy_vqa_images=cfg.easy_vqa_images, ranking=bool(tasks & set(RANK_TASKS)),
+                             rank_groups={"hard": ranker.rank_hard, "partial": ranker.rank_partial},
                              question_sets=bool(tasks & {*QUESTION_SETS, *EXPRESSION_SETS}), device=cfg.device)
 
 

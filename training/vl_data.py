@@ -91,12 +91,12 @@ def shapes_config_from_dir(path: Path) -> tuple[ShapesConfig, Path]:
 
 
 def shapes_part(extract: Extract, split_name: str, scenes: int, data: ShapesConfig, seed: int, retrieval_pool: int = 0,
-                root: Path | None = None, ranking: bool = False,
-                question_sets: tuple[str, ...] = ()) -> tuple[RegionTable, dict[str, list[Example]]]:
+                root: Path | None = None, ranking: bool = False, question_sets: tuple[str, ...] = (),
+                rank_groups: dict | None = None) -> tuple[RegionTable, dict[str, list[Example]]]:
     """Regions of the first max(scenes, retrieval_pool) scenes of a split; task examples of the first `scenes`
     (NLVR2 pairs inside them), with `ranking` the retrieval training groups (itm_rank, itm_rank_text) over them, with
     `question_sets` the named sets of QUESTION_SETS and EXPRESSION_SETS, and, with retrieval_pool, one gold
-    caption for each of the first pool scenes."""
+    caption for each of the first pool scenes. rank_groups: ranking_examples' negatives (hard, partial)."""
     split = load_split(split_name, data, root)
     scenes, pool = min(scenes, len(split)), min(retrieval_pool, len(split))
     table = extract(f"shapes-{config_hash(data)}-{split_name}", lambda i: np.asarray(split.image(i)), max(scenes, pool))
@@ -105,7 +105,7 @@ def shapes_part(extract: Extract, split_name: str, scenes: int, data: ShapesConf
                                ANSWERS, seed=seed)
     if ranking:
         scene_split = ShapesSplit(split.directory, split.annotations[:scenes], [])
-        examples["itm_rank"] = ranking_examples(scene_split, seed=seed)
+        examples["itm_rank"] = ranking_examples(scene_split, seed=seed, **(rank_groups or {}))
         examples["itm_rank_text"] = caption_ranking_examples(scene_split, seed=seed)
     for name in question_sets:
         scene_split = ShapesSplit(split.directory, split.annotations[:scenes], [])
@@ -150,14 +150,16 @@ def _extractor(detector_dir: Path, progress: bool, device: str = "cpu") -> tuple
 def prepare_task_data(detector_dir: Path, train_scenes: int, eval_scenes: int, easy_vqa: bool = True,
                       progress: bool = True, data: ShapesConfig = ShapesConfig(), easy_vqa_images: int | None = None,
                       shapes_root: Path | None = None, ranking: bool = False, question_sets: bool = False,
-                      device: str = "cpu") -> TaskData:
+                      device: str = "cpu", rank_groups: dict | None = None) -> TaskData:
     """Extract (or load cached) regions for the data a run uses and build its task examples (eval on val);
     with `ranking` also the itm_rank and itm_rank_text training groups, with `question_sets` the QUESTION_SETS
     (trained through the VQA head) and EXPRESSION_SETS (through the refer head); the val scenes' both-sided position
-    questions are scored as `positions`. Regions not yet cached are extracted on `device`."""
+    questions are scored as `positions`. Regions not yet cached are extracted on `device`. rank_groups: the
+    negatives of the itm_rank groups (vl_tasks.ranking_examples' hard and partial)."""
     cfg, fingerprint, extract = _extractor(detector_dir, progress, device)
     train_table, train = shapes_part(extract, "train", train_scenes, data, seed=0, root=shapes_root, ranking=ranking,
-                                     question_sets=(*QUESTION_SETS, *EXPRESSION_SETS) if question_sets else ())
+                                     question_sets=(*QUESTION_SETS, *EXPRESSION_SETS) if question_sets else (),
+                                     rank_groups=rank_groups)
     eval_table, evals = shapes_part(extract, "val", eval_scenes, data, seed=1, retrieval_pool=eval_scenes, root=shapes_root,
                                     question_sets=("positions",) if question_sets else ())
     train_tables, eval_tables, evals = [train_table], [eval_table], as_eval_sets(evals)

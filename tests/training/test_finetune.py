@@ -147,6 +147,7 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(task_data, tmp_path):
         (["--tasks", "itm_rank:1", "--query-bank", "8", "--query-bank-temperature", "0"], "query_bank_temperature=0 above 0"),
         (["--tasks", "itm_rank:1", "--retrieval-queries", "5", "--eval-scenes", "40", "--retrieval-pool", "41"],
          "retrieval_pool=41 must be None or from 2 to eval_scenes=40"),
+        (["--tasks", "itm_rank:1", "--rank-hard", "5", "--rank-partial", "3"], "rank_hard=5 and rank_partial=3 must be 0 or"),
         (["--device", "tpu"], "device 'tpu' unknown: choose cpu, cuda or cuda:N"),
         (["--device", "cuda:7"], "device 'cuda:7': torch sees"),  # no GPU here, or fewer than 8 where there are some
     ],
@@ -330,6 +331,28 @@ def test_ranking_groups_put_the_closest_scenes_among_the_negatives():
     groups = ranking_examples(ShapesSplit(None, anns, []), group_size=4, hard=1, neighbours=1, seed=0)
     assert groups[0].rows[1] == 1  # the one-attribute neighbour is the hard negative
     assert 2 not in groups[0].rows and 0 not in groups[2].rows  # a scene with the same objects is never a negative
+
+
+def test_partial_negatives_are_scenes_made_of_a_part_of_the_listing():
+    """partial=K: K negatives whose every object the listing names (never the caption's own objects, never twice)."""
+    from training.data.shapes_cache import ShapesSplit
+    from training.data.vl_tasks import ranking_examples
+
+    def scene(*objects):
+        return {"objects": [dict(zip(("size", "color", "shape"), o.split())) for o in objects], "captions": ["c"]}
+
+    long = ("small red circle", "large blue triangle", "small green rectangle", "large gray circle")
+    anns = [scene(*long), scene(*long[:1]), scene(*long[1:3]), scene(*long[::-1])]  # 3 holds 0's objects: true of it
+    other = ("large green rectangle", "small gray circle", "small gray triangle", "large red triangle", "small teal circle")
+    anns += [scene(*other) for _ in range(10)]  # nothing in common with the listing
+    split = ShapesSplit(None, anns, [])
+    groups = [ranking_examples(split, group_size=5, hard=1, neighbours=1, seed=seed, partial=2)[0] for seed in range(8)]
+    for group in groups:  # the closest scene (2: half the objects) is the hard one, then the other part, then random
+        assert group.rows[:3] == (0, 2, 1) and 3 not in group.rows and len(set(group.rows)) == 5
+    plain = [ranking_examples(split, group_size=5, hard=1, neighbours=1, seed=seed)[0] for seed in range(8)]
+    assert sum(1 in g.rows for g in plain) < 8  # without: the one-object part only by chance
+    # a one-object listing has no strict part: random scenes fill its group
+    assert len(set(ranking_examples(split, group_size=5, hard=1, neighbours=1, seed=0, partial=2)[1].rows)) == 5
 
 
 def test_caption_ranking_groups_hold_the_listing_first_then_false_near_misses(task_data):

@@ -81,11 +81,14 @@ RANK_GROUP, RANK_HARD, RANK_NEIGHBOURS = 8, 5, 20  # ranking groups: size, close
 
 def ranking_examples(split: ShapesSplit, group_size: int = RANK_GROUP, hard: int = RANK_HARD,
                      neighbours: int = RANK_NEIGHBOURS, seed: int = 0, row_offset: int = 0,
-                     by_objects: bool = False) -> list[Example]:
+                     by_objects: bool = False, partial: int = 0) -> list[Example]:
     """Retrieval training groups: each scene's listing caption (captions[0]) with its own image first, then
-    `hard` scenes drawn from the `neighbours` whose objects overlap its own most, then random scenes; never a
-    scene the caption is true of (the same objects_key). Rows are scene index + row_offset. With by_objects, a scene
-    of n objects gives n groups, each with negatives of its own: long listings are drawn n times as often."""
+    `hard` scenes drawn from the `neighbours` whose objects overlap its own most, then `partial` scenes whose every
+    object the listing names but that lack some of its objects (a part of the scene: where there are none, random
+    ones), then random scenes; never a scene the caption is true of (the same objects_key). Rows are scene index +
+    row_offset. With by_objects, a scene of n objects gives n groups, each with negatives of its own: long listings
+    are drawn n times as often. The closest scenes share most objects and about as many: without `partial`, an image
+    of one or two of a long listing's objects is a negative only by chance."""
     keys = [objects_key(ann) for ann in split.annotations]
     n = len(keys)
     if n < group_size:
@@ -107,8 +110,12 @@ def ranking_examples(split: ShapesSplit, group_size: int = RANK_GROUP, hard: int
         overlap = np.minimum(counts[i], counts[others]).sum(1) - np.abs(sizes[others] - sizes[i])  # shared objects minus size gap
         near = min(neighbours, len(others))
         close = others[np.argpartition(-overlap, near - 1)[:near]]
+        parts = others[(counts[others] <= counts[i]).all(1)] if partial else others[:0]  # strict sub-multisets
         for _ in range(int(sizes[i]) if by_objects else 1):
             picked = [int(j) for j in rng.permutation(close)[:hard]]
+            if partial:
+                fresh = [int(j) for j in rng.permutation(parts) if j not in picked]
+                picked += fresh[:min(partial, group_size - 1 - len(picked))]
             while len(picked) < group_size - 1:
                 j = int(others[rng.integers(len(others))])
                 if j not in picked:

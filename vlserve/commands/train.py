@@ -88,6 +88,10 @@ def finetune(
                                                         "checkpoint's query bank: /retrieve and R@K then rank each image's "
                                                         "score against its scores with them (0: raw scores)")] = 0,
     query_bank_temperature: Annotated[float, typer.Option(help="the query bank's softmax temperature")] = 1.0,
+    rank_hard: Annotated[int, typer.Option(help="itm_rank: negatives of a group drawn from the 20 scenes that share "
+                                                "most of the caption's objects")] = 5,
+    rank_partial: Annotated[int, typer.Option(help="itm_rank: negatives drawn from the scenes made of a part of the "
+                                                   "caption's objects (the rest of the group's 7 are random)")] = 0,
     warmup: Annotated[int, typer.Option(min=0, help="linear warm-up steps, then linear decay to 0")] = 100,
     clip: Annotated[float, typer.Option(min=0.0, help="gradient norm clip")] = 1.0,
     vqa_loss: Annotated[str, typer.Option(help="bce (soft scores, the VQA standard) or ce (softmax; faster on single-answer data)")] = "bce",
@@ -121,7 +125,8 @@ def finetune(
                              eval_scenes=eval_scenes, easy_vqa=easy_vqa, init_text=init_text, init_from=init_from,
                              eval_every=eval_every, retrieval_queries=retrieval_queries, retrieval_pool=retrieval_pool,
                              query_bank=query_bank,
-                             query_bank_temperature=query_bank_temperature, warmup=warmup, clip=clip, vqa_loss=vqa_loss, vqa_pool=vqa_pool, bf16=bf16,
+                             query_bank_temperature=query_bank_temperature, rank_hard=rank_hard,
+                             rank_partial=rank_partial, warmup=warmup, clip=clip, vqa_loss=vqa_loss, vqa_pool=vqa_pool, bf16=bf16,
                              itm_pool=itm_pool, nlvr2_pool=nlvr2_pool, rank_pool=rank_pool,
                              lead_tasks=tuple(t.strip() for t in lead_tasks.split(",") if t.strip()), lead_steps=lead_steps,
                              lead_retries=lead_retries,
