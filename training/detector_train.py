@@ -106,6 +106,8 @@ def lr_at(step: int, cfg: DetectorTrainConfig) -> float:
 def train_detector(cfg: DetectorTrainConfig, progress: bool = True) -> dict:
     """Train, evaluate and save; returns the metrics recorded in the checkpoint manifest."""
     device = resolve_device(cfg.device)
+    if cfg.attribute_weight < 0:
+        raise ValueError(f"attribute_weight={cfg.attribute_weight:g} must be 0 or more")
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     rng = np.random.default_rng(cfg.seed)

@@ -48,6 +48,7 @@ class Profile:
     freeze_word_embeddings: bool = False  # no dense AdamW update of the 30522-row word table (1.24x per step)
     dropout: float | None = None  # encoder hidden and attention dropout; None = the preset's 0.1
     detector_eval_images: int | None = None  # val scenes the trained detector is scored on (None = all 2,000)
+    detector_attribute_weight: float = 1.0  # DetectorTrainConfig.attribute_weight: the colour/size loss's weight
     eval_every: int | None = None  # encoder steps between periodic evaluations; None = a third of the run
     box_embedding: str = "linear"  # FinetuneConfig.box_embedding
     region_tags: bool = False  # FinetuneConfig.region_tags
@@ -69,6 +70,7 @@ class Profile:
     query_bank: int = 0  # the retrieval stage keeps this many training listing captions as the encoder's query bank
     # (models.query_bank: /retrieve and the card's R@K normalise by it; 0 = none)
     query_bank_temperature: float = 1.0
+    seed: int = 0  # FinetuneConfig.seed of the encoder's runs (a stalled lead moves the multi-task run's on)
 
 
 # The measured levers of docs/BENCHMARKS.md ("Training step") and docs/RESULTS.md: 8 regions (shapes scenes
@@ -194,6 +196,7 @@ def build_zoo(profile: str = "demo", root: Path | None = None, force: bool = Fal
         train_detector(DetectorTrainConfig(out=det_dir, steps=p.detector_steps, eval_every=p.detector_steps,
                                            final_eval_images=p.detector_eval_images,
                                            threads=threads, device=device, data=ShapesConfig(),
+                                           attribute_weight=p.detector_attribute_weight,
                                            detector=detector_selection(p)),
                        progress=progress)
     det_seconds = time.perf_counter() - started
@@ -238,7 +241,7 @@ def finetune_config(p: Profile, det_dir: Path, enc_dir: Path, threads: int = 2) 
                           tasks={"vqa": 1.0, "refer": 1.0, "itm": 1.0, "nlvr2": 1.0, **dict(p.extra_tasks)},
                           bf16=p.bf16, freeze_word_embeddings=p.freeze_word_embeddings, dropout=p.dropout,
                           box_embedding=p.box_embedding, region_tags=p.region_tags,
-                          eval_every=p.eval_every or max(1, p.finetune_steps // 3), threads=threads,
+                          eval_every=p.eval_every or max(1, p.finetune_steps // 3), threads=threads, seed=p.seed,
                           init_from=enc_dir.parent / "pretrained" if p.pretrain_steps else None,
                           retrieval_queries=0 if p.retrieval_steps else p.retrieval_queries, retrieval_pool=p.retrieval_pool,
                           # a stage follows: the multi-task checkpoint's scores only fill the card's "before it"
@@ -339,7 +342,7 @@ Built by `vlserve zoo build --profile {name}` in {total_seconds / 60:.1f} min on
 
 ## Detector
 EfficientNet-Lite0 (ImageNet) + FPN Faster R-CNN, trained {p.detector_steps} steps (batch 8) on shapes-world scenes
-(3 shapes; attributes: 8 colours, 2 sizes) in {det.get("train_seconds", det_seconds) / 60:.1f} min. Validation: {json.dumps(det["val"])}.
+(3 shapes; attributes: 8 colours, 2 sizes{f", their loss weighted {p.detector_attribute_weight:g}" if p.detector_attribute_weight != 1 else ""}) in {det.get("train_seconds", det_seconds) / 60:.1f} min. Validation: {json.dumps(det["val"])}.
 Fingerprint `{det["fingerprint"]}`.
 
 ## Encoder

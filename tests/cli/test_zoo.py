@@ -257,3 +257,31 @@ def test_a_forced_build_does_not_resume_an_interrupted_one(tmp_path, monkeypatch
     monkeypatch.setattr(training.zoo, "model_card", lambda *a, **k: "card")
     training.zoo.build_zoo("demo", root=tmp_path, force=force, progress=False)
     assert resumed == {"multitask": not force, "encoder": not force}
+
+
+def test_the_detector_attribute_weight_and_the_seed_reach_the_build_and_the_card(tmp_path, monkeypatch):
+    import json
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def train_detector(cfg, progress=True):
+        seen["detector"] = cfg
+        raise Stop  # the configs are all this test reads
+
+    p = dataclasses.replace(training.zoo.PROFILES["demo"], detector_attribute_weight=4.0, seed=2)
+    monkeypatch.setattr(training.zoo, "train_detector", train_detector)
+    monkeypatch.setitem(training.zoo.PROFILES, "weighted", p)
+    with pytest.raises(Stop):
+        training.zoo.build_zoo("weighted", tmp_path, force=True, progress=False)
+    assert (seen["detector"].attribute_weight, seen["detector"].device) == (4.0, "cpu")
+    cfg = training.zoo.finetune_config(p, tmp_path / "det", tmp_path / "enc")
+    assert cfg.seed == 2 and training.zoo.retrieval_config(p, cfg, tmp_path / "stage").seed == 2
+    (tmp_path / "det").mkdir()
+    (tmp_path / "det" / "metrics.json").write_text(json.dumps({"val": {"map50": 0.98}, "fingerprint": "f" * 16}))
+    card = lambda q: training.zoo.model_card("demo", q, tmp_path / "det", {"final": {}, "train_seconds": 60},  # noqa: E731
+                                             det_seconds=60, total_seconds=120)
+    assert "attributes: 8 colours, 2 sizes, their loss weighted 4)" in card(p)
+    assert "weighted" not in card(dataclasses.replace(p, detector_attribute_weight=1.0))

@@ -24,3 +24,30 @@ def test_a_short_run_saves_a_detector_scored_on_the_asked_number_of_val_images(t
     whole = train_detector(DetectorTrainConfig(out=tmp_path / "det2", steps=1, batch_size=2, warmup=1, eval_every=10,
                                                threads=1, data=SMALL, detector=TINY), progress=False)
     assert whole["val"]["images"] == 6 and whole["history"] == []
+
+
+def test_the_attribute_loss_weight_scales_the_attribute_gradient_only(tmp_path, monkeypatch):
+    """attribute_weight multiplies the colour/size loss: at 0 the attribute head learns nothing, at 1 it does."""
+    monkeypatch.setenv("VLSERVE_CACHE", str(tmp_path / "cache"))
+    heads = {}
+    for w in (0.0, 1.0):
+        train_detector(DetectorTrainConfig(out=tmp_path / f"det{w}", steps=2, batch_size=2, warmup=1, eval_every=10,
+                                           final_eval_images=2, threads=1, data=SMALL, detector=TINY, attribute_weight=w),
+                       progress=False)
+        heads[w] = load_detector(tmp_path / f"det{w}")[0].attr_score.weight.detach().clone()
+    import torch
+
+    from models.detector import DetectorConfig, RegionDetector
+    from training.detector_train import ATTRIBUTES
+    from training.data.shapes_world import SHAPES
+
+    torch.manual_seed(0)  # the start both runs share
+    start = RegionDetector(DetectorConfig(classes=list(SHAPES), attributes=list(ATTRIBUTES), **TINY)).attr_score.weight
+    assert not torch.equal(heads[1.0], start)
+    # weight decay alone moves it at 0: SGD's decay is tiny (1e-4 x lr), the loss's gradient is not
+    assert (heads[0.0] - start).abs().max() < 1e-5 < (heads[1.0] - start).abs().max()
+    import pytest
+
+    with pytest.raises(ValueError, match="attribute_weight=-1 must be 0 or more"):
+        train_detector(DetectorTrainConfig(out=tmp_path / "bad", attribute_weight=-1.0, data=SMALL, detector=TINY),
+                       progress=False)

@@ -26,6 +26,8 @@ def detector(
     num_boxes: Annotated[int, typer.Option(min=1, help="regions per image (fixed mode)")] = 36,
     seed: Annotated[int, typer.Option(help="seed of data order and initialisation")] = 0,
     threads: Annotated[int, typer.Option(min=1, help="torch threads")] = 2,
+    attribute_weight: Annotated[float, typer.Option(min=0.0, help="weight of the colour/size attribute loss beside "
+                                                                   "the box and class losses")] = 1.0,
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N: where the model trains")] = "cpu",
 ) -> None:
     """Fine-tune the EfficientNet-Lite0 Faster R-CNN region detector on shapes-world scenes."""
@@ -40,7 +42,7 @@ def detector(
         raise typer.Exit(2) from None
     data = ShapesConfig(splits=(("train", train_scenes), ("val", val_scenes), ("test", test_scenes)))
     cfg = DetectorTrainConfig(out=out, steps=steps, batch_size=batch_size, lr=lr, eval_every=eval_every, seed=seed, threads=threads,
-                              device=device, data=data, detector={"feature_dim": feature_dim, "num_boxes": num_boxes})
+                              device=device, attribute_weight=attribute_weight, data=data, detector={"feature_dim": feature_dim, "num_boxes": num_boxes})
     metrics = train_detector(cfg)
     typer.echo(json.dumps({"out": str(out), "val": metrics["val"], "train_seconds": metrics["train_seconds"],
                            "fingerprint": metrics["fingerprint"]}, indent=2))
