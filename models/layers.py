@@ -98,6 +98,13 @@ def cpu_has_native_bf16() -> bool:
     return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
 
 
+def bf16_unavailable(device: torch.device) -> str | None:
+    """Why bfloat16 would not be fast on `device` (a GPU's autocast, the CPU's packed GEMMs), or None when it is."""
+    if device.type == "cuda":
+        return None if torch.cuda.is_bf16_supported() else "this GPU has no bfloat16 arithmetic"
+    return cpu_bf16_unavailable()
+
+
 def cpu_bf16_unavailable() -> str | None:
     """Why bfloat16 GEMMs would not be fast on the CPU inference path (`Linear`'s packed weights), or None when they are."""
     if not cpu_has_native_bf16():

@@ -51,11 +51,6 @@ def autocast(enabled: bool, device: torch.device | str = "cpu"):
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=enabled)
 
 
-def gpu_bf16_unavailable(device: torch.device) -> str | None:
-    """Why a CUDA device would not train or evaluate in bfloat16, or None when it can."""
-    return None if torch.cuda.is_bf16_supported() else f"{device} has no bfloat16 arithmetic"
-
-
 def rng_state(device: torch.device) -> dict:
     """The torch generators a run draws from: the CPU's, and the GPU's when it trains on one (dropout there)."""
     state = {"torch_rng": torch.get_rng_state()}
@@ -68,4 +63,3 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch_rng"])
     if device.type == "cuda" and "cuda_rng" in state:
         torch.cuda.set_rng_state(state["cuda_rng"], device)
-

@@ -15,13 +15,13 @@ from tqdm import tqdm
 
 from models import RANK_HEAD, HeadConfig, VLModel, create_model
 from models.checkpoint import WEIGHTS, CheckpointError, load_checkpoint, load_state_strict, save_checkpoint
-from models.layers import cpu_bf16_unavailable, cpu_has_native_bf16, set_cpu_gemm_dtype
+from models.layers import bf16_unavailable, cpu_has_native_bf16, set_cpu_gemm_dtype
 from models.query_bank import BANK_KEY
 from models.text_init import init_text_from_minilm
 from models.tokenizer import VLTokenizer
 
 from .data.vl_tasks import RANK_GROUP, collate
-from .device import autocast, gpu_bf16_unavailable, model_device, resolve_device, rng_state, set_rng_state, to_device
+from .device import autocast, model_device, resolve_device, rng_state, set_rng_state, to_device
 from .evaluate import evaluate_tasks
 from .objectives import group_ranking_loss
 from .retrieval import card_metrics, evaluate_retrieval, training_bank
@@ -152,7 +152,7 @@ def train_precision(bf16: bool, device: torch.device | str = "cpu") -> str:
     than float32 there: benchmarks/train_step.py, docs/BENCHMARKS.md)."""
     device = torch.device(device)
     if bf16 and device.type == "cuda":
-        reason = gpu_bf16_unavailable(device)
+        reason = bf16_unavailable(device)
         if reason:
             log.warning("bf16 asked for, but %s: training in float32", reason)
         return "fp32" if reason else "bf16"
@@ -166,10 +166,7 @@ def eval_precision(bf16: bool, device: torch.device | str = "cpu") -> str:
     """The precision evaluations run in: a bf16 run is evaluated with bfloat16 GEMMs where they are fast on this CPU
     (as the service's VLSERVE_PRECISION=auto then serves it, docs/BENCHMARKS.md), or in bfloat16 autocast on a GPU
     with bf16 (the service's `auto` there), float32 elsewhere."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return "bf16" if bf16 and gpu_bf16_unavailable(device) is None else "fp32"
-    return "bf16" if bf16 and cpu_bf16_unavailable() is None else "fp32"
+    return "bf16" if bf16 and bf16_unavailable(torch.device(device)) is None else "fp32"
 
 
 @contextmanager

@@ -51,11 +51,7 @@ def text_lengths(attention_mask: np.ndarray) -> list[int]:
     return [int(np.flatnonzero(row)[-1]) + 1 if row.any() else 1 for row in real]
 
 
-def bf16_unavailable(device: torch.device) -> str | None:
-    """Why bfloat16 would not be fast on `device`, or None when it is."""
-    if device.type == "cuda":
-        return None if torch.cuda.is_bf16_supported() else "this GPU has no bfloat16 arithmetic"
-    return layers.cpu_bf16_unavailable()
+bf16_unavailable = layers.bf16_unavailable  # why bfloat16 would not be fast on a device (None: it is)
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:

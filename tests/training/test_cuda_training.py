@@ -69,9 +69,9 @@ def test_resume_on_cuda_reproduces_the_loss_curve_and_a_gpu_state_resumes_on_the
     assert moved["final"] == pytest.approx(whole["final"], abs=0.05)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or not torch.cuda.is_bf16_supported(),
+                    reason="needs a CUDA GPU with bfloat16 arithmetic")
 def test_bf16_autocast_on_cuda_trains_and_evaluates_in_bf16(task_data, tmp_path):  # noqa: F811
-    if not torch.cuda.is_bf16_supported():
-        pytest.skip("this GPU has no bfloat16 arithmetic")
     detector, data = task_data
     result = train(tiny(tmp_path / "bf16", detector, steps=60, bf16=True, device="cuda"), data=data, progress=False)
     assert result["train_precision"] == "bf16" and result["eval_precision"] == "bf16"

@@ -67,9 +67,9 @@ def encoder(
     from models.checkpoint import CheckpointError, load_checkpoint
     from models.detector.io import load_detector
     from models.query_bank import QueryBank
-    from models.layers import cpu_bf16_unavailable
+    from models.layers import bf16_unavailable
     from training.evaluate import evaluate_tasks, head_for
-    from training.device import gpu_bf16_unavailable, resolve_device
+    from training.device import resolve_device
     from training.finetune import gemm_precision
     from training.retrieval import DIRECTIONS, evaluate_retrieval
     from training.vl_data import prepare_eval_data, shapes_config_from_dir, tagged
@@ -86,7 +86,7 @@ def encoder(
         where = resolve_device(device)
     except ValueError as exc:
         fail(str(exc))
-    unavailable = gpu_bf16_unavailable(where) if where.type == "cuda" else cpu_bf16_unavailable()
+    unavailable = bf16_unavailable(where)
     if precision == "bf16" and unavailable is not None:
         fail(f"--precision bf16: {unavailable}")
     directions = {"both": DIRECTIONS, "text-to-image": ("text_to_image",), "image-to-text": ("image_to_text",)}
