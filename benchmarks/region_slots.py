@@ -27,7 +27,8 @@ from models.tokenizer import VLTokenizer  # noqa: E402
 from training.data.region_table import RegionTable  # noqa: E402
 from training.data.vl_tasks import collate  # noqa: E402
 from training.finetune import (  # noqa: E402
-    autocast, batch_loss, build_model, collate_kind, head_of, pairs_per_example, param_groups, run_data,
+    autocast, batch_loss, build_model, collate_kind, head_of, init_from_checkpoint, pairs_per_example, param_groups,
+    run_data,
 )
 from training.zoo import DEMO, MULTITASK, finetune_config, retrieval_config, zoo_dir  # noqa: E402
 
@@ -41,19 +42,33 @@ class Padded(RegionTable):
         return self.mask.shape[1]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def step_args(doc: str) -> argparse.Namespace:
+    """The training-step benchmarks' options (--batches, --threads, --no-write); sets torch's threads."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--batches", type=int, default=12, help="timed batches per task (each run both ways)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    det = zoo_dir("demo") / "detector"
-    # the stage from the demo's multi-task checkpoint (its weights: real region and text widths, real attention)
-    stage = retrieval_config(DEMO, finetune_config(DEMO, det, zoo_dir("demo") / MULTITASK), Path("/tmp/unused"))
+    return args
+
+
+def demo_stage(weights: bool = False):
+    """(config, data, model in training mode with its word table frozen) of the demo's retrieval stage, from the built
+    demo's multi-task checkpoint: its weights too where `weights` (real losses and gradients), else a fresh model."""
+    multitask = zoo_dir("demo") / MULTITASK
+    stage = retrieval_config(DEMO, finetune_config(DEMO, zoo_dir("demo") / "detector", multitask), Path("/tmp/unused"))
     data = run_data(stage, False)
     model = build_model(stage, data.feature_dim, len(data.answers)).train()
+    if weights:
+        init_from_checkpoint(model, multitask)
     model.encoder.embeddings.word_embeddings.weight.requires_grad_(False)
+    return stage, data, model
+
+
+def main() -> None:
+    args = step_args(__doc__)
+    stage, data, model = demo_stage()
     opt = torch.optim.AdamW(param_groups(model, stage), lr=1e-5, foreach=True)
     tokenizer = VLTokenizer.pretrained_minilm(max_length=stage.max_length)
     tables = {"cut": data.train_table, "padded": Padded(**vars(data.train_table))}

@@ -64,9 +64,11 @@ class FusedCrossAttention(torch.autograd.Function):
 
 
 def _self_forward(module: SelfAttention):
-    def forward(x, mask, need_probs=False):
+    def forward(x, mask, need_probs=False, packing=None):
+        x = packing.unpack(x) if packing else x  # an eager call on a packed batch (export itself never packs)
         ctx = FusedSelfAttention.apply(x, module.qkv.weight, module.qkv.bias, key_mask(mask), module.heads)
-        return module.LayerNorm(x + module.dropout(module.dense(ctx))), None
+        out = module.LayerNorm(x + module.dropout(module.dense(ctx)))
+        return (packing.pack(out) if packing else out), None
     return forward
 
 

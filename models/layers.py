@@ -148,6 +148,38 @@ def attend(
     return F.dropout(probs, dropout, training=dropout > 0) @ v, probs
 
 
+class Packing:
+    """The real tokens of a padded (B, S) batch, for layers that run token-wise work on them alone.
+
+    A batch pads every sequence to its longest (a training batch of the demo's mix is about one third padding: short
+    questions beside long listings, 1 to 8 regions). The projections, the feed-forward and the LayerNorms act on
+    each token alone, so they run on the (N, W) real tokens (`pack`); only attention needs the padded (B, S) layout,
+    where the padding is masked out of every key (`unpack` fills it with zeros). The real tokens' outputs are those
+    of the padded computation: the padding never reached them (docs/BENCHMARKS.md, "Training step: real tokens only")."""
+
+    def __init__(self, mask: torch.Tensor):  # (B, S) 1 = real
+        self.batch, self.length = mask.shape
+        self.index = mask.reshape(-1).nonzero().squeeze(1)  # (N,) real tokens' flat positions
+
+    MAX_REAL_SHARE = 0.75  # above it the gathers cost more than the padding they skip (docs/BENCHMARKS.md)
+
+    @staticmethod
+    def worthwhile(mask: torch.Tensor) -> bool:
+        """Pack where at most MAX_REAL_SHARE of the batch's slots are real tokens, unless the graph is being traced
+        or exported (the packed shapes depend on the data)."""
+        return not (torch.jit.is_tracing() or torch.jit.is_scripting() or torch.compiler.is_compiling()
+                    or torch.onnx.is_in_onnx_export()) and mask.float().mean().item() <= Packing.MAX_REAL_SHARE
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, W) -> (N, W), the real tokens."""
+        return x.reshape(self.batch * self.length, -1).index_select(0, self.index)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, W) -> (B, S, W), zeros at the padding."""
+        full = x.new_zeros(self.batch * self.length, x.shape[-1])
+        return full.index_copy(0, self.index, x).view(self.batch, self.length, -1)
+
+
 def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     b, s, _ = x.shape
     return x.view(b, s, heads, -1).transpose(1, 2)  # (B, h, S, d)
@@ -170,11 +202,14 @@ class SelfAttention(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.LayerNorm = nn.LayerNorm(width, eps=eps)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, need_probs: bool = False):
-        q, k, v = self.qkv(x, gemm_out=True).chunk(3, dim=-1)  # 3 x (B, S, H); bfloat16 under a bf16 gemm_dtype
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, need_probs: bool = False, packing: Packing | None = None):
+        """x: (B, S, H), or with `packing` the (N, H) real tokens (the output likewise)."""
+        qkv = self.qkv(x, gemm_out=True)  # bfloat16 under a bf16 gemm_dtype
+        q, k, v = (packing.unpack(qkv) if packing else qkv).chunk(3, dim=-1)  # 3 x (B, S, H)
         p = self.attention_dropout if self.training else 0.0
         ctx, probs = attend(split_heads(q, self.heads), split_heads(k, self.heads), split_heads(v, self.heads), mask, p, need_probs)
-        return self.LayerNorm(x + self.dropout(self.dense(merge_heads(ctx)))), probs
+        ctx = merge_heads(ctx)
+        return self.LayerNorm(x + self.dropout(self.dense(packing.pack(ctx) if packing else ctx))), probs
 
 
 class CrossAttention(nn.Module):
@@ -223,8 +258,8 @@ class TransformerLayer(nn.Module):
         self.attention = SelfAttention(width, heads, dropout, attention_dropout, eps)
         self.ffn = FeedForward(width, inner, dropout, eps)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, need_probs: bool = False):
-        x, probs = self.attention(x, mask, need_probs)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, need_probs: bool = False, packing: Packing | None = None):
+        x, probs = self.attention(x, mask, need_probs, packing)
         return self.ffn(x), probs
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .config import EncoderConfig
-from .layers import (FeatureNorm, Pooler, ScaledLayerNorm, TextEmbeddings, TransformerLayer, additive_mask,
+from .layers import (FeatureNorm, Packing, Pooler, ScaledLayerNorm, TextEmbeddings, TransformerLayer, additive_mask,
                      normalized_features)
 from .outputs import EncoderOutput
 from .spatial import sinusoidal_box_embedding
@@ -154,11 +154,15 @@ class SingleStreamEncoder(nn.Module):
         region_features, image_feature = normalized_features(self.feature_norm, region_features, image_feature)
         x, mask = self.embeddings(input_ids, attention_mask, token_type_ids, region_features, region_boxes, region_mask, image_feature, tag_ids)
         bias = additive_mask(mask, x.dtype)
+        # the layers' token-wise work on the real tokens alone (Packing); padding positions come out as zeros
+        packing = Packing(mask) if Packing.worthwhile(mask) else None
+        x = packing.pack(x) if packing else x
         attentions = []
         for layer in self.layer:
-            x, probs = layer(x, bias, output_attentions)
+            x, probs = layer(x, bias, output_attentions, packing)
             if output_attentions:
                 attentions.append(probs)
+        x = packing.unpack(x) if packing else x
         t, n = input_ids.shape[1], region_features.shape[1]
         return EncoderOutput(
             text=x[:, :t],

@@ -225,11 +225,11 @@ def param_groups(model: VLModel, cfg: FinetuneConfig) -> list[dict]:
 
 
 def adamw(groups: list[dict], lr: float) -> torch.optim.AdamW:
-    """AdamW, one foreach update over all parameters. The fused kernel is 1.11x per demo step (docs/BENCHMARKS.md,
-    "Training step: the levers of the demo's time budget") and equal to rounding (1e-8 after 3 steps), but that
-    rounding moved the demo's refer lead onto its plateau for all of its 200 steps (docs/RESULTS.md session 21):
-    the built models stay those of this arithmetic."""
-    return torch.optim.AdamW(groups, lr=lr, foreach=True)
+    """AdamW, one fused update over all parameters: 1.11x per demo step against foreach (docs/BENCHMARKS.md,
+    "Training step: the levers of the demo's time budget"), equal to rounding. That rounding once moved the demo's
+    refer lead onto its plateau (docs/RESULTS.md session 21): a stalled lead now starts the run again
+    (FinetuneConfig.lead_retries)."""
+    return torch.optim.AdamW(groups, lr=lr, fused=True)
 
 
 def check_lead(cfg: FinetuneConfig) -> None:
