@@ -167,6 +167,12 @@ class Head(nn.Module):
         super().__init__()
         self.head = head
 
+    @property
+    def pooled_only(self) -> bool:
+        """Whether the head reads nothing of the encoder's output but the pooled vector (then the encoder may skip the
+        last layer's work on every other token: SingleStreamEncoder's pooled_only)."""
+        return False
+
     def prepare(self, inputs: VLInputs) -> VLInputs:
         return inputs
 
@@ -204,6 +210,10 @@ class VQAHead(Head):
                                        "features": nn.Linear(EXPLICIT, MODULATED)})
         self.dropout = nn.Dropout(enc.dropout)
         self.cls = classifier(head.classifier, width, head.num_labels, enc.layer_norm_eps)
+
+    @property
+    def pooled_only(self) -> bool:
+        return self.head.pool == "pooled"
 
     def forward(self, enc: EncoderOutput, inputs: VLInputs) -> torch.Tensor:
         if self.head.pool == "pooled":
@@ -262,6 +272,10 @@ class NLVR2Head(Head):
             image_feature=flat(inputs.image_feature), tag_ids=flat(inputs.tag_ids),
         )
 
+    @property
+    def pooled_only(self) -> bool:
+        return self.head.pool != "regions"
+
     def forward(self, enc: EncoderOutput, inputs: VLInputs) -> torch.Tensor:
         pooled = enc.pooled  # (B, P) joint, (2B, P) pair (or P + Hv each with pool="regions")
         if self.head.pool == "regions":
@@ -296,6 +310,10 @@ class ITMHead(Head):
             self.region_query = nn.Linear(enc.pooled_size, enc.image_width)
         self.seq_relationship = nn.Linear(pooled_width(head, enc), 2)
 
+    @property
+    def pooled_only(self) -> bool:
+        return self.head.pool != "regions"
+
     def forward(self, enc: EncoderOutput, inputs: VLInputs) -> torch.Tensor:
         if self.head.pool == "regions":
             return self.seq_relationship(with_attended_regions(self.region_query, enc, inputs.region_mask))  # (B, 2)
@@ -324,6 +342,10 @@ class MultipleChoiceHead(Head):
             region_mask=per_choice(inputs.region_mask), image_feature=per_choice(inputs.image_feature),
             tag_ids=per_choice(inputs.tag_ids), phrase_index=None,
         )
+
+    @property
+    def pooled_only(self) -> bool:
+        return True
 
     def forward(self, enc: EncoderOutput, inputs: VLInputs) -> torch.Tensor:
         return self.cls(self.dropout(enc.pooled)).squeeze(-1)  # (B*C,)

@@ -164,11 +164,20 @@ class Packing:
     MAX_REAL_SHARE = 0.75  # above it the gathers cost more than the padding they skip (docs/BENCHMARKS.md)
 
     @staticmethod
-    def worthwhile(mask: torch.Tensor) -> bool:
-        """Pack where at most MAX_REAL_SHARE of the batch's slots are real tokens, unless the graph is being traced
-        or exported (the packed shapes depend on the data)."""
+    def eager() -> bool:
+        """Not being traced, scripted, compiled or exported (where shapes must not depend on the data)."""
         return not (torch.jit.is_tracing() or torch.jit.is_scripting() or torch.compiler.is_compiling()
-                    or torch.onnx.is_in_onnx_export()) and mask.float().mean().item() <= Packing.MAX_REAL_SHARE
+                    or torch.onnx.is_in_onnx_export())
+
+    @staticmethod
+    def worthwhile(mask: torch.Tensor) -> bool:
+        """Pack where at most MAX_REAL_SHARE of the batch's slots are real tokens, in eager mode only (the packed
+        shapes depend on the data)."""
+        return Packing.eager() and mask.float().mean().item() <= Packing.MAX_REAL_SHARE
+
+    def firsts(self) -> torch.Tensor:
+        """(B,) rows of the packed tokens that are each sequence's first token (always real: [CLS])."""
+        return (self.index % self.length == 0).nonzero().squeeze(1)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """(B, S, W) -> (N, W), the real tokens."""
@@ -261,6 +270,18 @@ class TransformerLayer(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, need_probs: bool = False, packing: Packing | None = None):
         x, probs = self.attention(x, mask, need_probs, packing)
         return self.ffn(x), probs
+
+    def first_token(self, x: torch.Tensor, mask: torch.Tensor | None, packing: Packing | None = None) -> torch.Tensor:
+        """The layer's output (B, H) for each sequence's first token alone: every token's keys and values, one query.
+        x: (B, S, H), or with `packing` the (N, H) real tokens. What a head that reads only the pooled vector needs
+        of the last layer (about a sixth of its work at the demo's lengths)."""
+        att = self.attention
+        qkv = att.qkv(x, gemm_out=True)
+        q, k, v = (packing.unpack(qkv) if packing else qkv).chunk(3, dim=-1)  # 3 x (B, S, H)
+        p = att.attention_dropout if self.training else 0.0
+        ctx, _ = attend(split_heads(q[:, :1], att.heads), split_heads(k, att.heads), split_heads(v, att.heads), mask, p, False)
+        first = x[packing.firsts()] if packing else x[:, 0]  # (B, H)
+        return self.ffn(att.LayerNorm(first + att.dropout(att.dense(merge_heads(ctx)[:, 0]))))
 
 
 class FeatureNorm(nn.Module):

@@ -8,8 +8,8 @@ import torch
 
 @dataclass
 class EncoderOutput:
-    text: torch.Tensor  # (B, T, H) contextual text tokens
-    image: torch.Tensor  # (B, N, Hv) contextual regions, one per input region
+    text: torch.Tensor | None  # (B, T, H) contextual text tokens (None from a pooled_only pass)
+    image: torch.Tensor | None  # (B, N, Hv) contextual regions, one per input region (None from a pooled_only pass)
     pooled: torch.Tensor  # (B, P) fused summary the classification heads read
     sequence: torch.Tensor | None = None  # (B, S, H) whole single-stream sequence (single-stream only)
     sequence_mask: torch.Tensor | None = None  # (B, S) 1 = real element of `sequence`

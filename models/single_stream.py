@@ -127,6 +127,8 @@ EMBEDDINGS = {"visualbert": VisualBertEmbeddings, "vl-bert": VLBertEmbeddings, "
 
 
 class SingleStreamEncoder(nn.Module):
+    pools_first_token = True  # forward(pooled_only=True): the pooler reads the first token, so the last layer may too
+
     def __init__(self, config: EncoderConfig):
         super().__init__()
         self.config = config
@@ -150,6 +152,7 @@ class SingleStreamEncoder(nn.Module):
         image_feature: torch.Tensor | None = None,  # (B, D) whole-image feature (VL-BERT)
         tag_ids: torch.Tensor | None = None,  # (B, N) word ids of detector tags, -1 = none (U-VisualBERT)
         output_attentions: bool = False,
+        pooled_only: bool = False,  # only `pooled` is wanted: the last layer runs for the first token alone
     ) -> EncoderOutput:
         region_features, image_feature = normalized_features(self.feature_norm, region_features, image_feature)
         x, mask = self.embeddings(input_ids, attention_mask, token_type_ids, region_features, region_boxes, region_mask, image_feature, tag_ids)
@@ -157,11 +160,16 @@ class SingleStreamEncoder(nn.Module):
         # the layers' token-wise work on the real tokens alone (Packing); padding positions come out as zeros
         packing = Packing(mask) if Packing.worthwhile(mask) else None
         x = packing.pack(x) if packing else x
+        # a traced or exported graph keeps every output (its callers may read any)
+        pooled_only = pooled_only and not output_attentions and Packing.eager()
         attentions = []
-        for layer in self.layer:
+        for layer in self.layer[:-1] if pooled_only else self.layer:
             x, probs = layer(x, bias, output_attentions, packing)
             if output_attentions:
                 attentions.append(probs)
+        if pooled_only:
+            first = self.layer[-1].first_token(x, bias, packing).unsqueeze(1)  # (B, 1, H)
+            return EncoderOutput(text=None, image=None, pooled=self.pooler(first), sequence=None, sequence_mask=mask)
         x = packing.unpack(x) if packing else x
         t, n = input_ids.shape[1], region_features.shape[1]
         return EncoderOutput(

@@ -45,8 +45,11 @@ class VLModel(nn.Module):
     def tasks(self) -> list[str]:
         return list(self.heads)
 
-    def forward_features(self, inputs: VLInputs, output_attentions: bool = False) -> EncoderOutput:
-        return self.encoder(**inputs.encoder_kwargs(), output_attentions=output_attentions)
+    def forward_features(self, inputs: VLInputs, output_attentions: bool = False, pooled_only: bool = False) -> EncoderOutput:
+        """The encoder's output; with `pooled_only` (and an encoder that can: single-stream) only its pooled vector is
+        sure to be there (the last layer runs for the first token alone)."""
+        only = {"pooled_only": True} if pooled_only and getattr(self.encoder, "pools_first_token", False) else {}
+        return self.encoder(**inputs.encoder_kwargs(), output_attentions=output_attentions, **only)
 
     def forward_head(self, task: str, enc: EncoderOutput, inputs: VLInputs):
         return self.heads[task](enc, inputs)
@@ -56,7 +59,7 @@ class VLModel(nn.Module):
             raise KeyError(f"model has no head {task!r}; it has: {', '.join(self.heads) or 'none'}")
         head = self.heads[task]
         prepared = head.prepare(inputs)
-        enc = self.forward_features(prepared, output_attentions)
+        enc = self.forward_features(prepared, output_attentions, pooled_only=head.pooled_only and not output_attentions)
         logits = head.unprepare(self.forward_head(task, enc, prepared), inputs)
         loss = head.loss(logits.float(), labels, inputs) if labels is not None else None  # float32 under bf16 autocast too
         return ModelOutput(logits=logits, loss=loss, encoder=enc)

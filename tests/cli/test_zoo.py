@@ -157,7 +157,10 @@ def test_a_retrieval_stage_goes_on_the_card(tmp_path):
     assert first.retrieval_queries == 0 and first.query_bank == 0  # scored after the stage
     assert first.final_eval_examples == training.zoo.BEFORE_STAGE_EXAMPLES  # only the card's "before it"
     stage = training.zoo.retrieval_config(p, first, tmp_path / "encoder")
-    assert (stage.final_eval_examples, stage.query_bank, stage.query_bank_temperature) == (None, 64, 2.0)
+    assert (stage.final_eval_examples, stage.query_bank, stage.query_bank_temperature) == (p.card_examples, 64, 2.0)
+    assert p.card_examples == 2000  # the card's accuracies: the first 2,000 examples of each set
+    whole = training.zoo.retrieval_config(dataclasses.replace(p, card_examples=None), first, tmp_path / "encoder")
+    assert whole.final_eval_examples is None
     multitask = {"train_seconds": 480, "final": {"vqa_acc": 0.83, "itm_acc": 0.72, "vqa_acc_number": 0.71}}
     metrics = {"final": {"vqa_acc": 0.84, "retrieval_t2i_R@1": 0.74}, "train_seconds": 420}
     card = training.zoo.model_card("demo", p, tmp_path, metrics, det_seconds=60, total_seconds=1200, multitask=multitask)
@@ -176,7 +179,7 @@ def test_a_retrieval_stage_goes_on_the_card(tmp_path):
     restarted = {**multitask, "lead_restarts": 1, "config": {"seed": 1}}
     assert "Its lead phase stalled 1 time(s) (loss still on its plateau at the lead's end): the run started again with " \
            "seed 1." in training.zoo.model_card("demo", p, tmp_path, metrics, 60, 1200, multitask=restarted)
-    assert training.zoo.PROFILES["demo"].retrieval_steps == 2000
+    assert training.zoo.PROFILES["demo"].retrieval_steps == 1800
     plain = training.zoo.PROFILES["pretrained"]  # no retrieval stage: its one run scores retrieval itself
     assert "retrieval stage" not in training.zoo.model_card("pretrained", plain, tmp_path, {"final": {}, "train_seconds": 60},
                                                             det_seconds=60, total_seconds=120)

@@ -77,3 +77,52 @@ def test_packing_is_worthwhile_only_on_a_padded_batch_outside_export():
     seen = []
     torch.jit.trace(lambda m: (seen.append(Packing.worthwhile(m)), m * 2)[1], (half,), check_trace=False)
     assert seen == [False]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("head,pool,expected", [("itm", "pooled", True), ("itm", "regions", False),
+                                                ("vqa", "pooled", True), ("vqa", "regions", False),
+                                                ("nlvr2", "pooled", True), ("multiple_choice", "pooled", True)])
+def test_a_pooled_head_gets_the_full_passes_logits_and_gradients(head, pool, expected, packed, make_model, make_batch,
+                                                                 monkeypatch):
+    """A head that reads only the pooled vector runs the last layer for the first token alone: the same logits and
+    the same gradients as the whole pass, packed or not."""
+    model = make_model("u-visualbert", head, options={"pool": pool}, dropout=0.0, attention_dropout=0.0).train()
+    assert model.heads[head].pooled_only is expected
+    monkeypatch.setattr(Packing, "worthwhile", staticmethod(lambda mask: packed))
+    inputs = make_batch(model.config.encoder, head=head, batch=4, seed=5)
+    calls = []
+    first_token = type(model.encoder.layer[-1]).first_token
+    monkeypatch.setattr(type(model.encoder.layer[-1]), "first_token",
+                        lambda self, *a, **k: calls.append(1) or first_token(self, *a, **k))
+
+    def logits_and_grads(whole: bool):
+        model.zero_grad(set_to_none=True)
+        if whole:  # the whole last layer, then the head
+            prepared = model.heads[head].prepare(inputs)
+            out = model.heads[head].unprepare(model.forward_head(head, model.forward_features(prepared), prepared), inputs)
+        else:
+            out = model(inputs, head).logits
+        out.pow(2).sum().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    whole, whole_grads = logits_and_grads(True)
+    assert not calls
+    fast, fast_grads = logits_and_grads(False)
+    assert bool(calls) is expected
+    torch.testing.assert_close(fast, whole, atol=1e-5, rtol=1e-5)
+    assert fast_grads.keys() == whole_grads.keys()
+    for name in whole_grads:
+        torch.testing.assert_close(fast_grads[name], whole_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_attention_maps_and_two_stream_encoders_get_the_whole_pass(make_model, make_batch):
+    model = make_model("visualbert", "itm").eval()
+    inputs = make_batch(model.config.encoder, batch=2)
+    with torch.no_grad():
+        out = model(inputs, "itm", output_attentions=True)
+    assert out.encoder.sequence is not None and len(out.encoder.attentions) == model.config.encoder.num_layers
+    lxmert = make_model("lxmert", "itm").eval()
+    with torch.no_grad():
+        enc = lxmert(make_batch(lxmert.config.encoder, batch=2), "itm").encoder
+    assert enc.text is not None and enc.image is not None  # no pooled_only pass there: it has no single last layer
