@@ -14,12 +14,13 @@ from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHe
 from torchvision.models.detection.image_list import ImageList
 from torchvision.models.detection.roi_heads import RoIHeads, fastrcnn_loss
 from torchvision.models.detection.rpn import RegionProposalNetwork, RPNHead
-from torchvision.ops import MultiScaleRoIAlign, box_iou, clip_boxes_to_image
+from torchvision.ops import box_iou, clip_boxes_to_image
 
 from ..region_features import RegionFeatures
 from .backbone import EfficientNetFPN
 from .config import DetectorConfig
 from .preprocess import Prepared, group_by_canvas, prepare_image
+from .roi_align import TrainingRoIAlign
 from .select import choose_regions, detections, region_confidence
 
 
@@ -50,7 +51,8 @@ class RegionDetector(nn.Module):
         )
         num_classes = len(c.classes) + 1  # + background
         self.roi_heads = RoIHeads(
-            MultiScaleRoIAlign(["0", "1", "2"], c.roi_size, sampling_ratio=2),
+            # torchvision's MultiScaleRoIAlign; in training (CPU) its backward is matrix products, not a scalar loop
+            TrainingRoIAlign(["0", "1", "2"], c.roi_size, sampling_ratio=2),
             TwoMLPHead(c.fpn_channels * c.roi_size**2, c.feature_dim),
             FastRCNNPredictor(c.feature_dim, num_classes),
             fg_iou_thresh=0.5, bg_iou_thresh=0.5, batch_size_per_image=c.box_batch_size_per_image,
