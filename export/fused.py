@@ -64,11 +64,13 @@ class FusedCrossAttention(torch.autograd.Function):
 
 
 def _self_forward(module: SelfAttention):
-    def forward(x, mask, need_probs=False, packing=None):
-        x = packing.unpack(x) if packing else x  # an eager call on a packed batch (export itself never packs)
+    def forward(x, mask, need_probs=False, packing=None, first_only=False):
+        # an eager call on a packed batch or for the first token (export itself does neither): the whole pass, then
+        # the rows asked for
+        x = packing.unpack(x) if packing else x
         ctx = FusedSelfAttention.apply(x, module.qkv.weight, module.qkv.bias, key_mask(mask), module.heads)
         out = module.LayerNorm(x + module.dropout(module.dense(ctx)))
-        return (packing.pack(out) if packing else out), None
+        return (out[:, 0] if first_only else packing.pack(out) if packing else out), None
     return forward
 
 

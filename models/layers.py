@@ -211,14 +211,19 @@ class SelfAttention(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.LayerNorm = nn.LayerNorm(width, eps=eps)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, need_probs: bool = False, packing: Packing | None = None):
-        """x: (B, S, H), or with `packing` the (N, H) real tokens (the output likewise)."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, need_probs: bool = False, packing: Packing | None = None,
+                first_only: bool = False):
+        """x: (B, S, H), or with `packing` the (N, H) real tokens (the output likewise). `first_only`: the output
+        (B, H) of each sequence's first token alone (every token's keys and values, one query)."""
         qkv = self.qkv(x, gemm_out=True)  # bfloat16 under a bf16 gemm_dtype
         q, k, v = (packing.unpack(qkv) if packing else qkv).chunk(3, dim=-1)  # 3 x (B, S, H)
+        if first_only:
+            q, x = q[:, :1], x[packing.firsts()] if packing else x[:, 0]
         p = self.attention_dropout if self.training else 0.0
         ctx, probs = attend(split_heads(q, self.heads), split_heads(k, self.heads), split_heads(v, self.heads), mask, p, need_probs)
         ctx = merge_heads(ctx)
-        return self.LayerNorm(x + self.dropout(self.dense(packing.pack(ctx) if packing else ctx))), probs
+        ctx = ctx[:, 0] if first_only else packing.pack(ctx) if packing else ctx
+        return self.LayerNorm(x + self.dropout(self.dense(ctx))), probs
 
 
 class CrossAttention(nn.Module):
@@ -267,21 +272,12 @@ class TransformerLayer(nn.Module):
         self.attention = SelfAttention(width, heads, dropout, attention_dropout, eps)
         self.ffn = FeedForward(width, inner, dropout, eps)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, need_probs: bool = False, packing: Packing | None = None):
-        x, probs = self.attention(x, mask, need_probs, packing)
-        return self.ffn(x), probs
-
-    def first_token(self, x: torch.Tensor, mask: torch.Tensor | None, packing: Packing | None = None) -> torch.Tensor:
-        """The layer's output (B, H) for each sequence's first token alone: every token's keys and values, one query.
-        x: (B, S, H), or with `packing` the (N, H) real tokens. What a head that reads only the pooled vector needs
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, need_probs: bool = False, packing: Packing | None = None,
+                first_only: bool = False):
+        """`first_only`: each sequence's first token alone (B, H), what a head reading only the pooled vector needs
         of the last layer (about a sixth of its work at the demo's lengths)."""
-        att = self.attention
-        qkv = att.qkv(x, gemm_out=True)
-        q, k, v = (packing.unpack(qkv) if packing else qkv).chunk(3, dim=-1)  # 3 x (B, S, H)
-        p = att.attention_dropout if self.training else 0.0
-        ctx, _ = attend(split_heads(q[:, :1], att.heads), split_heads(k, att.heads), split_heads(v, att.heads), mask, p, False)
-        first = x[packing.firsts()] if packing else x[:, 0]  # (B, H)
-        return self.ffn(att.LayerNorm(first + att.dropout(att.dense(merge_heads(ctx)[:, 0]))))
+        x, probs = self.attention(x, mask, need_probs, packing, first_only)
+        return self.ffn(x), probs
 
 
 class FeatureNorm(nn.Module):

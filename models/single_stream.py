@@ -168,7 +168,7 @@ class SingleStreamEncoder(nn.Module):
             if output_attentions:
                 attentions.append(probs)
         if pooled_only:
-            first = self.layer[-1].first_token(x, bias, packing).unsqueeze(1)  # (B, 1, H)
+            first = self.layer[-1](x, bias, False, packing, first_only=True)[0].unsqueeze(1)  # (B, 1, H)
             return EncoderOutput(text=None, image=None, pooled=self.pooler(first), sequence=None, sequence_mask=mask)
         x = packing.unpack(x) if packing else x
         t, n = input_ids.shape[1], region_features.shape[1]

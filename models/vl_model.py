@@ -59,7 +59,7 @@ class VLModel(nn.Module):
             raise KeyError(f"model has no head {task!r}; it has: {', '.join(self.heads) or 'none'}")
         head = self.heads[task]
         prepared = head.prepare(inputs)
-        enc = self.forward_features(prepared, output_attentions, pooled_only=head.pooled_only and not output_attentions)
+        enc = self.forward_features(prepared, output_attentions, pooled_only=head.pooled_only)
         logits = head.unprepare(self.forward_head(task, enc, prepared), inputs)
         loss = head.loss(logits.float(), labels, inputs) if labels is not None else None  # float32 under bf16 autocast too
         return ModelOutput(logits=logits, loss=loss, encoder=enc)

@@ -92,9 +92,10 @@ def test_a_pooled_head_gets_the_full_passes_logits_and_gradients(head, pool, exp
     monkeypatch.setattr(Packing, "worthwhile", staticmethod(lambda mask: packed))
     inputs = make_batch(model.config.encoder, head=head, batch=4, seed=5)
     calls = []
-    first_token = type(model.encoder.layer[-1]).first_token
-    monkeypatch.setattr(type(model.encoder.layer[-1]), "first_token",
-                        lambda self, *a, **k: calls.append(1) or first_token(self, *a, **k))
+    layer_forward = type(model.encoder.layer[-1]).forward
+    monkeypatch.setattr(type(model.encoder.layer[-1]), "forward",
+                        lambda self, *a, first_only=False, **k: (first_only and calls.append(1))
+                        or layer_forward(self, *a, first_only=first_only, **k))
 
     def logits_and_grads(whole: bool):
         model.zero_grad(set_to_none=True)
