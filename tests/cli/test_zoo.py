@@ -59,8 +59,11 @@ def test_demo_profile_reaches_the_finetune_config_and_the_card(tmp_path):
     assert cfg.eval_every == cfg.steps  # the demo's encoder is evaluated once, at the end (its build time)
     full = training.zoo.PROFILES["full"]
     cfg = training.zoo.finetune_config(full, tmp_path, tmp_path)
-    assert (cfg.itm_pool, cfg.nlvr2_pool, cfg.lead_tasks, cfg.lead_steps, cfg.steps) == ("regions", "regions", ("refer",), 200, 5_000)
-    assert cfg.eval_every == 5_000 // 3
+    # the full profile trains the demo's recipe (the curriculum, then the retrieval stage) on all the data
+    assert (cfg.itm_pool, cfg.nlvr2_pool, cfg.lead_tasks, cfg.lead_steps, cfg.steps) == ("regions", "regions", ("refer",), 200, 3_000)
+    assert cfg.curriculum == p.curriculum and cfg.vqa_pool == "regions_film" and cfg.eval_every == cfg.steps
+    assert (full.train_scenes, full.eval_scenes, full.easy_vqa_images, full.card_examples) == (20_000, 2_000, None, None)
+    assert full.retrieval_steps > p.retrieval_steps and full.query_bank == p.query_bank
     (tmp_path / "det").mkdir()
     (tmp_path / "det" / "metrics.json").write_text(json.dumps({"val": {"map50": 0.98}, "fingerprint": "f" * 16}))
     card = training.zoo.model_card("demo", p, tmp_path / "det", {"final": {"vqa_acc": 0.75}, "train_seconds": 600,
@@ -93,8 +96,10 @@ def test_the_card_names_the_lead_phase(tmp_path):
     (tmp_path / "metrics.json").write_text(json.dumps({"val": {"map50": 0.98}, "fingerprint": "f" * 16}))
     card = training.zoo.model_card("full", training.zoo.PROFILES["full"], tmp_path, {"final": {}, "train_seconds": 60},
                                    det_seconds=60, total_seconds=120)
-    assert "trained together for 5000 steps (the first 200 on refer alone)" in card
+    assert "trained together for 3000 steps (the first 200 on refer alone, then 400 on vqa + refer + itm + nlvr2" in card
     assert "ITM from regions, NLVR2 from regions" in card
+    assert "Then a retrieval stage of 4000 steps (the first 300 on the ranking sets alone)" in card
+    assert "retrieval: text -> image over the first 1000 val scenes) | value |" in card
     demo = training.zoo.model_card("demo", training.zoo.PROFILES["demo"], tmp_path, {"final": {}, "train_seconds": 60},
                                    det_seconds=60, total_seconds=120)
     assert ("trained together for 1400 steps (the first 200 on refer alone, then 400 on vqa + refer + itm + nlvr2 alone, "
