@@ -39,13 +39,38 @@ def test_no_model_given_uses_the_cached_demo_set(clean_env, monkeypatch, tmp_pat
     """With neither directory set, serve resolves the demo model set in the cache (built there on first use)."""
     import shutil
 
-    from vlserve.commands.serve import demo_model_dirs
+    from vlserve.commands.serve import zoo_model_dirs
 
     monkeypatch.setenv("VLSERVE_CACHE", str(tmp_path))
     demo = tmp_path / "zoo" / "demo"
     shutil.copytree(tiny_checkpoint, demo / "encoder")
     shutil.copytree(tiny_detector.dir, demo / "detector")
-    assert demo_model_dirs() == {"model_dir": demo / "encoder", "detector_dir": demo / "detector"}
+    assert zoo_model_dirs() == {"model_dir": demo / "encoder", "detector_dir": demo / "detector"}
+
+
+def test_profile_serves_that_model_set_of_the_cache(clean_env, monkeypatch, tmp_path, tiny_checkpoint, tiny_detector):
+    """--profile / VLSERVE_PROFILE picks the zoo's model set; an unknown one, or one beside explicit directories,
+    exits 2 with one message before anything is built or loaded."""
+    import shutil
+
+    import vlserve.commands.serve as serve_command
+
+    monkeypatch.setenv("VLSERVE_CACHE", str(tmp_path))
+    full = tmp_path / "zoo" / "full"
+    shutil.copytree(tiny_checkpoint, full / "encoder")
+    shutil.copytree(tiny_detector.dir, full / "detector")
+    started = []
+    monkeypatch.setattr(serve_command, "run_server", lambda settings, log_level="info": started.append(settings) or 0)
+    assert serve("--profile", "full").exit_code == 0
+    monkeypatch.setenv("VLSERVE_PROFILE", "full")
+    assert serve().exit_code == 0
+    assert [(s.model_dir, s.detector_dir) for s in started] == [(full / "encoder", full / "detector")] * 2
+
+    unknown = serve("--profile", "huge")
+    assert unknown.exit_code == 2 and "unknown profile 'huge'" in unknown.output and "demo, pretrained, full" in unknown.output
+    both = serve("--profile", "full", "--model-dir", tiny_checkpoint, "--detector-dir", tiny_detector.dir)
+    assert both.exit_code == 2 and "not both" in both.output and "Traceback" not in both.output
+    assert len(started) == 2 and not (tmp_path / "zoo" / "huge").exists() and not (tmp_path / "zoo" / "demo").exists()
 
 
 def test_engine_cache_dir_option_is_documented_and_reaches_the_settings(clean_env, monkeypatch, tmp_path, tiny_checkpoint,

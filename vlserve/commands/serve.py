@@ -15,8 +15,12 @@ def _opt(help_text: str, panel: str = _S, **kw: Any) -> Any:
 
 def serve(
     model_dir: Annotated[Path | None, _opt("encoder checkpoint directory (env VLSERVE_MODEL_DIR); with no model or detector given, "
-                                           "the demo model set is used (built on first use)", "Models")] = None,
+                                           "the --profile model set is used (built on first use)", "Models")] = None,
     detector_dir: Annotated[Path | None, _opt("detector directory (env VLSERVE_DETECTOR_DIR)", "Models")] = None,
+    profile: Annotated[str | None, _opt("with no --model-dir or --detector-dir: the model set of `vlserve zoo build --profile` "
+                                        "to serve from the cache, built there on first use: demo (about 10 min on 2 cores), "
+                                        "pretrained or full (about 30 min) (env VLSERVE_PROFILE; default demo)", "Models",
+                                        envvar="VLSERVE_PROFILE")] = None,
     runtime: Annotated[str | None, _opt("inference backend: torch, onnxruntime or tensorrt (default torch)", "Models")] = None,
     device: Annotated[str | None, _opt("cpu, cuda or cuda:N (default cpu)", "Models")] = None,
     threads: Annotated[int | None, _opt("intra-op threads of the runtime (default 2)", "Models")] = None,
@@ -62,7 +66,8 @@ def serve(
     SIGTERM or Ctrl-C: stop accepting connections, let in-flight requests finish (--shutdown-timeout-s),
     drain the batchers, close Redis.
     """
-    overrides = {name: value for name, value in locals().items() if value is not None and name != "log_level"}
+    overrides = {name: value for name, value in locals().items()
+                 if value is not None and name not in ("log_level", "profile")}
     from pydantic import ValidationError
 
     from service.settings import load_settings, settings_error_message
@@ -70,22 +75,30 @@ def serve(
     try:
         settings = load_settings(**overrides)
         if settings.model_dir is None and settings.detector_dir is None:
-            settings = load_settings(**overrides, **demo_model_dirs())
+            settings = load_settings(**overrides, **zoo_model_dirs(profile or "demo"))
+        elif profile is not None:
+            typer.echo("error: --profile (VLSERVE_PROFILE) serves a model set of the zoo; give it or --model-dir and "
+                       "--detector-dir (VLSERVE_MODEL_DIR, VLSERVE_DETECTOR_DIR), not both", err=True)
+            raise typer.Exit(2)
     except ValidationError as exc:
         typer.echo(f"error: {settings_error_message(exc)}", err=True)
         raise typer.Exit(2) from None
     raise typer.Exit(run_server(settings, log_level))
 
 
-def demo_model_dirs() -> dict[str, Path]:
-    """The embedded default: the demo model set in the cache, built first if absent (about 25 minutes on 2 cores with
-    native bf16, docs/RESULTS.md session 14)."""
-    from training.zoo import build_zoo, is_built, zoo_dir
+def zoo_model_dirs(profile: str = "demo") -> dict[str, Path]:
+    """The embedded default: a profile's model set in the cache (the demo's unless asked), built first if absent
+    (the demo 9.3 min on 2 cores with native bf16, the full set 27.6 min: docs/RESULTS.md sessions 23 and 24)."""
+    from training.zoo import PROFILES, build_zoo, is_built, zoo_dir
 
-    path = zoo_dir("demo")
+    if profile not in PROFILES:
+        typer.echo(f"error: unknown profile {profile!r} (--profile, VLSERVE_PROFILE); choose one of {', '.join(PROFILES)}", err=True)
+        raise typer.Exit(2)
+    path = zoo_dir(profile)
     if not is_built(path):
-        typer.echo(f"no model given: building the demo model set into {path} (first run only, about 25 min on 2 cores; `make zoo` does the same)", err=True)
-        build_zoo("demo")
+        typer.echo(f"no model given: building the {profile} model set into {path} (first run only; "
+                   f"`vlserve zoo build --profile {profile}` does the same)", err=True)
+        build_zoo(profile)
     return {"model_dir": path / "encoder", "detector_dir": path / "detector"}
 
 
