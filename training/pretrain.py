@@ -67,6 +67,8 @@ class PretrainConfig:
     detector_dir: Path = Path("detector")  # region features come from this detector (cached per fingerprint)
     preset: str = "visualbert"  # encoder preset
     size: str = "small"  # encoder size (small: text side from MiniLM)
+    num_layers: int | None = None  # encoder (text) layers; None = the size's (small: MiniLM's 6); fewer start from
+    # MiniLM's first layers (as FinetuneConfig.num_layers)
     bf16: bool = False  # bfloat16 autocast where the CPU has native bf16 (about 1.5x faster with AVX512-BF16), else float32
     feature_norm: bool = True  # standardise region features with statistics of the training regions (models.layers.FeatureNorm)
     box_embedding: str = "linear"  # u-visualbert's region boxes: "linear" or "normalized" (models.config.EncoderConfig.box_embedding)
@@ -105,10 +107,13 @@ class PretrainConfig:
 def validate_config(cfg: PretrainConfig) -> DetectorConfig:
     """Fail with one PretrainConfigError before any data work; returns the detector's config."""
     try:
-        encoder_config(cfg.preset, cfg.size, box_embedding=cfg.box_embedding)  # raises for an unknown preset, size or box embedding
+        # raises for an unknown preset, size or box embedding, or a depth below 1
+        encoder_config(cfg.preset, cfg.size, box_embedding=cfg.box_embedding, **layer_override(cfg))
         resolve_device(cfg.device)  # an unknown device, or a GPU torch cannot see
     except ValueError as exc:
         raise PretrainConfigError(str(exc)) from None
+    if cfg.num_layers is not None and cfg.num_layers < 1:
+        raise PretrainConfigError(f"num_layers must be at least 1, got {cfg.num_layers}")
     unknown = [o for o in cfg.objectives if o not in OBJECTIVES]
     if unknown:
         raise PretrainConfigError(f"unknown objective {unknown[0]!r}; choose from {', '.join(OBJECTIVES)}")
@@ -174,10 +179,15 @@ def pretraining_heads(objectives: tuple[str, ...], num_classes: int, num_answers
     return heads
 
 
+def layer_override(cfg: PretrainConfig) -> dict:
+    """The encoder-config field a depth other than the size's sets."""
+    return {} if cfg.num_layers is None else {"num_layers": cfg.num_layers}
+
+
 def build_model(cfg: PretrainConfig, feature_dim: int, num_classes: int, num_answers: int) -> VLModel:
     heads = pretraining_heads(cfg.objectives, num_classes, num_answers)
     model = create_model(cfg.preset, cfg.size, heads=heads, visual_feat_dim=feature_dim, feature_norm=cfg.feature_norm,
-                         box_embedding=cfg.box_embedding)
+                         box_embedding=cfg.box_embedding, **layer_override(cfg))
     if cfg.init_text:
         init_text_from_minilm(model)
     return model

@@ -142,14 +142,14 @@ def test_a_pretraining_stage_feeds_the_finetuning_and_the_card(tmp_path):
 
 def test_the_pretrained_profile_is_the_demo_after_a_grounded_pretraining(tmp_path):
     demo, pretrained = training.zoo.PROFILES["demo"], training.zoo.PROFILES["pretrained"]
-    assert dataclasses.replace(pretrained, pretrain_steps=0, retrieval_steps=demo.retrieval_steps,
-                               num_layers=demo.num_layers, finetune_steps=demo.finetune_steps,
-                               eval_every=demo.eval_every) == demo
-    assert pretrained.num_layers is None  # pretraining builds the size's 6 layers
-    assert pretrained.pretrain_steps == 1500 and pretrained.retrieval_steps == 0
+    assert dataclasses.replace(pretrained, pretrain_steps=0) == demo
+    assert pretrained.pretrain_steps == 1500 and pretrained.num_layers == demo.num_layers == 4
+    pre = training.zoo.pretrain_config(pretrained, tmp_path / "det", tmp_path / "zoo" / "pretrained")
+    assert pre.num_layers == 4  # pretraining builds the encoder the fine-tuning continues (same depth)
     cfg = training.zoo.finetune_config(pretrained, tmp_path / "det", tmp_path / "zoo" / "encoder")
-    # no retrieval stage after it: the whole 2,000 steps of the multi-task run it was measured with
-    assert cfg.init_from == tmp_path / "zoo" / "pretrained" and cfg.steps == cfg.eval_every == 2000
+    # the demo's multi-task run, then its retrieval stage, from the pretrained encoder
+    assert cfg.init_from == tmp_path / "zoo" / "pretrained" and cfg.steps == demo.finetune_steps
+    assert cfg.retrieval_queries == 0 and pretrained.retrieval_steps == demo.retrieval_steps
 
 
 def test_a_retrieval_stage_goes_on_the_card(tmp_path):
@@ -185,7 +185,7 @@ def test_a_retrieval_stage_goes_on_the_card(tmp_path):
     assert "Its lead phase stalled 1 time(s) (loss still on its plateau at the lead's end): the run started again with " \
            "seed 1." in training.zoo.model_card("demo", p, tmp_path, metrics, 60, 1200, multitask=restarted)
     assert training.zoo.PROFILES["demo"].retrieval_steps == 1800
-    plain = training.zoo.PROFILES["pretrained"]  # no retrieval stage: its one run scores retrieval itself
+    plain = dataclasses.replace(training.zoo.PROFILES["pretrained"], retrieval_steps=0)  # its one run scores retrieval
     assert "retrieval stage" not in training.zoo.model_card("pretrained", plain, tmp_path, {"final": {}, "train_seconds": 60},
                                                             det_seconds=60, total_seconds=120)
     assert training.zoo.finetune_config(plain, tmp_path, tmp_path).retrieval_queries == 100

@@ -185,6 +185,7 @@ def test_grounded_masked_lm_targets_detector_words_of_matched_pairs_only(detecto
         (dict(preset="vl-bert", box_embedding="normalized"), "box_embedding 'normalized' is u-visualbert's"),
         (dict(device="tpu"), "device 'tpu' unknown: choose cpu, cuda or cuda:N"),
         (dict(device="cuda:7"), "device 'cuda:7': torch sees"),
+        (dict(num_layers=0), "num_layers must be at least 1, got 0"),
     ],
 )
 def test_bad_configs_fail_before_training(changes, message, detector_dir, data, tmp_path):
@@ -233,9 +234,12 @@ def test_cli_pretrains(detector_dir, data, tmp_path, monkeypatch):
     monkeypatch.setattr(pretrain_module, "prepare_task_data", lambda *a, **k: data)  # no shapes-world extraction
     result = CliRunner().invoke(app, ["train", "pretrain", "--out", str(tmp_path / "enc"), "--detector", str(detector_dir),
                                       "--preset", "vl-bert", "--size", "tiny", "--no-init-text", "--steps", "2",
-                                      "--batch-size", "4", "--threads", "1"])
+                                      "--batch-size", "4", "--threads", "1", "--num-layers", "1"])
     assert result.exit_code == 0, result.output
-    assert set(load_checkpoint(tmp_path / "enc").model.heads) == {"mlm", "mrc"}
+    ckpt = load_checkpoint(tmp_path / "enc")
+    assert set(ckpt.model.heads) == {"mlm", "mrc"}
+    # --num-layers: the depth the fine-tuning continues (tiny's own is 2)
+    assert ckpt.model.config.encoder.num_layers == 1 and len(ckpt.model.encoder.layer) == 1
 
 
 def test_grounded_words_are_also_scored_with_another_scenes_image():

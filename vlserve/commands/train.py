@@ -150,6 +150,8 @@ def pretrain(
     detector: Annotated[Path, typer.Option(help="detector checkpoint directory (regions are extracted once and cached)")],
     preset: Annotated[str, typer.Option(help="visualbert, vl-bert, vilbert, lxmert or u-visualbert")] = "visualbert",
     size: Annotated[str, typer.Option(help="tiny, small or base")] = "small",
+    num_layers: Annotated[int | None, typer.Option(min=1, help="encoder (text) layers (default: the size's; small: "
+                                                               "MiniLM's 6, fewer start from its first layers)")] = None,
     objectives: Annotated[str, typer.Option(help="comma-separated: mlm, mrfr, mrc, mrc_kl, itm, image_qa, tag, weak "
                                                  "(default: the preset's paper objectives)")] = "",
     steps: Annotated[int, typer.Option(min=1)] = 2000,
@@ -180,7 +182,7 @@ def pretrain(
     from training.pretrain import PretrainConfig, PretrainConfigError
     from training.pretrain import pretrain as run_pretrain
 
-    cfg = PretrainConfig(out=out, detector_dir=detector, preset=preset, size=size, init_text=init_text,
+    cfg = PretrainConfig(out=out, detector_dir=detector, preset=preset, size=size, num_layers=num_layers, init_text=init_text,
                          objectives=tuple(o.strip() for o in objectives.split(",") if o.strip()),
                          visual_feat_dim=visual_feat_dim, easy_vqa=easy_vqa, train_scenes=train_scenes,
                          eval_scenes=eval_scenes, steps=steps, batch_size=batch_size, lr=lr, head_lr=head_lr,
