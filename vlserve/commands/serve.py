@@ -19,7 +19,7 @@ def serve(
     detector_dir: Annotated[Path | None, _opt("detector directory (env VLSERVE_DETECTOR_DIR)", "Models")] = None,
     profile: Annotated[str | None, _opt("with no --model-dir or --detector-dir: the model set of `vlserve zoo build --profile` "
                                         "to serve from the cache, built there on first use: demo (about 10 min on 2 cores), "
-                                        "pretrained or full (about 30 min) (env VLSERVE_PROFILE; default demo)", "Models",
+                                        "pretrained (about 14) or full (about 30) (env VLSERVE_PROFILE; default demo)", "Models",
                                         envvar="VLSERVE_PROFILE")] = None,
     runtime: Annotated[str | None, _opt("inference backend: torch, onnxruntime or tensorrt (default torch)", "Models")] = None,
     device: Annotated[str | None, _opt("cpu, cuda or cuda:N (default cpu)", "Models")] = None,
@@ -88,7 +88,7 @@ def serve(
 
 def zoo_model_dirs(profile: str = "demo") -> dict[str, Path]:
     """The embedded default: a profile's model set in the cache (the demo's unless asked), built first if absent
-    (the demo 9.3 min on 2 cores with native bf16, the full set 27.6 min: docs/RESULTS.md sessions 23 and 24)."""
+    (the demo 9.3 min on 2 cores with native bf16, the pretrained set 13.7, the full set 27.6: docs/RESULTS.md sessions 23 and 24)."""
     from training.zoo import PROFILES, build_zoo, is_built, zoo_dir
 
     if profile not in PROFILES:
