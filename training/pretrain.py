@@ -107,7 +107,7 @@ class PretrainConfig:
 def validate_config(cfg: PretrainConfig) -> DetectorConfig:
     """Fail with one PretrainConfigError before any data work; returns the detector's config."""
     try:
-        # raises for an unknown preset, size or box embedding, or a depth below 1
+        # raises for an unknown preset, size or box embedding (a depth below 1 is checked below: it does not)
         encoder_config(cfg.preset, cfg.size, box_embedding=cfg.box_embedding, **layer_override(cfg))
         resolve_device(cfg.device)  # an unknown device, or a GPU torch cannot see
     except ValueError as exc:
