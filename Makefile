@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install test serve zoo zoo-pretrained zoo-full bench gpu results clean
+.PHONY: install test isa faults serve zoo zoo-pretrained zoo-full bench gpu results clean
 
 # torch first (pins read from pyproject.toml), so no dependency pulls another torch build.
 # redis-server comes from Debian: the tests start their own on a free loopback port.
@@ -14,6 +14,11 @@ install:
 
 test: install
 	$(PYTHON) -m pytest -q
+
+# The batching, parity and export tests under each x86 ISA level this CPU can stand in for (oneDNN and ATen capped
+# by ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY: AMX, AVX512-BF16, AVX512, AVX2); prints which levels ran. ~2 min a level.
+isa: install
+	$(PYTHON) scripts/isa_runs.py
 
 # With no VLSERVE_MODEL_DIR / VLSERVE_DETECTOR_DIR the service runs the demo model set, built first if absent.
 serve: install

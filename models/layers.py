@@ -88,9 +88,19 @@ class Linear(nn.Linear):
         return {**self.__dict__, "_packed": None}  # the packed copy is a cache: never pickled or deep-copied
 
 
+# oneDNN's ISA levels (ONEDNN_MAX_CPU_ISA) at which it computes bfloat16 dot products natively; a cap below them
+# (AVX512_CORE, AVX2, ...) makes it emulate bfloat16, as on a CPU without AVX512-BF16 or AMX.
+_ONEDNN_BF16_ISAS = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512", "AVX512_CORE_AMX", "AVX10_1_512_AMX",
+                     "AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2", "ALL", "DEFAULT")
+
+
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bfloat16 dot products natively (AVX512-BF16 or AMX-BF16); elsewhere oneDNN
-    emulates them and a bfloat16 GEMM is slower than float32."""
+    """Whether this CPU computes bfloat16 dot products natively (AVX512-BF16 or AMX-BF16) and oneDNN may use them
+    (`ONEDNN_MAX_CPU_ISA` unset or at a bfloat16 level); elsewhere oneDNN emulates them and a bfloat16 GEMM is
+    slower than float32."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    if cap and cap not in _ONEDNN_BF16_ISAS:
+        return False
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:  # not Linux: no way to tell cheaply, so never assume it

@@ -157,6 +157,16 @@ class RegionFeatures:
             attr_ids=pad(self.attr_ids, PAD_ID), attr_scores=pad(self.attr_scores, 0),
         )
 
+    def rescaled(self, image_hw: tuple[int, int]) -> RegionFeatures:
+        """The same regions in the pixel frame of the image at image_hw (boxes scaled per axis, clipped to it): the
+        regions of a reduced decode, told in the original image's pixels."""
+        (h, w), (H, W) = self.image_hw, (int(image_hw[0]), int(image_hw[1]))
+        if (h, w) == (H, W):
+            return self
+        scale = np.array([W / w, H / h, W / w, H / h], np.float64)
+        boxes = np.minimum(self.boxes * scale, [W, H, W, H]).astype(np.float32)
+        return self.replace(boxes=boxes, image_hw=(H, W))
+
     def trimmed(self) -> RegionFeatures:
         """Only the real regions (N = num_boxes)."""
         return self.pad_to(self.num_boxes)

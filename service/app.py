@@ -2,8 +2,10 @@
 
 Start-up: detector and encoder checkpoint (refused when the checkpoint expects another detector) ->
 feature store -> RegionService -> runtime -> one Batcher per served task -> warm-up -> ready.
-Shutdown (SIGTERM via uvicorn, which first stops accepting and lets in-flight requests finish): not ready ->
-batchers drained -> detector drained -> feature store (Redis) closed -> runtime closed.
+Shutdown (SIGTERM, service/shutdown.py): a drain period (`shutdown_drain_s`) in which /readyz answers 503 while
+requests are still served, each answer with `Connection: close` -> uvicorn stops accepting and lets in-flight
+requests finish (`shutdown_timeout_s`) -> lifespan: not ready -> batchers drained -> detector drained ->
+feature store (Redis) closed -> runtime closed.
 """
 from __future__ import annotations
 
@@ -37,11 +39,12 @@ from .query_bank import BankPriors
 from .pipeline import Limits, Pipeline, TaskSpec, batch_fn, fused_batch_fn, task_specs
 from .regions import RegionService
 from .routes import ROUTERS
-from .routes.common import Services
+from .routes.common import Services, problems
 from .runtime import create_runtime
-from .schemas import ModelInfo
+from .schemas import ModelInfo, Problem
 from .security import PUBLIC_PATHS, APIKeyMiddleware, BodyLimitMiddleware
 from .settings import Settings
+from .shutdown import CloseWhileDraining
 from .stream_cache import StreamCache
 
 log = logging.getLogger("vlserve.app")
@@ -165,12 +168,14 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         regions = RegionService(
             loaded.detector, loaded.fingerprint, store,
             BatcherConfig(settings.detector_max_batch_size, settings.detector_max_wait_ms, settings.max_queue),
-            settings.max_pixels, inference, on_batch=metrics.on_batch("detector"))
+            settings.max_pixels, inference, on_batch=metrics.on_batch("detector"),
+            max_pixels_in_flight=settings.decode_max_pixels_in_flight, reduced_decoding=settings.decode_reduced)
         config = model_config(loaded.checkpoint)
         specs = task_specs(runtime.tasks, {t: {"pool": h.pool, "vqa_loss": h.vqa_loss} for t, h in config.heads.items()}, loaded.checkpoint.labels)
         model = model_info(loaded, runtime.name, runtime.precision)
         streams = stream_cache(settings, runtime, specs, model)
-        encoder_batching = BatcherConfig(settings.max_batch_size, settings.max_wait_ms, settings.max_queue)
+        encoder_batching = BatcherConfig(settings.max_batch_size, settings.max_wait_ms, settings.max_queue,
+                                         settings.max_queue_wait_ms)
         encoder_busy = InFlight()  # the task batchers share one runtime: a batch goes at once only when it is idle
 
         def encoder_batcher(spec: TaskSpec) -> Batcher:
@@ -222,19 +227,57 @@ def package_version() -> str:
         return "0+unknown"
 
 
+# What the middleware answers before any route runs (security.py), on every route: its problem types.
+MIDDLEWARE_PROBLEMS = ("bad-request", "body-too-large")  # a Content-Length that is not a number; a body too large
+_BOUND_KEYWORD = {"integer": "maximum", "number": "maximum", "string": "maxLength", "array": "maxItems"}
+
+
+def bound_by_settings(node: Any, settings: Settings) -> None:
+    """Give every schema that names the setting bounding it (`x-setting`, service/schemas.py) that bound."""
+    if isinstance(node, dict):
+        if "x-setting" in node:
+            node[_BOUND_KEYWORD[node["type"]]] = getattr(settings, node["x-setting"])
+        for value in node.values():
+            bound_by_settings(value, settings)
+    elif isinstance(node, list):
+        for value in node:
+            bound_by_settings(value, settings)
+
+
+def _as_written(response: dict[str, Any]) -> dict[str, Any]:
+    """A `problems()` entry as FastAPI writes it into the schema: the model's $ref beside the narrowing."""
+    written = {key: value for key, value in response.items() if key != "model"}
+    schema = written["content"]["application/json"]["schema"]
+    written["content"] = {"application/json": {"schema": {**schema, "$ref": f"#/components/schemas/{Problem.__name__}"}}}
+    return written
+
+
 def custom_openapi(app: FastAPI, api_keys: bool):
-    """The generated schema, with error answers as application/problem+json and the API-key scheme."""
+    """The generated schema, completed with what the routes' declarations do not say: the answers the middleware
+    gives on every route (400, 413, and 401 where keys are configured), error answers as application/problem+json
+    (the Problem schema narrowed to the types each route may answer at each status), the bounds that come from
+    settings, and the API-key scheme."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
             return app.openapi_schema
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        bound_by_settings(schema, app.state.settings)
         for path, operations in schema.get("paths", {}).items():
+            middleware = MIDDLEWARE_PROBLEMS + (("unauthorized",) if api_keys and path not in PUBLIC_PATHS else ())
             for operation in operations.values():
-                for status, response in operation.get("responses", {}).items():
+                responses = operation.setdefault("responses", {})
+                for status, response in problems(*middleware).items():
+                    responses.setdefault(str(status), _as_written(response))
+                operation["responses"] = dict(sorted(responses.items()))
+                for status, response in responses.items():
                     content = response.get("content", {})
                     if status[:1] in "45" and "application/json" in content:
-                        content[PROBLEM_JSON] = content.pop("application/json")
+                        problem = content.pop("application/json")
+                        narrowed = problem["schema"]
+                        if "$ref" in narrowed and len(narrowed) > 1:  # allOf: not every tool reads $ref siblings
+                            problem["schema"] = {"allOf": [{"$ref": narrowed.pop("$ref")}, narrowed]}
+                        content[PROBLEM_JSON] = problem
                 if api_keys and path not in PUBLIC_PATHS:
                     operation["security"] = [{"APIKey": []}]
         if api_keys:
@@ -255,6 +298,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.metrics = metrics = Metrics()
     app.state.services = None
     app.state.ready = False
+    app.state.draining = False  # set on SIGTERM by service.shutdown.DrainingServer: /readyz 503, requests still served
     app.state.startup_error = None
     install_error_handlers(app)
     for router in ROUTERS:
@@ -263,5 +307,6 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(APIKeyMiddleware, keys=settings.api_keys)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(CloseWhileDraining, state=app.state)
     app.openapi = custom_openapi(app, bool(settings.api_keys))
     return app

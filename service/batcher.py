@@ -6,7 +6,16 @@ batcher sharing its `InFlight` is running or waiting to run), with whatever else
 its first item has waited `max_wait_ms`, or the runtime becomes idle, whichever comes first (continuous
 batching: under load, batches form from the requests that arrive while the previous batch runs; a lone
 request never waits). The synchronous batch function runs in the executor, so the event loop never blocks
-on inference. A bounded queue turns overload into `QueueFullError` (HTTP 429).
+on inference. Overload becomes `QueueFullError` (HTTP 429 with Retry-After) at submit: when the queue holds
+`max_queue` items, or when the batches queued ahead of a new request on the shared runtime (those it cannot join,
+at the measured batch time) would hold it longer than `max_queue_wait_ms`. The batch running when it arrives is not
+counted: a request that can join the next batch is always taken, whatever the batch time. Shedding by expected wait
+keeps the accepted requests' latency bounded where a long queue would only make every request late.
+
+Background items (`submit(item, background=True)`: work no request waits for, such as an image's query-bank prior
+after its registration) never go ahead of a request: they run only while no request is queued in any batcher
+sharing the runtime and the runtime is idle, in batches of at most BACKGROUND_BATCH, so a request that arrives
+meanwhile waits for one small batch at most. They do not count against `max_queue` (their producer bounds them).
 """
 from __future__ import annotations
 
@@ -25,12 +34,17 @@ R = TypeVar("R")
 
 log = logging.getLogger(__name__)
 
+# Items per background batch: small, because a request that arrives while one runs waits for it (8 rows of the demo
+# encoder run in about a quarter of a 32-row batch's time).
+BACKGROUND_BATCH = 8
+
 
 @dataclass(frozen=True)
 class BatcherConfig:
     max_batch_size: int  # items per call of the batch function
     max_wait_ms: float  # while the runtime is busy, how long a batch may wait to fill, from its first item's arrival
     max_queue: int  # items waiting (not yet in a running batch) before submit raises QueueFullError
+    max_queue_wait_ms: float = 0.0  # refuse a request whose expected wait is longer (0: no bound but max_queue)
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -39,13 +53,16 @@ class BatcherConfig:
             raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if not self.max_queue_wait_ms >= 0:
+            raise ValueError(f"max_queue_wait_ms must be >= 0, got {self.max_queue_wait_ms}")
 
 
 class QueueFullError(Exception):
-    """The batcher's queue is full; try again after `retry_after_s` (HTTP 429 with Retry-After)."""
+    """The batcher cannot take a request now (queue full, or the wait would be too long); try again after
+    `retry_after_s` (HTTP 429 with Retry-After)."""
 
-    def __init__(self, name: str, max_queue: int, retry_after_s: float) -> None:
-        super().__init__(f"{name}: queue full ({max_queue} requests waiting); retry in {retry_after_s:.2f} s")
+    def __init__(self, name: str, why: str, retry_after_s: float) -> None:
+        super().__init__(f"{name}: {why}; retry in {retry_after_s:.2f} s")
         self.name = name
         self.retry_after_s = retry_after_s
 
@@ -65,10 +82,26 @@ class InFlight:
     def __init__(self) -> None:
         self.count = 0
         self._listeners: list[asyncio.Event] = []
+        self._batchers: list[Batcher] = []  # the batchers that feed this runtime
+        self.batch_seconds: float | None = None  # moving average of a batch's run time on this runtime
+        self._running_since = 0.0  # time.perf_counter() when the oldest running batch started
 
     @property
     def idle(self) -> bool:
         return self.count == 0
+
+    @property
+    def requests_waiting(self) -> bool:
+        """Whether any batcher feeding this runtime has a request (not background work) queued."""
+        return any(b.requests_waiting for b in self._batchers)
+
+    def join(self, batcher: Batcher) -> None:
+        if batcher not in self._batchers:
+            self._batchers.append(batcher)
+
+    def leave(self, batcher: Batcher) -> None:
+        if batcher in self._batchers:
+            self._batchers.remove(batcher)
 
     def listen(self, event: asyncio.Event) -> None:
         self._listeners.append(event)
@@ -77,11 +110,28 @@ class InFlight:
         if event in self._listeners:
             self._listeners.remove(event)
 
+    def expected_wait_s(self, joining: Batcher | None = None) -> tuple[float, float]:
+        """(queued, running): how long a request submitted now to `joining` would wait for the batches queued ahead
+        of it (every batcher's queue in batches of its size; in its own batcher, the full batches it cannot join)
+        and for the rest of the batch running now. (0, 0) until a batch time has been measured."""
+        if self.batch_seconds is None:  # nothing measured yet (start-up): no basis for refusing
+            return 0.0, 0.0
+        ahead = sum(b.requests_waiting // b.config.max_batch_size if b is joining
+                    else math.ceil(b.requests_waiting / b.config.max_batch_size) for b in self._batchers)
+        running = max(self.batch_seconds - (time.perf_counter() - self._running_since), 0.0) if self.count else 0.0
+        return ahead * self.batch_seconds, running
+
     def started(self) -> None:
+        if self.count == 0:
+            self._running_since = time.perf_counter()
         self.count += 1
 
-    def finished(self) -> None:
+    def finished(self, run_s: float | None = None) -> None:
         self.count -= 1
+        if run_s is not None:
+            self.batch_seconds = run_s if self.batch_seconds is None else 0.8 * self.batch_seconds + 0.2 * run_s
+        if self.count:
+            self._running_since = time.perf_counter()
         for event in self._listeners:
             event.set()
 
@@ -91,6 +141,7 @@ class _Pending(Generic[T, R]):
     item: T
     future: asyncio.Future[R]
     enqueued: float  # loop.time() at submit
+    background: bool = False
 
 
 def retry_after(queue_depth: int, max_batch_size: int, batch_seconds: float, max_wait_s: float) -> float:
@@ -134,17 +185,25 @@ class Batcher(Generic[T, R]):
         self._own_executor = executor is None
         self._in_flight = in_flight if in_flight is not None else InFlight()
         self._queue: deque[_Pending[T, R]] = deque()
+        self._background: deque[_Pending[T, R]] = deque()  # run only when no request waits (see the module doc)
+        self._filling = 0  # requests taken from the queue into a batch that is still filling
         self._arrived: asyncio.Event | None = None
         self._consumer: asyncio.Task | None = None
         self._closing = False
         self._batch_seconds = config.max_wait_ms / 1000  # moving average of fn's run time, for Retry-After
         self.batches = 0  # batches run
         self.items = 0  # items run
+        self.shed = 0  # requests refused by expected wait
 
     @property
     def queue_depth(self) -> int:
         """Items waiting for a batch (cancelled ones included until the consumer drops them)."""
         return len(self._queue)
+
+    @property
+    def requests_waiting(self) -> int:
+        """Requests queued or in a batch that is still filling (not yet handed to the runtime)."""
+        return len(self._queue) + self._filling
 
     @property
     def running(self) -> bool:
@@ -157,6 +216,7 @@ class Batcher(Generic[T, R]):
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"vlserve-{self.name}")
         self._arrived = asyncio.Event()  # set on every arrival, on stop, and when a batch of the runtime finishes
         self._in_flight.listen(self._arrived)
+        self._in_flight.join(self)
         self._closing = False
         self._consumer = asyncio.create_task(self._consume(), name=f"batcher-{self.name}")
 
@@ -175,22 +235,36 @@ class Batcher(Generic[T, R]):
             self._fail_queued(BatcherClosedError(f"batcher {self.name} stopped before this request ran"))
             self._consumer = None
             self._in_flight.unlisten(self._arrived)
+            self._in_flight.leave(self)
             if self._own_executor and self._executor is not None:
                 self._executor.shutdown(wait=False, cancel_futures=True)
                 self._executor = None
 
-    async def submit(self, item: T) -> R:
-        """The result of `fn` for this item, computed in some batch."""
+    async def submit(self, item: T, background: bool = False) -> R:
+        """The result of `fn` for this item, computed in some batch; a background item runs only when no request
+        waits (module doc)."""
         if self._consumer is None or self._closing:
             raise BatcherClosedError(f"batcher {self.name} is not running")
-        if len(self._queue) >= self.config.max_queue:
-            raise QueueFullError(self.name, self.config.max_queue, retry_after(
-                len(self._queue), self.config.max_batch_size, self._batch_seconds, self.config.max_wait_ms / 1000))
+        if not background:
+            self.admit()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
-        self._queue.append(_Pending(item, future, loop.time()))
+        (self._background if background else self._queue).append(_Pending(item, future, loop.time(), background))
         self._arrived.set()
         return await future  # cancelling the caller cancels the future; the consumer then skips it
+
+    def admit(self) -> None:
+        """Raise QueueFullError when the queue is full or a new request would wait longer than max_queue_wait_ms.
+        submit() asks it; a caller may ask first, before work of its own that a refusal would waste."""
+        if len(self._queue) >= self.config.max_queue:
+            raise QueueFullError(self.name, f"queue full ({self.config.max_queue} requests waiting)", retry_after(
+                len(self._queue), self.config.max_batch_size, self._batch_seconds, self.config.max_wait_ms / 1000))
+        if self.config.max_queue_wait_ms:
+            queued, running = self._in_flight.expected_wait_s(self)
+            if queued * 1000 > self.config.max_queue_wait_ms:
+                self.shed += 1
+                raise QueueFullError(self.name, f"the batches queued ahead would take {queued * 1000:.0f} ms, over "
+                                     f"max_queue_wait_ms {self.config.max_queue_wait_ms:g}", queued + running)
 
     # --- consumer ---------------------------------------------------------------------------------
 
@@ -211,25 +285,37 @@ class Batcher(Generic[T, R]):
                 for p in batch:
                     if not p.future.done():
                         p.future.set_exception(RuntimeError(f"batcher {self.name}: internal error"))
+            del batch  # its items (decoded images, for the detector) are freed now, not when the next batch comes
 
     async def _collect(self) -> list[_Pending[T, R]] | None:
         """The next batch of live items, or None once closing with nothing left."""
-        loop = asyncio.get_running_loop()
         while True:
             self._drop_cancelled()
             if self._queue:
                 break
+            if self._background and (self._closing or (self._in_flight.idle and not self._in_flight.requests_waiting)):
+                return [self._background.popleft() for _ in range(min(BACKGROUND_BATCH, len(self._background)))]
             if self._closing:
                 return None
             self._arrived.clear()
             await self._arrived.wait()
         batch = [self._queue.popleft()]
+        try:
+            return await self._fill(batch)
+        finally:
+            self._filling = 0
+
+    async def _fill(self, batch: list[_Pending[T, R]]) -> list[_Pending[T, R]]:
+        """Adds queued requests to the batch until it is full, the runtime is idle or the first one's deadline."""
+        loop = asyncio.get_running_loop()
+        self._filling = len(batch)
         deadline = batch[0].enqueued + self.config.max_wait_ms / 1000
         while len(batch) < self.config.max_batch_size:
             if self._queue:
                 p = self._queue.popleft()
                 if not p.future.done():
                     batch.append(p)
+                    self._filling = len(batch)
                 continue
             # nothing else queued: go now if the runtime is idle, else wait for an arrival, a free runtime or the deadline
             if self._closing or self._in_flight.idle or loop.time() >= deadline:
@@ -259,8 +345,9 @@ class Batcher(Generic[T, R]):
                     p.future.set_exception(exc)
             results = None
         finally:
-            self._in_flight.finished()
-        run_s = time.perf_counter() - t0
+            run_s = time.perf_counter() - t0
+            # background batches are small: their time would understate what a request waits for
+            self._in_flight.finished(None if live[0].background else run_s)
         if results is not None:
             for p, result in zip(live, results):
                 if p.future.done():
@@ -279,11 +366,13 @@ class Batcher(Generic[T, R]):
                 log.exception("batcher %s: on_batch hook failed", self.name)
 
     def _drop_cancelled(self) -> None:
-        while self._queue and self._queue[0].future.done():
-            self._queue.popleft()
+        for queue in (self._queue, self._background):
+            while queue and queue[0].future.done():
+                queue.popleft()
 
     def _fail_queued(self, exc: Exception) -> None:
-        while self._queue:
-            p = self._queue.popleft()
-            if not p.future.done():
-                p.future.set_exception(exc)
+        for queue in (self._queue, self._background):
+            while queue:
+                p = queue.popleft()
+                if not p.future.done():
+                    p.future.set_exception(exc)

@@ -2,18 +2,25 @@
 
 | status | type                         | when                                                                  |
 |--------|------------------------------|-----------------------------------------------------------------------|
-| 400    | /problems/bad-request        | a multipart body or Content-Length that cannot be parsed              |
+| 400    | /problems/bad-request        | a body that cannot be parsed: not JSON (or not UTF-8), broken         |
+|        |                              | multipart (POST /images), or a Content-Length that is not a number    |
 | 401    | /problems/unauthorized       | API keys are configured and X-API-Key is missing or wrong             |
 | 404    | /problems/not-found          | no such route                                                         |
 | 404    | /problems/unknown-image      | an image_id the service has not seen (POST /images or send the image) |
 | 404    | /problems/no-head            | the model has no head for this endpoint                               |
 | 405    | /problems/method-not-allowed | wrong method for the route                                            |
 | 413    | /problems/body-too-large     | request body over max_body_bytes                                      |
-| 422    | /problems/validation-error   | missing fields, wrong types, bad base64, limits (errors[] lists them) |
+| 422    | /problems/validation-error   | parsed body or query breaks the schema: missing fields, wrong types,  |
+|        |                              | nulls, bad base64, limits (errors[] lists them); texts the tokenizer  |
+|        |                              | reads no word of; /refer: an image with no regions                    |
 | 422    | /problems/invalid-image      | bytes that are not a supported image, truncated, or over max_pixels   |
 | 429    | /problems/queue-full         | the task's batch queue is full; Retry-After says when to retry        |
 | 503    | /problems/not-ready          | models still loading / warming up, or shutting down                   |
+| 503    | /problems/store-unavailable  | an image_id request while the feature store (Redis) cannot be reached |
 | 500    | /problems/internal-error     | a bug; the detail is generic and the log has the request id           |
+
+The OpenAPI schema lists, for each route and status, the problem types it may answer (routes/common.py
+PROBLEM_TYPES, app.custom_openapi); 404 not-found, 405 and 500 are not tied to a route.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from models.images import ImageError
 
 from .batcher import BatcherClosedError, QueueFullError
+from .feature_store import StoreUnavailableError
 from .regions import UnknownImageError
 
 log = logging.getLogger("vlserve.errors")
@@ -100,6 +108,16 @@ def _jsonable_errors(errors) -> list[dict[str, Any]]:
              "type": str(e.get("type", ""))} for e in errors]
 
 
+def _json_error(error: dict[str, Any]) -> str:
+    """Why a body is not JSON: FastAPI's entry has the parser's message in ctx and the offset in loc, pydantic's
+    (POST /images) has both in msg."""
+    reason = (error.get("ctx") or {}).get("error")
+    if reason is None:
+        return str(error.get("msg", "")).removeprefix("Invalid JSON: ")
+    offset = next((p for p in error.get("loc", ())[1:] if isinstance(p, int)), None)
+    return f"{reason} (at character {offset})" if offset is not None else str(reason)
+
+
 def _validation_detail(errors: list[dict[str, Any]]) -> str:
     parts = [f"{'.'.join(str(p) for p in e['loc'][1:] or e['loc']) or 'body'}: {e['msg']}" for e in errors[:5]]
     more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
@@ -113,6 +131,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
+        unparsed = next((e for e in exc.errors() if e.get("type") == "json_invalid"), None)
+        if unparsed is not None:  # FastAPI and pydantic's JSON parsers report a syntax error as a validation error
+            return problem_response(request, 400, f"the body is not valid JSON: {_json_error(unparsed)}", "bad-request")
         errors = _jsonable_errors(exc.errors())
         return problem_response(request, 422, _validation_detail(errors), "validation-error",
                                 "Invalid request", errors=errors)
@@ -129,6 +150,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(UnknownImageError)
     async def _unknown_image(request: Request, exc: UnknownImageError):
         return problem_response(request, 404, str(exc), "unknown-image", "Unknown image")
+
+    @app.exception_handler(StoreUnavailableError)
+    async def _store_unavailable(request: Request, exc: StoreUnavailableError):
+        retry = max(1, math.ceil(exc.retry_after_s))
+        return problem_response(request, 503, str(exc), "store-unavailable", "Feature store unavailable",
+                                headers={"Retry-After": str(retry)})
 
     @app.exception_handler(BatcherClosedError)
     async def _closed(request: Request, exc: BatcherClosedError):
@@ -150,6 +177,8 @@ def install_error_handlers(app: FastAPI) -> None:
         detail = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).description
         if exc.status_code == 404 and detail == "Not Found":
             detail = f"no route {request.url.path}; see /docs"
+        elif exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI reading a JSON body
+            detail = "the body is not valid JSON: it is not UTF-8 text"
         elif exc.status_code == 405:
             detail = f"{request.method} is not allowed on {request.url.path}"
         return problem_response(request, exc.status_code, detail, headers=getattr(exc, "headers", None))

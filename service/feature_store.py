@@ -28,6 +28,18 @@ log = logging.getLogger(__name__)
 
 KEY_PREFIX = "vlserve:feat"
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)  # Redis down, restarting or too slow
+_POOL_EXHAUSTED = "No connection available."  # BlockingConnectionPool: every connection busy for its timeout
+
+
+class StoreUnavailableError(RuntimeError):
+    """The store cannot be asked now (Redis down, hung or in its back-off): an `image_id` lookup cannot tell a
+    registered image from an unknown one, so it answers 503 with Retry-After, never 404 (HTTP 503
+    /problems/store-unavailable). Inline images are unaffected: they are computed and served without the cache."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__(f"the feature store is unreachable, so registered images cannot be looked up now; retry in "
+                         f"{max(1, round(retry_after_s))} s, or send the image itself")
+        self.retry_after_s = retry_after_s
 
 
 def feature_key(fingerprint: str, image_id: str) -> str:
@@ -47,8 +59,12 @@ class FeatureStore(ABC):
         self.corrupt = 0  # values that were not readable region features (counted as misses too)
 
     @abstractmethod
-    async def get(self, image_id: str) -> RegionFeatures | None:
-        """The stored regions, or None on a miss (absent, corrupt, foreign, or store unavailable)."""
+    async def get(self, image_id: str, strict: bool = False) -> RegionFeatures | None:
+        """The stored regions, or None on a miss (absent, corrupt, foreign, or store unavailable).
+
+        strict: an unavailable store raises StoreUnavailableError instead of answering a miss. A lookup by
+        `image_id` asks strictly (a miss there means "unknown image", which an outage must not claim); the
+        lookup before extracting an inline image does not (it computes on a miss anyway)."""
 
     @abstractmethod
     async def put(self, image_id: str, rf: RegionFeatures) -> None:
@@ -109,7 +125,7 @@ class InProcessStore(FeatureStore):
     def __len__(self) -> int:
         return len(self._values)
 
-    async def get(self, image_id: str) -> RegionFeatures | None:
+    async def get(self, image_id: str, strict: bool = False) -> RegionFeatures | None:
         key = feature_key(self.fingerprint, image_id)
         entry = self._values.get(key)
         if entry is None:
@@ -158,12 +174,19 @@ class RedisStore(FeatureStore):
     Run Redis with `maxmemory-policy allkeys-lru` (and a `maxmemory`) so it evicts old images instead of
     refusing writes; the server owns that policy (tests, docs and k8s config set it), never this client.
     Short socket timeouts and a back-off keep a dead Redis cheap: after a failure, Redis is skipped for
-    `backoff_s` (every request a plain miss), then tried again, so the store recovers on its own.
+    `backoff_s` (an inline image is computed without the cache, an `image_id` lookup answers
+    StoreUnavailableError), then tried again, so the store recovers on its own.
+
+    Connections come from a blocking pool of `max_connections`: under load a command waits (up to `timeout_s`)
+    for a free connection instead of failing with "too many connections", and waiting for one is not an outage
+    (no back-off). A connection that broke while idle (Redis restarted) is replaced and the command retried
+    once on a fresh one, so a restart costs no failed lookups once Redis is back; a timeout is never retried.
     """
 
     name = "redis"
 
-    def __init__(self, url: str, fingerprint: str, ttl_s: int, *, timeout_s: float = 0.5, backoff_s: float = 1.0) -> None:
+    def __init__(self, url: str, fingerprint: str, ttl_s: int, *, timeout_s: float = 0.5, backoff_s: float = 1.0,
+                 max_connections: int = 32) -> None:
         super().__init__()
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
@@ -173,10 +196,12 @@ class RedisStore(FeatureStore):
         self.backoff_s = backoff_s
         self.skipped = 0  # operations not attempted during a back-off
         self._down_until = 0.0  # time.monotonic() before which Redis is not tried
-        # No retries: one failed attempt is cheaper than three, and the pool already reconnects stale sockets.
-        self._redis = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
-            retry_on_timeout=False, decode_responses=False, client_name="vlserve")
+        self.pool_waits = 0  # commands that found every pooled connection busy for timeout_s
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s, decode_responses=False, client_name="vlserve",
+            retry=Retry(NoBackoff(), 1), retry_on_error=[RedisConnectionError], retry_on_timeout=False)
+        self._redis = aioredis.Redis(connection_pool=pool)
 
     @property
     def available(self) -> bool:
@@ -186,9 +211,11 @@ class RedisStore(FeatureStore):
     def key(self, image_id: str) -> str:
         return feature_key(self.fingerprint, image_id)
 
-    async def get(self, image_id: str) -> RegionFeatures | None:
+    async def get(self, image_id: str, strict: bool = False) -> RegionFeatures | None:
         if not self.available:
             self.skipped += 1
+            if strict:
+                raise StoreUnavailableError(self._down_until - time.monotonic())
             self.misses += 1
             return None
         key = self.key(image_id)
@@ -196,6 +223,8 @@ class RedisStore(FeatureStore):
             value = await self._redis.get(key)
         except (RedisError, *_UNREACHABLE) as exc:
             self._failed("get", exc)
+            if strict:
+                raise StoreUnavailableError(max(self._down_until - time.monotonic(), 1.0)) from None
             self.misses += 1
             return None
         if value is None:
@@ -226,11 +255,15 @@ class RedisStore(FeatureStore):
             log.debug("feature store redis: error on close (%s)", exc)
 
     def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "skipped": self.skipped, "available": self.available}
+        return {**super().stats(), "skipped": self.skipped, "available": self.available, "pool_waits": self.pool_waits}
 
     def _failed(self, op: str, exc: BaseException) -> None:
         self.errors += 1
-        if isinstance(exc, _UNREACHABLE):
+        if isinstance(exc, RedisConnectionError) and str(exc) == _POOL_EXHAUSTED:  # busy, not down: no back-off
+            self.pool_waits += 1
+            log.warning("feature store redis: %s found no free connection in %d for its timeout",
+                        op, self._redis.connection_pool.max_connections)
+        elif isinstance(exc, _UNREACHABLE):
             was_up = self.available
             self._down_until = time.monotonic() + self.backoff_s
             if was_up:
@@ -243,5 +276,6 @@ class RedisStore(FeatureStore):
 def create_store(settings: Settings, fingerprint: str) -> FeatureStore:
     """Redis when settings.redis_url is set, otherwise the in-process LRU."""
     if settings.redis_url:
-        return RedisStore(settings.redis_url, fingerprint, settings.redis_ttl_s)
+        return RedisStore(settings.redis_url, fingerprint, settings.redis_ttl_s,
+                          max_connections=settings.redis_max_connections)
     return InProcessStore(settings.cache_max_bytes, fingerprint)

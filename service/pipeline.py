@@ -218,12 +218,16 @@ class Pipeline:
 
     # ---- inputs ----
 
-    def spec(self, kind: str) -> TaskSpec:
+    def spec(self, kind: str, admit: bool = True) -> TaskSpec:
+        """The spec of the head that answers `kind`; with admit, first refuses (QueueFullError, 429) a request its
+        batcher would not start within its bounds, before any tokenizing, lookup or detector work is spent on it."""
         spec = self.specs.get(kind)
         if spec is None:
             endpoint = ENDPOINT_OF.get(kind, kind)
             raise NoHeadError(f"this model has no {kind} head, so it does not serve {endpoint}; "
                               f"it serves: {', '.join(ENDPOINT_OF[k] for k in self.specs) or 'nothing'}")
+        if admit:
+            self.batchers[spec.task].admit()
         return spec
 
     def check_top_k(self, top_k: int) -> None:
@@ -266,14 +270,16 @@ class Pipeline:
         # detector batches images of concurrent requests anyway
         return [await self.image(data, image_id, timer) for data, image_id in refs]
 
-    async def run(self, spec: TaskSpec, items: list[Item] | list[Pair], timer: Timer) -> list[np.ndarray]:
-        """Logits of each item from the task's batcher (items of one request may share a batch)."""
+    async def run(self, spec: TaskSpec, items: list[Item] | list[Pair], timer: Timer,
+                  background: bool = False) -> list[np.ndarray]:
+        """Logits of each item from the task's batcher (items of one request may share a batch); background items
+        run only when no request waits (batcher module doc)."""
         submitted = time.perf_counter()
         batcher = self.batchers[spec.task]
         if len(items) == 1:  # no task per item for the common single-item request
-            results: list[Scored] = [await batcher.submit(items[0])]
+            results: list[Scored] = [await batcher.submit(items[0], background)]
         else:
-            outcomes = await asyncio.gather(*(batcher.submit(item) for item in items), return_exceptions=True)
+            outcomes = await asyncio.gather(*(batcher.submit(item, background) for item in items), return_exceptions=True)
             failed = [o for o in outcomes if isinstance(o, BaseException)]
             if failed:  # e.g. the queue filled up part-way through a retrieval request's candidates
                 raise failed[0]
@@ -332,16 +338,19 @@ class Pipeline:
                 hit["bank_score"] = float(value)
         return {"direction": "text_to_images", "results": [hits[i] for i in rank(key, top_k)]}
 
-    async def score_rows(self, spec: TaskSpec, rows: Sequence[Item], image_id: str, rf: RegionFeatures) -> np.ndarray:
+    async def score_rows(self, spec: TaskSpec, rows: Sequence[Item], image_id: str, rf: RegionFeatures,
+                         background: bool = False) -> np.ndarray:
         """Match scores of text rows (a query bank's) with one image, a batch at a time so the queue never fills;
-        their queue and encoder time are not the request's (it counts them as its query_bank stage)."""
+        their queue and encoder time are not the request's (it counts them as its query_bank stage). In the
+        background (a registered image's prior) they run only when no request waits."""
         if self.streams is None:  # the image's arrays once for every row
             regions = region_arrays([rf], self.tag_words)
             pairs = [{**row, **regions} for row in rows]
         else:
             pairs = [self.pairs(row, [(image_id, rf)])[0] for row in rows]
         chunk = self.batchers[spec.task].config.max_batch_size
-        logits = [lg for s in range(0, len(pairs), chunk) for lg in await self.run(spec, pairs[s:s + chunk], Timer())]
+        logits = [lg for s in range(0, len(pairs), chunk)
+                  for lg in await self.run(spec, pairs[s:s + chunk], Timer(), background)]
         return match_scores(np.stack(logits))[0]
 
     def pairs(self, tokens: Item, images: Sequence[tuple[str, RegionFeatures]]) -> list[Item] | list[Pair]:
@@ -380,7 +389,8 @@ class Pipeline:
     async def register(self, data: bytes, timer: Timer) -> dict[str, Any]:
         image_id, rf = await self.image(data, None, timer)
         if self.bank is not None and self.bank_on_register:
-            self.bank.schedule(image_id, rf, functools.partial(self.score_rows, self.spec("itm")))
+            self.bank.schedule(image_id, rf, functools.partial(self.score_rows, self.spec("itm", admit=False),
+                                                               background=True))
         return {"image_id": image_id, "num_boxes": rf.num_boxes, "image_size": list(rf.image_hw),
                 "cached": bool(timer.cache_hit)}
 

@@ -4,8 +4,10 @@ The checkpoint's bank captions are tokenized once at start-up, shortest first (a
 longest, so rows of like length batch together). An image's prior is its scores with every bank caption through the
 retrieval head's batcher (one row per caption, batched like any other pairs), kept by image id (a hash of the
 image) in a bounded LRU. It is computed when the image is registered (`schedule`, in the background: POST
-/images does not wait for it) or else by the first text -> image request that ranks the image; a request that
-finds the computation under way waits for it instead of repeating it. Priors depend only on the model and the
+/images does not wait for it, and its rows run only while no request waits for the encoder) or else by the first
+text -> image request that ranks the image; a request that finds a request's computation under way waits for it
+instead of repeating it, and one that finds a background computation takes it over in the foreground (a request
+never waits behind background work). Priors depend only on the model and the
 image, so each pod computes its own.
 """
 from __future__ import annotations
@@ -59,6 +61,11 @@ class BankPriors:
             if prior is not None:
                 self._priors.move_to_end(image_id)
                 return prior
+            scheduled = self._background.get(image_id)
+            if scheduled is not None and scheduled is not asyncio.current_task() and not scheduled.done():
+                scheduled.cancel()  # a request needs it now: computed below at the request's priority
+                await asyncio.gather(scheduled, return_exceptions=True)
+                continue
             pending = self._pending.get(image_id)
             if pending is None:
                 return await self._compute(image_id, rf, score_rows)

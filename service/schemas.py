@@ -1,63 +1,101 @@
 """Request and response bodies of the HTTP API (pydantic v2), with the examples shown at /docs.
 
-Requests are strict about shape (unknown fields are refused, images are strict base64); the limits that
-depend on settings (text length, top_k, candidate counts) are checked by the pipeline, which answers 422
-in the same problem+json format.
+Requests are strict about shape (unknown fields, nulls and type coercion are refused, images are strict
+base64); the limits that depend on settings (text length, top_k, candidate counts) are checked by the
+pipeline, which answers 422 in the same problem+json format. The JSON schema of every request states
+each of these rules: `x-setting` names the setting that bounds a field (the app's OpenAPI schema turns it
+into maxLength / maximum / maxItems), and `json_schema_rules` state which fields go together.
 """
 from __future__ import annotations
 
 import base64
 import binascii
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, WithJsonSchema, model_validator
 
 IMAGE_ID_PATTERN = r"^[0-9a-f]{64}$"
-_DATA_URL = re.compile(r"^data:[\w/+.-]*(;[\w=.-]+)*;base64,", re.IGNORECASE)
+_WS = " \t\r\n"  # the whitespace base64 may carry (line-wrapped MIME base64); other characters are refused
+_DATA_URL = re.compile(r"^data:[\w/+.-]*(;[\w=.-]+)*;base64,", re.IGNORECASE | re.ASCII)
+# What decode_base64 accepts, as a JSON-schema pattern (tests check the two agree on every short string): optional
+# whitespace and data-URL prefix, then base64 digits of either alphabet in whole quads, the last one possibly
+# short (2 or 3 digits, with or without its padding), whitespace allowed anywhere after the prefix.
+_W, _D = r"[ \t\r\n]*", "[A-Za-z0-9+/_-]"
+BASE64_PATTERN = (
+    f"^{_W}(?:[Dd][Aa][Tt][Aa]:[A-Za-z0-9_/+.-]*(?:;[A-Za-z0-9_=.-]+)*;[Bb][Aa][Ss][Ee]64,)?{_W}"
+    f"(?:(?:{_D}{_W}){{4}})*(?:(?:{_D}{_W}){{4}}|(?:{_D}{_W}){{2}}(?:={_W}){{0,2}}|(?:{_D}{_W}){{3}}(?:={_W})?)$"
+)
+_NO_WS = str.maketrans("", "", _WS)
 
 
 def decode_base64(value: Any) -> bytes:
-    """Strict base64 (standard or URL-safe alphabet, whitespace and a `data:...;base64,` prefix allowed) -> bytes."""
+    """Strict base64 (standard or URL-safe alphabet, line breaks and a `data:...;base64,` prefix allowed) -> bytes."""
     if not isinstance(value, str):
         raise ValueError("must be a base64 string")
-    text = "".join(_DATA_URL.sub("", value.strip(), count=1).split())
+    text = _DATA_URL.sub("", value.strip(_WS), count=1).translate(_NO_WS)
     if not text:
         raise ValueError("is empty")
     if "-" in text or "_" in text:
         text = text.replace("-", "+").replace("_", "/")
+    digits = text.rstrip("=")
+    # whole quads, the last one possibly of 2 or 3 digits, with at most the padding it lacks
+    if not digits or len(digits) % 4 == 1 or len(text) - len(digits) > -len(digits) % 4:
+        raise ValueError("is not valid base64")
     try:
-        data = base64.b64decode(text + "=" * (-len(text) % 4), validate=True)
-    except (binascii.Error, ValueError):
+        return base64.b64decode(digits + "=" * (-len(digits) % 4), validate=True)
+    except (binascii.Error, ValueError):  # a character outside both alphabets
         raise ValueError("is not valid base64") from None
-    if not data:
-        raise ValueError("decodes to 0 bytes")
-    return data
 
 
-# Decoded once at validation; documented as a base64 string.
+# Decoded once at validation; documented as a base64 string. The pattern refuses the empty string (it needs two
+# digits at least); a minLength beside it would only restate that, and made schemathesis' coverage phase search
+# for a matching string of that exact length for over a minute.
 Base64Image = Annotated[
     bytes,
     PlainValidator(decode_base64),
-    WithJsonSchema({"type": "string", "contentEncoding": "base64", "contentMediaType": "image/*",
+    WithJsonSchema({"type": "string", "pattern": BASE64_PATTERN, "contentEncoding": "base64",
+                    "contentMediaType": "image/*",
                     "description": "image file bytes (JPEG, PNG, WebP, BMP, GIF or TIFF) in base64"}),
 ]
-ImageId = Annotated[str, Field(pattern=IMAGE_ID_PATTERN, description="sha256 of the image bytes, from POST /images or an earlier response")]
-Text = Annotated[str, Field(min_length=1)]
-TopK = Annotated[int, Field(ge=1, description="how many results to return (1..max_top_k)")]
+# The lengths restate the pattern for validators whose `$` also matches before a final newline (Python's re).
+ImageId = Annotated[str, Field(pattern=IMAGE_ID_PATTERN, min_length=64, max_length=64,
+                               description="sha256 of the image bytes, from POST /images or an earlier response")]
+# Not only whitespace (the pipeline's check; `pattern` here only documents it, so the pipeline's message stands),
+# at most max_text_chars characters. Texts the tokenizer reads no word of are refused too, which no schema can state.
+Text = Annotated[str, Field(min_length=1, json_schema_extra={"pattern": r"\S", "x-setting": "max_text_chars"})]
+# JSON has one number type: 8.0 is the integer 8 to a JSON schema, so it is to the service (strict mode refuses floats).
+TopK = Annotated[int, Field(ge=1, description="how many results to return (1..max_top_k)",
+                            json_schema_extra={"x-setting": "max_top_k"}),
+                 BeforeValidator(lambda v: int(v) if isinstance(v, float) and v.is_integer() else v)]
 
 
 class RequestBody(BaseModel):
-    """Every request body: unknown fields are refused."""
+    """Every request body: unknown fields are refused, and so are values of another JSON type ("5" for 5, 1 for
+    true) and nulls, as the JSON schema states. A field declared `= Field(None)` may be left out (None: not
+    given) but not sent as null; its schema shows no null default."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
+    # Rules across fields, in JSON-schema terms, added to the model's schema (the model validators enforce them).
+    json_schema_rules: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema, handler):
+        schema = handler.resolve_ref_schema(handler(core_schema))
+        for prop in schema.get("properties", {}).values():
+            if "default" in prop and prop["default"] is None:
+                del prop["default"]
+        schema.update(cls.json_schema_rules)
+        return schema
 
 
 class ImageRef(RequestBody):
     """An image given inline (`image`, base64) or by the `image_id` the service returned for it earlier."""
 
-    image: Base64Image | None = None
-    image_id: ImageId | None = None
+    image: Base64Image = Field(None)
+    image_id: ImageId = Field(None)
+
+    json_schema_rules = {"oneOf": [{"required": ["image"]}, {"required": ["image_id"]}]}  # exactly one
 
     @model_validator(mode="after")
     def _one_image(self) -> ImageRef:
@@ -66,7 +104,7 @@ class ImageRef(RequestBody):
         return self
 
 
-class ImageInput(ImageRef):
+class ImageInput(RequestBody):
     """POST /images with a JSON body."""
 
     image: Base64Image
@@ -92,11 +130,11 @@ class ReferRequest(ImageRef):
 class RetrieveRequest(RequestBody):
     """Text -> images: `text` + `image_ids`. Image -> texts: `image` or `image_id` + `texts`."""
 
-    text: Text | None = None
-    image_ids: list[ImageId] | None = Field(None, min_length=1)
-    image: Base64Image | None = None
-    image_id: ImageId | None = None
-    texts: list[Text] | None = Field(None, min_length=1)
+    text: Text = Field(None)
+    image_ids: list[ImageId] = Field(None, min_length=1, json_schema_extra={"x-setting": "max_candidates"})
+    image: Base64Image = Field(None)
+    image_id: ImageId = Field(None)
+    texts: list[Text] = Field(None, min_length=1, json_schema_extra={"x-setting": "max_candidates"})
     top_k: TopK = 5
     query_bank: bool = Field(True, description="text -> images: rank by the query-bank normalised score (bank_score) "
                              "where the model has a query bank; false ranks by the raw score")
@@ -105,6 +143,15 @@ class RetrieveRequest(RequestBody):
         {"text": "a red circle next to a blue square", "image_ids": ["3f" * 32, "a0" * 32], "top_k": 1},
         {"image_id": "3f" * 32, "texts": ["a red circle", "two green triangles"], "top_k": 2},
     ]})
+
+    # text -> images, image -> texts with an inline image, image -> texts with an image_id; `false`: not allowed
+    json_schema_rules = {"oneOf": [
+        {"required": ["text", "image_ids"], "properties": {"image": False, "image_id": False, "texts": False}},
+        {"required": ["texts", "image"],
+         "properties": {"text": False, "image_ids": False, "image_id": False, "query_bank": False}},
+        {"required": ["texts", "image_id"],
+         "properties": {"text": False, "image_ids": False, "image": False, "query_bank": False}},
+    ]}
 
     @property
     def direction(self) -> Literal["text_to_images", "image_to_texts"]:

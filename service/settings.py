@@ -31,6 +31,8 @@ class Settings(BaseSettings):
     # feature store
     redis_url: str | None = None  # redis://host:port/db; None or "" = in-process LRU
     redis_ttl_s: int = Field(604800, gt=0)  # lifetime of a cached image's regions in Redis (a week)
+    # connections to Redis per process; a lookup waits for a free one rather than failing (feature_store.RedisStore)
+    redis_max_connections: int = Field(32, ge=1)
     cache_max_bytes: int = Field(256 * MiB, gt=0)  # in-process feature store bound, in bytes of stored values
     stream_cache_max_bytes: int = Field(256 * MiB, ge=0)  # two-stream retrieval: cached text/image states (torch); 0 = off
     query_bank_max_images: int = Field(100_000, ge=1)  # images whose query-bank prior (one float) each pod keeps
@@ -41,12 +43,22 @@ class Settings(BaseSettings):
     max_batch_size: int = Field(32, ge=1)  # requests per encoder batch
     max_wait_ms: float = Field(5.0, ge=0)  # while the runtime is busy, how long a batch may wait to fill (idle: none)
     max_queue: int = Field(256, ge=1)  # queued requests per batcher before 429
+    # admission control: a request the encoder would not start within this many ms (the running batch's remaining time
+    # plus the batches queued ahead, from measured batch times) gets 429 + Retry-After at once; 0 = max_queue only
+    max_queue_wait_ms: float = Field(100.0, ge=0)
     # batching (detector)
     detector_max_batch_size: int = Field(8, ge=1)  # images per detector batch
     detector_max_wait_ms: float = Field(5.0, ge=0)  # while the detector is busy, how long a batch may wait to fill
     # request limits
     max_body_bytes: int = Field(10 * MiB, gt=0)  # larger request bodies get 413
     max_pixels: int = Field(40_000_000, gt=0)  # larger images are refused before decoding (decompression bombs)
+    # memory of image decoding: pixels of images being decoded or waiting for their detector batch, summed over
+    # concurrent requests (a request waits for room; one image larger than this decodes alone), at about 4 bytes
+    # per pixel while decoding; large decodes then return freed heap to the OS. 0 = unbounded and no heap trimming
+    decode_max_pixels_in_flight: int = Field(80_000_000, ge=0)
+    # images longer than twice the detector's max_size decode reduced to that (JPEG at 1/2-1/8 scale, others
+    # downscaled right after decoding); boxes and image_hw stay in the original image's pixels. False: full size
+    decode_reduced: bool = True
     max_text_chars: int = Field(512, gt=0)  # longest question / expression / caption, in characters
     max_text_tokens: int = Field(64, ge=4)  # WordPiece budget of one text row ([CLS] text [MASK] [SEP] needs 4)
     max_top_k: int = Field(100, ge=1)  # largest top_k a request may ask for
@@ -56,7 +68,10 @@ class Settings(BaseSettings):
     # server
     host: str = "127.0.0.1"  # bind address
     port: int = Field(8000, ge=0, le=65535)  # bind port (0 = any free port)
-    shutdown_timeout_s: float = Field(30.0, ge=0)  # grace period for in-flight requests on SIGTERM
+    # on SIGTERM, how long /readyz answers 503 while requests are still served (each answer closing its connection),
+    # so that load balancers stop routing here before the listener closes; a second signal ends it early
+    shutdown_drain_s: float = Field(5.0, ge=0)
+    shutdown_timeout_s: float = Field(30.0, ge=0)  # after the drain, grace period for in-flight requests
 
     @field_validator("model_dir", "detector_dir")
     @classmethod

@@ -28,6 +28,16 @@ def resize_scale(h: int, w: int, min_size: int, max_size: int) -> float:
     return min(min_size / min(h, w), max_size / max(h, w))
 
 
+def decode_side(cfg: DetectorConfig) -> int:
+    """Longest image side worth decoding for this detector: twice the longest side it resizes to (max_size).
+
+    An image reduced to it (aspect ratio kept) is still at least as large as the detector's resize of the full
+    image on both sides, and the detector's own antialiased resize still shrinks it by 2x or more, so the two
+    resizes low-pass much as one does; images that fit are not touched.
+    """
+    return 2 * cfg.max_size
+
+
 def prepare_image(image: np.ndarray, cfg: DetectorConfig) -> Prepared:
     """(H, W, 3) uint8 RGB -> normalised tensor on its own canvas."""
     if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:

@@ -13,13 +13,53 @@ from ..schemas import ModelInfo, Problem, TaskResponse, Timings
 
 R = TypeVar("R", bound=TaskResponse)
 
-# Error answers every task route may give (documented in OpenAPI as application/problem+json).
-PROBLEMS: dict[int | str, dict[str, Any]] = {
-    status: {"model": Problem, "description": text}
-    for status, text in ((401, "missing or wrong X-API-Key"), (404, "unknown image_id, or the model has no head for this task"),
-                         (413, "request body too large"), (422, "invalid request, image or limit"),
-                         (429, "queue full; see Retry-After"), (503, "not ready or shutting down"))
+# Every problem type the service answers: type -> (status, when). The table in service/errors.py and
+# docs/API.md's error table say the same; the OpenAPI schema lists, per route and status, the types it may answer.
+PROBLEM_TYPES: dict[str, tuple[int, str]] = {
+    "bad-request": (400, "the body cannot be parsed: not JSON (or not UTF-8), a broken multipart body, or a "
+                         "Content-Length that is not a number"),
+    "unauthorized": (401, "API keys are configured and X-API-Key is missing or wrong"),
+    "unknown-image": (404, "an image_id the feature store does not hold: POST /images or send the image"),
+    "no-head": (404, "the model has no head for this endpoint"),
+    "body-too-large": (413, "the body is over max_body_bytes"),
+    "validation-error": (422, "the body or a query parameter breaks the schema (errors[] lists each field), or a "
+                              "rule that depends on the model: a text the tokenizer reads no word of or over "
+                              "max_text_tokens word pieces, or (POST /refer) an image the detector finds no region in"),
+    "invalid-image": (422, "not an image of a supported format, truncated, or over max_pixels"),
+    "queue-full": (429, "the task's batch queue is full; retry after Retry-After seconds"),
+    "not-ready": (503, "loading, warming up or shutting down; retry after Retry-After seconds"),
+    "store-unavailable": (503, "an image_id request while the feature store (Redis) cannot be reached; retry after "
+                               "Retry-After seconds, or send the image itself"),
 }
+_HEADERS: dict[int, dict[str, Any]] = {
+    status: {"Retry-After": {"description": "seconds to wait before retrying", "required": True,
+                             "schema": {"type": "integer", "minimum": 1}}}
+    for status in (429, 503)
+} | {401: {"WWW-Authenticate": {"description": "ApiKey", "required": True, "schema": {"type": "string"}}}}
+
+
+def problems(*kinds: str) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI responses (FastAPI's `responses=`) for these problem types: per status, the Problem schema
+    narrowed to the types and status a route may answer, with the headers that come with them."""
+    by_status: dict[int, list[str]] = {}
+    for kind in kinds:
+        by_status.setdefault(PROBLEM_TYPES[kind][0], []).append(kind)
+    responses: dict[int | str, dict[str, Any]] = {}
+    for status, kinds_of in sorted(by_status.items()):
+        narrowed = {"properties": {"type": {"enum": [f"/problems/{k}" for k in kinds_of]}, "status": {"const": status}}}
+        responses[status] = {
+            "model": Problem,  # FastAPI adds its $ref beside `narrowed`
+            "description": "; ".join(f"`/problems/{k}`: {PROBLEM_TYPES[k][1]}" for k in kinds_of),
+            "content": {"application/json": {"schema": narrowed}},
+            **({"headers": _HEADERS[status]} if status in _HEADERS else {}),
+        }
+    return responses
+
+
+# Error answers of the task routes (documented in OpenAPI as application/problem+json). The ones every route may
+# give, answered by middleware before routing (400 for a Content-Length, 401, 413), the app's schema adds itself.
+PROBLEMS = problems("bad-request", "unknown-image", "no-head", "validation-error", "invalid-image", "queue-full",
+                    "not-ready", "store-unavailable")
 
 
 @dataclass

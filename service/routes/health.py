@@ -1,10 +1,11 @@
 """GET /healthz (the process is alive) and GET /readyz (models loaded and warmed up)."""
 from typing import Annotated
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 
-from ..schemas import ModelInfo, Problem
-from .common import Services, get_services
+from ..errors import ProblemError
+from ..schemas import ModelInfo
+from .common import Services, get_services, problems
 
 router = APIRouter(tags=["operations"])
 
@@ -15,7 +16,13 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", responses={503: {"model": Problem, "description": "loading, warming up or shutting down"}})
-async def readyz(services: Annotated[Services, Depends(get_services)]) -> dict[str, str | ModelInfo]:
-    """200 once the models are loaded and warmed up (readiness); 503 before that and while shutting down."""
+@router.get("/readyz", responses=problems("not-ready"))
+async def readyz(request: Request, services: Annotated[Services, Depends(get_services)]) -> dict[str, str | ModelInfo]:
+    """200 once the models are loaded and warmed up (readiness); 503 before that and while shutting down.
+
+    After SIGTERM, 503 already during the drain period, while task requests are still served: load balancers
+    stop routing here before the listener closes (service/shutdown.py)."""
+    if request.app.state.draining:
+        raise ProblemError(503, "the service is shutting down; requests are still served until it stops accepting",
+                           "not-ready", headers={"Retry-After": "1"})
     return {"status": "ready", "model": services.model}

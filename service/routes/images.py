@@ -7,7 +7,7 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
 from ..schemas import ImageInput, ImageResponse
-from .common import PROBLEMS, TimingsQuery, open_call
+from .common import TimingsQuery, open_call, problems
 
 router = APIRouter(tags=["images"])
 
@@ -15,6 +15,7 @@ _UPLOAD_SCHEMA = {
     "type": "object",
     "properties": {"file": {"type": "string", "format": "binary", "description": "the image file"}},
     "required": ["file"],
+    "additionalProperties": False,
 }
 
 
@@ -23,19 +24,27 @@ async def image_bytes(request: Request) -> bytes:
     content_type = request.headers.get("content-type", "").lower()
     if content_type.startswith("multipart/form-data"):
         async with request.form(max_files=1, max_fields=4) as form:
+            unknown = sorted(set(form.keys()) - {"file"})
+            if unknown:  # refused, as unknown fields of a JSON body are
+                raise RequestValidationError([{"loc": ("body", name), "msg": "Extra inputs are not permitted",
+                                               "type": "extra_forbidden"} for name in unknown])
             upload = form.get("file")
             if not isinstance(upload, UploadFile):
                 raise RequestValidationError([{"loc": ("body", "file"), "msg": "a file field named 'file' is required",
                                                "type": "missing"}])
             return await upload.read()
+    body = await request.body()
+    if not body:  # as FastAPI answers a task route without a body (JSON that does not parse is a 400)
+        raise RequestValidationError([{"loc": ("body",), "msg": "Field required", "type": "missing"}])
     try:
-        return ImageInput.model_validate_json(await request.body()).image
+        return ImageInput.model_validate_json(body).image
     except ValidationError as exc:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
 
 
 @router.post(
-    "/images", response_model=ImageResponse, response_model_exclude_none=True, responses=PROBLEMS,
+    "/images", response_model=ImageResponse, response_model_exclude_none=True,
+    responses=problems("bad-request", "validation-error", "invalid-image", "queue-full", "not-ready"),
     openapi_extra={"requestBody": {"required": True, "content": {
         "application/json": {"schema": ImageInput.model_json_schema(ref_template="#/components/schemas/{model}")},
         "multipart/form-data": {"schema": _UPLOAD_SCHEMA},

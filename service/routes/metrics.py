@@ -6,7 +6,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 router = APIRouter(tags=["operations"])
 
 
-@router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+@router.get("/metrics", response_class=Response, responses={200: {
+    "description": "Prometheus text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def metrics(request: Request) -> Response:
     """Request counts and latency per endpoint and status, queue depth and wait, batch sizes, feature-store
     hits/misses/errors, detector and encoder time."""

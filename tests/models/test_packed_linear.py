@@ -126,9 +126,16 @@ def test_gemm_dtype_is_set_on_every_linear_and_checked():
         layers.set_cpu_gemm_dtype(model, torch.float16)
 
 
-def test_native_bf16_detection_reads_the_cpu_flags():
+def test_native_bf16_detection_reads_the_cpu_flags_and_the_onednn_cap(monkeypatch):
     flags = open("/proc/cpuinfo").read().split() if layers.Path("/proc/cpuinfo").exists() else []
-    assert layers.cpu_has_native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
+    native = "avx512_bf16" in flags or "amx_bf16" in flags
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert layers.cpu_has_native_bf16() == native
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert layers.cpu_has_native_bf16() == native
+    for cap in ("AVX512_CORE", "avx2", "SSE41"):  # oneDNN capped below its bfloat16 level emulates bfloat16
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        assert not layers.cpu_has_native_bf16()
 
 
 def test_gemm_out_keeps_bf16_between_gemms():

@@ -28,6 +28,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_ready(proc: subprocess.Popen, base: str, output, timeout_s: float = 90) -> None:
+    """Poll `base`/readyz until 200; fails with the server's output() if it exits or is not ready in time."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, output()
+        try:
+            if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the service did not become ready"
+        time.sleep(0.2)
+
+
 class RedisServer:
     """A redis-server child process (no persistence, allkeys-lru as in production) that tests may stop and restart."""
 
@@ -203,6 +219,18 @@ def make_settings(tiny_checkpoint: Path, tiny_detector: TinyDetector):
         return load_settings(**{**base, **overrides})
 
     return make
+
+
+# Bounds on served scores that follow the arithmetic in use. float32 kernels agree across batch shapes to rounding;
+# bfloat16 GEMMs keep 8 mantissa bits, and oneDNN's AMX and AVX512-BF16 kernels accumulate in a different order for
+# different batch shapes (a score moved 1.5e-5 on an AMX CPU when the request shared its batch). A test whose point
+# is exactness pins fp32; one that checks the default service (precision "auto") uses the bound of what it runs.
+SCORE_TOL = {"fp32": 1e-5, "bf16": 2e-2}
+
+
+def score_tol(client) -> float:
+    """The score bound of the precision a started TestClient's service runs in."""
+    return SCORE_TOL[client.app.state.services.model.precision]
 
 
 def assert_problem(response, status: int, kind: str | None = None) -> dict:

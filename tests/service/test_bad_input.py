@@ -112,14 +112,15 @@ def test_limit_problem_names_the_field_and_the_limit(client, problem):
     assert body["errors"][0]["loc"] == ["body", "texts"] and "3" in body["detail"]
 
 
-@pytest.mark.parametrize("raw,content_type", [
-    (b"{not json", "application/json"),
-    (b'{"image": "' + IMG.encode() + b'", "question": "q"', "application/json"),  # cut short
-    (b"question=what", "application/x-www-form-urlencoded"),
-    (b"\xff\xfe\x00garbage", "application/json"),
+@pytest.mark.parametrize("raw,content_type,status,kind", [
+    (b"{not json", "application/json", 400, "bad-request"),
+    (b'{"image": "' + IMG.encode() + b'", "question": "q"', "application/json", 400, "bad-request"),  # cut short
+    (b"\xff\xfe\x00garbage", "application/json", 400, "bad-request"),
+    (b"\xff", "application/json", 400, "bad-request"),  # not UTF-8
+    (b"question=what", "application/x-www-form-urlencoded", 422, "validation-error"),  # parsed: not an object
 ])
-def test_unparseable_bodies(client, problem, raw, content_type):
-    problem(client.post("/vqa", content=raw, headers={"content-type": content_type}), 422, "validation-error")
+def test_unparseable_bodies(client, problem, raw, content_type, status, kind):
+    problem(client.post("/vqa", content=raw, headers={"content-type": content_type}), status, kind)
 
 
 def test_multipart_upload_problems(client, problem):

@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from service.batcher import Batcher, BatcherClosedError, BatcherConfig, InFlight, QueueFullError, check_results, retry_after
+from service.batcher import (BACKGROUND_BATCH, Batcher, BatcherClosedError, BatcherConfig, InFlight, QueueFullError,
+                             check_results, retry_after)
 
 
 def run(coro):
@@ -328,3 +329,156 @@ def test_pure_helpers():
         check_results(3, 1)
     with pytest.raises(RuntimeError, match="1 results for a batch of 2"):
         check_results([1], 2)
+
+
+class Order(Recorder):
+    """A Recorder that also records which items each batch held."""
+
+    def __init__(self, delay: float = 0.0):
+        super().__init__(delay)
+        self.batches: list[list[int]] = []
+
+    def __call__(self, items: list[int]) -> list[int]:
+        self.batches.append(list(items))
+        return super().__call__(items)
+
+
+def test_background_work_runs_in_small_batches_and_never_ahead_of_a_request():
+    fn = Order(delay=0.03)
+
+    async def main():
+        b = Batcher("t", fn, BatcherConfig(max_batch_size=32, max_wait_ms=0, max_queue=4))
+        await b.start()
+        background = [asyncio.ensure_future(b.submit(100 + i, background=True)) for i in range(40)]  # past max_queue
+        await asyncio.sleep(0.045)  # a background batch is running
+        started_before = len(fn.batches)
+        request = await b.submit(1)
+        rest = await asyncio.gather(*background)
+        await b.stop()
+        return request, started_before, rest
+
+    request, started_before, rest = run(main())
+    assert request == 10 and rest == [10 * (100 + i) for i in range(40)]
+    assert all(len(batch) <= BACKGROUND_BATCH for batch in fn.batches if batch[0] >= 100)
+    assert 1 <= started_before < 5  # the test's own timing held: background batches were under way
+    # the next batch after the request arrived was the request's: it waited for the running batch only
+    assert fn.batches.index([1]) == started_before, fn.batches
+
+
+def test_background_work_waits_while_another_batcher_has_requests_queued():
+    """Two batchers share a runtime: one batcher's background work does not start while the other's request waits."""
+    requests, background = Order(delay=0.05), Order(delay=0.05)
+    order: list[str] = []
+
+    async def main():
+        shared, pool = InFlight(), ThreadPoolExecutor(1)
+        a = Batcher("a", requests, BatcherConfig(1, 0, 100), pool, in_flight=shared)
+        bg = Batcher("bg", background, BatcherConfig(32, 0, 100), pool, in_flight=shared)
+        await a.start()
+        await bg.start()
+
+        async def request(i):
+            await a.submit(i)
+            order.append(f"r{i}")
+
+        async def later(i):
+            await bg.submit(i, background=True)
+            order.append(f"b{i}")
+
+        first = asyncio.ensure_future(request(0))
+        await asyncio.sleep(0.01)  # request 0 runs; three more requests and the background work queue behind it
+        await asyncio.gather(*(request(i) for i in (1, 2, 3)), later(9))
+        await first
+        for b in (a, bg):
+            await b.stop()
+        pool.shutdown()
+
+    run(main())
+    assert order == ["r0", "r1", "r2", "r3", "b9"], order
+
+
+def test_stop_runs_the_background_work_left():
+    fn = Order()
+
+    async def main():
+        b = Batcher("t", fn, BatcherConfig(4, 0, 10))
+        await b.start()
+        pending = [asyncio.ensure_future(b.submit(i, background=True)) for i in range(10)]
+        await asyncio.sleep(0)
+        await b.stop()
+        return await asyncio.gather(*pending, return_exceptions=True)
+
+    assert run(main()) == [10 * i for i in range(10)]
+
+
+def test_requests_that_would_wait_too_long_are_refused_at_once():
+    """Shedding by expected wait: with 50 ms batches of 2 and a 120 ms budget, a burst of 20 keeps those that fit in
+    the batches queued within the budget (2 batches ahead, then the one they join: about 6); the rest are refused at
+    submit with a Retry-After of their expected wait, long before max_queue."""
+    fn = Recorder(delay=0.05)
+    waited: list[float] = []
+
+    async def main():
+        b = Batcher("t", fn, BatcherConfig(max_batch_size=2, max_wait_ms=0, max_queue=1000, max_queue_wait_ms=120))
+        await b.start()
+        await b.submit(0)  # one batch measured: the estimate has a basis
+
+        async def one(i):
+            t0 = time.perf_counter()
+            try:
+                await b.submit(i)
+            except QueueFullError as exc:
+                return exc
+            waited.append(time.perf_counter() - t0)
+            return None
+
+        outcomes = await asyncio.gather(*(one(i) for i in range(1, 21)))
+        await b.stop()
+        return outcomes, b.shed
+
+    outcomes, shed = run(main())
+    refused = [o for o in outcomes if o is not None]
+    assert 12 <= len(refused) <= 16 and shed == len(refused), len(refused)
+    assert all(0.1 < o.retry_after_s < 0.5 and "queued ahead" in str(o) for o in refused)
+    # accepted: waited for at most the budget's batches and the one that was running, then ran their own
+    assert max(waited) < 0.12 + 0.05 + 0.05 + 0.05, waited
+
+
+def test_a_request_that_can_join_the_next_batch_is_always_taken():
+    """However long a batch takes, a request that fits in the next batch is not refused (the running batch's time
+    is not a queue it could avoid)."""
+    fn = Recorder(delay=0.3)
+
+    async def main():
+        b = Batcher("t", fn, BatcherConfig(max_batch_size=8, max_wait_ms=0, max_queue=100, max_queue_wait_ms=10))
+        await b.start()
+        await b.submit(0)  # a 300 ms batch time measured
+        first = asyncio.ensure_future(b.submit(1))
+        await asyncio.sleep(0.01)  # item 1's batch is running
+        joined = await asyncio.gather(*(b.submit(i) for i in range(2, 10)))  # 8 fit in the next batch
+        await first
+        try:
+            await asyncio.gather(*(b.submit(i) for i in range(10, 27)))  # 17: the last ones are 2 batches behind
+        except QueueFullError as exc:
+            refused = exc
+        else:
+            refused = None
+        await b.stop()
+        return joined, refused
+
+    joined, refused = run(main())
+    assert joined == [10 * i for i in range(2, 10)]
+    assert isinstance(refused, QueueFullError)
+
+
+def test_expected_wait_counts_every_batcher_on_the_runtime_and_starts_unbounded():
+    shared = InFlight()
+    assert shared.expected_wait_s() == (0.0, 0.0)  # nothing measured yet: never refuse at start-up
+    shared.started()
+    shared.finished(0.1)
+    assert shared.expected_wait_s() == (0.0, 0.0)  # idle, nothing queued
+
+
+def test_max_queue_wait_must_be_non_negative():
+    with pytest.raises(ValueError, match="max_queue_wait_ms"):
+        BatcherConfig(max_batch_size=1, max_wait_ms=0, max_queue=1, max_queue_wait_ms=-1)

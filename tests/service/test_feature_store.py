@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from models.region_features import RegionFeatures
-from service.feature_store import InProcessStore, RedisStore, create_store, feature_key
+from service.feature_store import InProcessStore, RedisStore, StoreUnavailableError, create_store, feature_key
 from service.settings import load_settings
 
 
@@ -241,3 +241,71 @@ def test_create_store_follows_settings(redis_url):
     redis_store, memory, up = run(main())
     assert isinstance(redis_store, RedisStore) and redis_store.ttl_s == 42 and redis_store.fingerprint == "fp" and up
     assert isinstance(memory, InProcessStore) and memory.max_bytes == 1000 and memory.fingerprint == "fp"
+
+
+def test_a_strict_lookup_says_the_store_is_down_instead_of_missing(restartable_redis):
+    """An image_id lookup must not answer "unknown" while Redis cannot be asked (it would send clients re-uploading)."""
+    server = restartable_redis
+
+    async def main():
+        store = RedisStore(server.url, "fp", ttl_s=300, backoff_s=0.5)
+        await store.put("a", regions(0))
+        assert await store.get("absent", strict=True) is None  # Redis up: a true miss stays a miss
+        server.stop()
+        with pytest.raises(StoreUnavailableError) as failed:  # the failing call itself
+            await store.get("a", strict=True)
+        with pytest.raises(StoreUnavailableError) as skipped:  # during the back-off
+            await store.get("a", strict=True)
+        lenient = await store.get("a")  # the inline-image path: a miss, computed without the cache
+        await store.close()
+        return failed.value, skipped.value, lenient
+
+    failed, skipped, lenient = run(main())
+    assert lenient is None
+    assert failed.retry_after_s >= 1 and 0 < skipped.retry_after_s <= 0.5
+    assert "unreachable" in str(failed) and "send the image itself" in str(failed)
+
+
+def test_the_in_process_store_never_raises_on_a_strict_lookup():
+    async def main():
+        store = InProcessStore(1 << 20)
+        return await store.get("absent", strict=True)
+
+    assert run(main()) is None
+
+
+def test_a_burst_beyond_the_pool_waits_for_connections_instead_of_failing(redis_url):
+    """Far more concurrent lookups than pooled connections: every one is answered, none is an error or a back-off."""
+
+    async def main():
+        store = RedisStore(redis_url, "fp", ttl_s=300, max_connections=4, timeout_s=2.0)
+        await store.put("a", regions(0))
+        got = await asyncio.gather(*(store.get("a", strict=True) for _ in range(400)))
+        stats = store.stats()
+        await store.close()
+        return got, stats
+
+    got, stats = run(main())
+    assert all(rf is not None and same(rf, regions(0)) for rf in got)
+    assert stats["errors"] == 0 and stats["available"] and stats["hits"] == 400
+
+
+def test_pooled_connections_broken_by_a_redis_restart_cost_no_failed_lookup(restartable_redis):
+    """Redis restarts while the pool holds open connections: once it is back, the first lookups reconnect and
+    answer (one retry on a fresh connection), with no error and no back-off."""
+    server = restartable_redis
+
+    async def main():
+        store = RedisStore(server.url, "fp", ttl_s=300, max_connections=8)
+        await asyncio.gather(*(store.put(f"k{i}", regions(i)) for i in range(8)))  # several pooled connections
+        server.stop()
+        server.start()  # an empty Redis: every pooled socket is now dead
+        await store.put("a", regions(1))
+        got = await asyncio.gather(*(store.get("a", strict=True) for _ in range(8)))
+        stats = store.stats()
+        await store.close()
+        return got, stats
+
+    got, stats = run(main())
+    assert all(rf is not None and same(rf, regions(1)) for rf in got)
+    assert stats["errors"] == 0 and stats["available"]

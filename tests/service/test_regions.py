@@ -7,7 +7,7 @@ import pytest
 from models.images import ImageError
 from models.region_features import RegionFeatures
 from service.batcher import BatcherConfig
-from service.feature_store import InProcessStore, RedisStore
+from service.feature_store import InProcessStore, RedisStore, StoreUnavailableError
 from service.regions import RegionService, UnknownImageError, image_id_of
 
 CONFIG = BatcherConfig(max_batch_size=4, max_wait_ms=5, max_queue=64)
@@ -22,11 +22,11 @@ def make_store(request):
     return lambda fp: RedisStore(url, fp, ttl_s=60)
 
 
-def serve(tiny_detector, store_factory, body, max_pixels: int = 10**7):
-    """Run `body(service)` against a started RegionService; stop it and close the store afterwards."""
+def serve(tiny_detector, store_factory, body, max_pixels: int = 10**7, **options):
+    """Run `body(service)` against a started RegionService (with `options`); stop it and close the store afterwards."""
     async def main():
         store = store_factory(tiny_detector.fingerprint)
-        service = RegionService(tiny_detector.detector, tiny_detector.fingerprint, store, CONFIG, max_pixels)
+        service = RegionService(tiny_detector.detector, tiny_detector.fingerprint, store, CONFIG, max_pixels, **options)
         await service.start()
         try:
             return await body(service)
@@ -183,7 +183,7 @@ def test_redis_down_still_serves_and_recovers(tiny_detector, restartable_redis, 
         await service.from_bytes(data)
         restartable_redis.stop()
         down = [await service.from_bytes(data) for _ in range(2)]
-        with pytest.raises(UnknownImageError):
+        with pytest.raises(StoreUnavailableError):  # the image may well be registered: not an unknown image
             await service.from_id(image_id_of(data))
         restartable_redis.start()
         service.store._down_until = 0.0  # skip the rest of the back-off (RedisStore tests time it)

@@ -46,6 +46,11 @@ def serve(
                                                        "(default 5)", "Batching")] = None,
     max_body_bytes: Annotated[int | None, _opt("larger request bodies get 413 (default 10 MiB)", "Limits")] = None,
     max_pixels: Annotated[int | None, _opt("larger images are refused before decoding (default 40000000)", "Limits")] = None,
+    decode_max_pixels_in_flight: Annotated[int | None, _opt("pixels of images being decoded or waiting for the detector, "
+                                                            "summed over requests (about 4 bytes each while decoding); "
+                                                            "0 = unbounded (default 80000000)", "Limits")] = None,
+    decode_reduced: Annotated[bool | None, _opt("decode images longer than twice the detector's input side reduced; "
+                                                "boxes stay in original pixels (default on)", "Limits")] = None,
     max_text_chars: Annotated[int | None, _opt("longest question / expression / caption in characters (default 512)", "Limits")] = None,
     max_text_tokens: Annotated[int | None, _opt("longest text row in word pieces (default 64)", "Limits")] = None,
     max_top_k: Annotated[int | None, _opt("largest top_k a request may ask for (default 100)", "Limits")] = None,
@@ -54,7 +59,10 @@ def serve(
                                          "command lines are visible to other users)", "Access")] = None,
     host: Annotated[str | None, _opt("bind address (default 127.0.0.1)", "Server")] = None,
     port: Annotated[int | None, _opt("bind port; 0 = any free port (default 8000)", "Server")] = None,
-    shutdown_timeout_s: Annotated[float | None, _opt("on SIGTERM, how long in-flight requests may finish, s (default 30)", "Server")] = None,
+    shutdown_drain_s: Annotated[float | None, _opt("on SIGTERM, how long /readyz answers 503 while requests are still "
+                                                   "served, before the listener closes, s (default 5)", "Server")] = None,
+    shutdown_timeout_s: Annotated[float | None, _opt("after the drain, how long in-flight requests may finish, s (default 30)",
+                                                     "Server")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level", rich_help_panel="Server")] = "info",
 ) -> None:
     """Run the HTTP service: POST /vqa /refer /retrieve /nlvr2 /images, GET /healthz /readyz /metrics, docs at /docs.
@@ -63,8 +71,9 @@ def serve(
 
     Exit code 2 when the settings or the models are not usable (one message says why).
 
-    SIGTERM or Ctrl-C: stop accepting connections, let in-flight requests finish (--shutdown-timeout-s),
-    drain the batchers, close Redis.
+    SIGTERM or Ctrl-C: /readyz answers 503 while requests are still served, each answer closing its connection
+    (--shutdown-drain-s; a second signal ends it), then stop accepting connections, let in-flight requests finish
+    (--shutdown-timeout-s), drain the batchers, close Redis.
     """
     overrides = {name: value for name, value in locals().items()
                  if value is not None and name not in ("log_level", "profile")}
@@ -107,15 +116,17 @@ def run_server(settings, log_level: str = "info") -> int:
     import uvicorn
 
     from service.app import StartupError, create_app
+    from service.shutdown import DrainingServer
 
     try:
         app = create_app(settings)
     except StartupError as exc:
         typer.echo(f"error: {exc}", err=True)
         return 2
-    server = uvicorn.Server(uvicorn.Config(
+    server = DrainingServer(uvicorn.Config(
         quiet_startup_failure(app), host=settings.host, port=settings.port, lifespan="on", log_level=log_level,
-        timeout_graceful_shutdown=settings.shutdown_timeout_s, proxy_headers=False, server_header=False))
+        timeout_graceful_shutdown=settings.shutdown_timeout_s, proxy_headers=False, server_header=False),
+        app.state, settings.shutdown_drain_s)
     try:
         server.run()
     except SystemExit:  # uvicorn exits 3 when start-up or binding the port fails
