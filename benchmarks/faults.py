@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -180,9 +180,9 @@ async def closed_loop(url: str, requests: list[bytes], clients: int, seconds: fl
 
 async def open_loop(url: str, requests: list[bytes], rate: float, seconds: float, connections: int = 128) -> list[Outcome]:
     """Poisson arrivals at `rate` per second for `seconds`, each on a free kept-alive connection (an arrival that
-    finds all `connections` busy counts as lost: the client could not even send it)."""
+    finds all `connections` busy is "unsent": the client could not send it, as a client with a bounded pool)."""
     outcomes: list[Outcome] = []
-    free = [Client(url) for _ in range(connections)]
+    free = deque(Client(url) for _ in range(connections))  # used in turn: none idles past the server's keep-alive
     pending: set[asyncio.Task] = set()
     rng = random.Random(0)
 
@@ -199,9 +199,9 @@ async def open_loop(url: str, requests: list[bytes], rate: float, seconds: float
         if delay > 0:
             await asyncio.sleep(delay)
         if not free:
-            outcomes.append(Outcome(time.perf_counter(), 0.0, None, "lost"))
+            outcomes.append(Outcome(time.perf_counter(), 0.0, None, "unsent"))
             continue
-        task = asyncio.create_task(one(free.pop(), requests[i % len(requests)]))
+        task = asyncio.create_task(one(free.popleft(), requests[i % len(requests)]))
         pending.add(task)
         task.add_done_callback(pending.discard)
         i += 1

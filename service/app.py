@@ -31,6 +31,7 @@ from models.query_bank import QueryBank
 from models.detector import RegionDetector
 from models.detector.io import load_detector
 
+from .admission import AdmissionMiddleware
 from .batcher import Batcher, BatcherConfig, InFlight
 from .errors import PROBLEM_JSON, install_error_handlers
 from .feature_store import create_store
@@ -304,6 +305,7 @@ def create_app(settings: Settings) -> FastAPI:
     for router in ROUTERS:
         app.include_router(router)
     # outermost last: metrics see every answer, keys are checked before the body is read
+    app.add_middleware(AdmissionMiddleware, state=app.state)  # after the key and size checks, before the body is read
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(APIKeyMiddleware, keys=settings.api_keys)
     app.add_middleware(MetricsMiddleware, metrics=metrics)

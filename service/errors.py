@@ -124,6 +124,12 @@ def _validation_detail(errors: list[dict[str, Any]]) -> str:
     return "; ".join(parts) + more
 
 
+def queue_full(exc: QueueFullError) -> tuple[str, dict[str, str]]:
+    """The detail and headers of a 429 for a refused request (the route's handler and the admission middleware)."""
+    retry = max(1, math.ceil(exc.retry_after_s))
+    return f"the service is at capacity; retry in {retry} s", {"Retry-After": str(retry)}
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ProblemError)
     async def _problem(request: Request, exc: ProblemError):
@@ -168,9 +174,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(QueueFullError)
     async def _queue_full(request: Request, exc: QueueFullError):
-        retry = max(1, math.ceil(float(getattr(exc, "retry_after_s", 1) or 1)))
-        return problem_response(request, 429, f"the service is at capacity; retry in {retry} s", "queue-full",
-                                "Too many requests", headers={"Retry-After": str(retry)})
+        detail, headers = queue_full(exc)
+        return problem_response(request, 429, detail, "queue-full", "Too many requests", headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):

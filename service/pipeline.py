@@ -218,16 +218,12 @@ class Pipeline:
 
     # ---- inputs ----
 
-    def spec(self, kind: str, admit: bool = True) -> TaskSpec:
-        """The spec of the head that answers `kind`; with admit, first refuses (QueueFullError, 429) a request its
-        batcher would not start within its bounds, before any tokenizing, lookup or detector work is spent on it."""
+    def spec(self, kind: str) -> TaskSpec:
         spec = self.specs.get(kind)
         if spec is None:
             endpoint = ENDPOINT_OF.get(kind, kind)
             raise NoHeadError(f"this model has no {kind} head, so it does not serve {endpoint}; "
                               f"it serves: {', '.join(ENDPOINT_OF[k] for k in self.specs) or 'nothing'}")
-        if admit:
-            self.batchers[spec.task].admit()
         return spec
 
     def check_top_k(self, top_k: int) -> None:
@@ -389,7 +385,7 @@ class Pipeline:
     async def register(self, data: bytes, timer: Timer) -> dict[str, Any]:
         image_id, rf = await self.image(data, None, timer)
         if self.bank is not None and self.bank_on_register:
-            self.bank.schedule(image_id, rf, functools.partial(self.score_rows, self.spec("itm", admit=False),
+            self.bank.schedule(image_id, rf, functools.partial(self.score_rows, self.spec("itm"),
                                                                background=True))
         return {"image_id": image_id, "num_boxes": rf.num_boxes, "image_size": list(rf.image_hw),
                 "cached": bool(timer.cache_hit)}

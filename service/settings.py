@@ -33,7 +33,8 @@ class Settings(BaseSettings):
     redis_ttl_s: int = Field(604800, gt=0)  # lifetime of a cached image's regions in Redis (a week)
     # connections to Redis per process; a lookup waits for a free one rather than failing (feature_store.RedisStore)
     redis_max_connections: int = Field(32, ge=1)
-    cache_max_bytes: int = Field(256 * MiB, gt=0)  # in-process feature store bound, in bytes of stored values
+    # in-process feature store bound, in bytes of stored values; with Redis, the pod's local tier in front of it
+    cache_max_bytes: int = Field(256 * MiB, gt=0)
     stream_cache_max_bytes: int = Field(256 * MiB, ge=0)  # two-stream retrieval: cached text/image states (torch); 0 = off
     query_bank_max_images: int = Field(100_000, ge=1)  # images whose query-bank prior (one float) each pod keeps
     # POST /images also computes the image's query-bank prior, in the background, so that the first text -> image
@@ -43,9 +44,10 @@ class Settings(BaseSettings):
     max_batch_size: int = Field(32, ge=1)  # requests per encoder batch
     max_wait_ms: float = Field(5.0, ge=0)  # while the runtime is busy, how long a batch may wait to fill (idle: none)
     max_queue: int = Field(256, ge=1)  # queued requests per batcher before 429
-    # admission control: a request the encoder would not start within this many ms (the running batch's remaining time
-    # plus the batches queued ahead, from measured batch times) gets 429 + Retry-After at once; 0 = max_queue only
-    max_queue_wait_ms: float = Field(100.0, ge=0)
+    # admission control: a request that the batches queued ahead of it on the encoder (those it cannot join, at the
+    # measured batch time) would hold longer than this gets 429 + Retry-After at once; 0 = max_queue only. The default
+    # takes a request only while it can join the next batch or one behind a short one (docs/RELIABILITY.md, Overload)
+    max_queue_wait_ms: float = Field(20.0, ge=0)
     # batching (detector)
     detector_max_batch_size: int = Field(8, ge=1)  # images per detector batch
     detector_max_wait_ms: float = Field(5.0, ge=0)  # while the detector is busy, how long a batch may wait to fill

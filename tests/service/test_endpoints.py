@@ -207,22 +207,41 @@ def test_metrics_cover_requests_queues_store_and_models(client):
 
 
 def test_redis_down_mid_test_still_serves_then_recovers(make_settings, restartable_redis, make_png, problem):
-    with TestClient(create_app(make_settings(redis_url=restartable_redis.url))) as c:
-        registered = c.post("/images", json={"image": b64(make_png(51))}).json()["image_id"]
+    """Two replicas share Redis. While it is down, each still answers inline images and the images its own local
+    tier holds; an image registered on the other replica answers 503 store-unavailable with Retry-After (never a
+    404 that sends clients re-uploading). Once Redis is back the replica looks it up again."""
+    settings = make_settings(redis_url=restartable_redis.url)
+    with TestClient(create_app(settings)) as a, TestClient(create_app(settings)) as b:
+        on_a = a.post("/images", json={"image": b64(make_png(51))}).json()["image_id"]
         restartable_redis.stop()
         data = make_png(52)
-        r = c.post("/vqa", json={"image": b64(data), "question": "what color?"})
-        assert r.status_code == 200, r.text  # computed and served without the cache
-        # registered, but the store cannot be asked: 503 with Retry-After, never a 404 that sends clients re-uploading
-        down = problem(c.post("/vqa", json={"image_id": registered, "question": "q"}), 503, "store-unavailable")
+        r = b.post("/vqa", json={"image": b64(data), "question": "what color?"})
+        assert r.status_code == 200, r.text  # computed and served without the shared cache
+        assert a.post("/vqa", json={"image_id": on_a, "question": "q"}).status_code == 200  # a's local tier
+        down = problem(b.post("/vqa", json={"image_id": on_a, "question": "q"}), 503, "store-unavailable")
         assert "feature store is unreachable" in down["detail"]
-        assert int(c.post("/vqa", json={"image_id": registered, "question": "q"}).headers["retry-after"]) >= 1
-        assert metric(c, "vlserve_feature_store_errors_total") >= 1
-        restartable_redis.start()
-        time.sleep(c.app.state.services.pipeline.regions.store.backoff_s + 0.05)  # the store retries Redis after its back-off
-        again = c.post("/images", json={"image": b64(data)})
-        assert again.status_code == 200 and again.json()["cached"] is False
-        assert c.post("/images", json={"image": b64(data)}).json()["cached"] is True
+        assert int(b.post("/vqa", json={"image_id": on_a, "question": "q"}).headers["retry-after"]) >= 1
+        assert metric(b, "vlserve_feature_store_errors_total") >= 1
+        restartable_redis.start()  # empty: nothing survived the restart
+        time.sleep(b.app.state.services.pipeline.regions.store.backoff_s + 0.05)  # the store retries after its back-off
+        problem(b.post("/vqa", json={"image_id": on_a, "question": "q"}), 404, "unknown-image")  # truly gone now
+        again = a.post("/images", json={"image": b64(make_png(51))})  # a still holds it, and writes it to Redis again
+        assert again.status_code == 200 and again.json()["cached"] is True
+        new = b.post("/images", json={"image": b64(make_png(53))})
+        assert new.status_code == 200 and new.json()["cached"] is False
+        assert a.post("/images", json={"image": b64(make_png(53))}).json()["cached"] is True  # through Redis
+
+
+def test_a_replica_answers_an_image_registered_on_another_from_redis(make_settings, redis_url, make_png):
+    settings = make_settings(redis_url=redis_url)
+    with TestClient(create_app(settings)) as a, TestClient(create_app(settings)) as b:
+        image_id = a.post("/images", json={"image": b64(make_png(61))}).json()["image_id"]
+        runs = regions_of(b).detector_runs
+        assert b.post("/vqa", json={"image_id": image_id, "question": "q"}).status_code == 200
+        assert b.post("/vqa", json={"image_id": image_id, "question": "q"}).status_code == 200
+        assert regions_of(b).detector_runs == runs  # no second detector run
+        stats = regions_of(b).store.stats()
+        assert stats["local_hits"] == 1 and stats["local_items"] == 1  # the second lookup needed no round trip
 
 
 def test_endpoint_without_its_head_is_a_404_problem(tmp_path, tiny_detector, make_settings, problem, make_checkpoint):

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from models.region_features import RegionFeatures
-from service.feature_store import InProcessStore, RedisStore, StoreUnavailableError, create_store, feature_key
+from service.feature_store import (InProcessStore, RedisStore, StoreUnavailableError, TieredStore, create_store,
+                                   feature_key)
 from service.settings import load_settings
 
 
@@ -239,8 +240,31 @@ def test_create_store_follows_settings(redis_url):
         return redis_store, memory, up
 
     redis_store, memory, up = run(main())
-    assert isinstance(redis_store, RedisStore) and redis_store.ttl_s == 42 and redis_store.fingerprint == "fp" and up
+    assert isinstance(redis_store, TieredStore) and up  # Redis behind the pod's local tier
+    shared, local = redis_store.shared, redis_store.local
+    assert isinstance(shared, RedisStore) and shared.ttl_s == 42 and shared.fingerprint == "fp"
+    assert isinstance(local, InProcessStore) and local.fingerprint == "fp"
     assert isinstance(memory, InProcessStore) and memory.max_bytes == 1000 and memory.fingerprint == "fp"
+
+
+def test_the_local_tier_answers_without_redis_and_fills_from_it(restartable_redis):
+    async def main():
+        writer = create_store(load_settings(redis_url=restartable_redis.url), "fp")
+        reader = create_store(load_settings(redis_url=restartable_redis.url), "fp")
+        await writer.put("a", regions(0))
+        first = await reader.get("a", strict=True)  # from Redis, kept locally
+        restartable_redis.stop()
+        local = await reader.get("a", strict=True)  # Redis away: the local tier answers
+        with pytest.raises(StoreUnavailableError):
+            await reader.get("b", strict=True)  # not held locally, Redis away: not an unknown image
+        stats = reader.stats()
+        await writer.close()
+        await reader.close()
+        return first, local, stats
+
+    first, local, stats = run(main())
+    assert same(first, regions(0)) and same(local, regions(0))
+    assert stats["local_hits"] == 1 and stats["hits"] == 2 and stats["errors"] == 1
 
 
 def test_a_strict_lookup_says_the_store_is_down_instead_of_missing(restartable_redis):

@@ -275,8 +275,9 @@ def test_not_ready_and_store_unavailable_answers_are_as_declared(make_settings, 
     early = TestClient(app)  # no `with`: the lifespan has not run
     assert_conforms(schema, "get", "/readyz", early.get("/readyz"))
     assert_conforms(schema, "post", "/vqa", early.post("/vqa", json={"image_id": A, "question": "q"}))
+    with TestClient(create_app(make_settings(redis_url=restartable_redis.url))) as other:  # registered on another pod
+        image_id = other.post("/images", json={"image": base64.b64encode(image_png).decode()}).json()["image_id"]
     with TestClient(app) as client:
-        image_id = client.post("/images", json={"image": base64.b64encode(image_png).decode()}).json()["image_id"]
         restartable_redis.stop()
         for path, body in (("/vqa", {"image_id": image_id, "question": "q"}),
                            ("/refer", {"image_id": image_id, "expression": "the red one"}),

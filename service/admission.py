@@ -1,0 +1,48 @@
+"""Admission before the request is read: a task request its encoder batcher would refuse gets 429 at once.
+
+Under overload most requests are refused, and each refusal costs the event loop that the admitted requests also
+need. Refusing here, before the body is read, parsed, validated and tokenized and before its image is looked up,
+makes a refusal a header check: the encoder keeps its full rate for the requests it took and their latency stays
+bounded (docs/RELIABILITY.md, Overload). The batcher decides (Batcher.admit: a full queue, or batches queued ahead
+longer than max_queue_wait_ms); it asks again when the request is submitted, since the body and the image take time.
+"""
+from __future__ import annotations
+
+import json
+
+from starlette.datastructures import State
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .batcher import QueueFullError
+from .errors import PROBLEM_JSON, problem_body, queue_full, request_id
+
+TASK_KINDS = {"/vqa": "vqa", "/refer": "refer", "/retrieve": "itm", "/nlvr2": "nlvr2"}  # path -> head kind
+
+
+class AdmissionMiddleware:
+    def __init__(self, app: ASGIApp, state: State):
+        self.app = app
+        self.state = state  # the app's state: `services` once the lifespan has loaded them
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = TASK_KINDS.get(scope.get("path", "")) if scope["type"] == "http" and scope.get("method") == "POST" else None
+        services = getattr(self.state, "services", None) if kind else None
+        spec = services.pipeline.specs.get(kind) if services is not None else None
+        if spec is not None:  # no head, not loaded: the route answers (404, 503)
+            try:
+                services.pipeline.batchers[spec.task].admit()
+            except QueueFullError as exc:
+                return await refuse(scope, send, exc)
+        await self.app(scope, receive, send)
+
+
+async def refuse(scope: Scope, send: Send, exc: QueueFullError) -> None:
+    """The 429 problem+json answer errors.py gives a QueueFullError, sent straight from here."""
+    detail, headers = queue_full(exc)
+    rid = request_id(scope)
+    body = json.dumps(problem_body(429, detail, scope["path"], rid, "queue-full", "Too many requests")).encode()
+    raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": 429, "headers": [
+        (b"content-type", PROBLEM_JSON.encode()), (b"content-length", str(len(body)).encode()),
+        (b"x-request-id", rid.encode()), *raw]})
+    await send({"type": "http.response.body", "body": body})
