@@ -5,9 +5,11 @@ PIP := $(PYTHON) -m pip
 .PHONY: install test isa faults serve zoo zoo-pretrained zoo-full bench gpu results clean
 
 # torch first (pins read from pyproject.toml), so no dependency pulls another torch build.
-# redis-server comes from Debian: the tests start their own on a free loopback port.
+# redis-server comes from Debian: the tests start their own on a free loopback port. kubectl too where none is
+# installed (Debian's kubernetes-client): the tests render k8s/ with `kubectl kustomize`, which needs no cluster.
 install:
 	command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
+	command -v kubectl >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubernetes-client)
 	$(PIP) install -q $$($(PYTHON) scripts/pins.py torch torchvision)
 	$(PIP) install -q --no-deps $$($(PYTHON) scripts/pins.py --no-deps)
 	$(PIP) install -q -e ".[test]"

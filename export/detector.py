@@ -1,5 +1,7 @@
-"""The region detector as one ONNX graph: backbone + FPN, RPN (NMS as an ONNX operator), RoIAlign, box head and
-bottom-up-attention region selection (per-class NMS as one NonMaxSuppression over classes), dynamic image size.
+"""The region detector as one ONNX graph: backbone (+ FPN), RPN (NMS as an ONNX operator), RoIAlign (butd:
+RoIPool and res5), box head and bottom-up-attention region selection (per-class NMS as one NonMaxSuppression over
+classes; butd's argmax-nms one NonMaxSuppression over the best-class boxes), dynamic image size. Both detector
+families export through the detector's own _heads and _decode.
 
 Input: the resized, normalised image (1, 3, h, w) from models.detector.preprocess (not yet padded; the graph
 pads it to the canvas as prepare_image does). Outputs, in resized-image pixels: boxes (k, 4), features (k, D),
@@ -16,8 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchvision.models.detection.image_list import ImageList
-from torchvision.ops import clip_boxes_to_image, nms
+from torchvision.ops import nms
 
 from models.detector import RegionDetector
 from models.detector.preprocess import prepare_image
@@ -71,22 +72,32 @@ class DetectorGraph(nn.Module):
         super().__init__()
         self.detector = detector
 
+    def confidence(self, boxes: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RegionDetector._confidence as graph operators: (R,) confidence, (R,) class."""
+        c = self.detector.config
+        if c.selection == "argmax-nms":  # best_class_nms: -1 for the proposals one NMS over best-class boxes drops
+            best, cls = scores.max(-1)
+            best_boxes = boxes.gather(1, cls[:, None, None].expand(-1, 1, 4)).squeeze(1)  # (R, 4)
+            kept = nms(best_boxes, best, c.region_nms_thresh)
+            conf = torch.full_like(best, -1.0)
+            conf[kept] = best[kept]
+            return conf, cls
+        # region_confidence: best score among the classes whose NMS the proposal survives (first such class on ties)
+        surviving = torch.where(PerClassNMS.apply(boxes, scores, c.region_nms_thresh) > 0, scores, torch.zeros_like(scores))
+        conf = surviving.max(-1).values
+        return conf, torch.where(conf > 0, surviving.argmax(-1), scores.argmax(-1))
+
     def forward(self, image: torch.Tensor):
         det, c = self.detector, self.detector.config
         h, w = image.shape[2], image.shape[3]  # 0-d tensors while tracing: the sizes stay dynamic in the graph
         canvas = F.pad(image, (0, padding(w, c.size_divisible), 0, padding(h, c.size_divisible)))
-        sizes = [(h, w)]
-        feats = det.backbone(canvas)
-        proposals, _ = det.rpn(ImageList(canvas, sizes), feats)
-        features = det._box_head(feats, proposals, sizes)  # (R, D)
-        class_logits, box_regression = det.roi_heads.box_predictor(features)
-        boxes = det.roi_heads.box_coder.decode(box_regression, proposals)  # (R, K+1, 4)
-        boxes = clip_boxes_to_image(boxes, (h, w))[:, 1:]
-        scores = F.softmax(class_logits, -1)[:, 1:]
-        # region_confidence: best score among the classes whose NMS the proposal survives (first such class on ties)
-        surviving = torch.where(PerClassNMS.apply(boxes, scores, c.region_nms_thresh) > 0, scores, torch.zeros_like(scores))
-        conf = surviving.max(-1).values
-        cls = torch.where(conf > 0, surviving.argmax(-1), scores.argmax(-1))
+        whole = None
+        if c.image_feature:
+            hw = torch._shape_as_tensor(image)[2:].float()
+            whole = [torch.cat([torch.zeros(2), hw.flip(0)]).unsqueeze(0)]  # [0, 0, w, h], from the graph's input
+        head = det._heads(canvas, [(h, w)], whole)[0]
+        boxes, scores = det._decode(head, (h, w))  # (R, K, 4) resized pixels, (R, K)
+        conf, cls = self.confidence(boxes, scores)
         # choose_regions: most confident first, ties by index (TopK's order, as a stable descending argsort)
         count = torch._shape_as_tensor(conf)[0]
         if c.adaptive:
@@ -94,14 +105,14 @@ class DetectorGraph(nn.Module):
         else:
             wanted = torch.tensor(c.num_boxes)
         keep = torch.topk(conf, torch.minimum(count, wanted), sorted=True).indices
+        if c.selection == "argmax-nms":
+            keep = keep[conf[keep] >= 0]  # never a proposal the NMS suppressed
         obj_ids = cls[keep]
         chosen = boxes[keep, obj_ids]  # (k, 4) resized pixels
-        attr_scores, attr_ids = torch.sigmoid(det.attr_score(features[keep])).max(-1)
-        out = [chosen, features[keep], obj_ids, conf[keep], attr_ids, attr_scores]
+        attr_scores, attr_ids = det._attributes(head.attr_logits[keep])
+        out = [chosen, head.features[keep], obj_ids, conf[keep], attr_ids, attr_scores]
         if c.image_feature:
-            hw = torch._shape_as_tensor(image)[2:].float()
-            whole = torch.cat([torch.zeros(2), hw.flip(0)]).unsqueeze(0)  # [0, 0, w, h]
-            out.append(det._box_head(feats, [whole], sizes)[0])  # (D,)
+            out.append(head.image_feature)  # (D,)
         return tuple(out)
 
 
@@ -144,9 +155,7 @@ class OnnxDetector:
             x = prepared.tensor[None, :, :rh, :rw].contiguous().numpy()
             out = dict(zip([o.name for o in self.session.get_outputs()], self.session.run(None, {"image": x})))
             h, w = prepared.original_hw
-            boxes = out["boxes"] / prepared.scale  # original pixels, clipped as torchvision clips
-            boxes = np.stack([boxes[:, 0].clip(0, w), boxes[:, 1].clip(0, h), boxes[:, 2].clip(0, w),
-                              boxes[:, 3].clip(0, h)], axis=1)
+            boxes = prepared.to_original(torch.from_numpy(out["boxes"])).numpy()  # original pixels, clipped
             results.append(RegionFeatures(
                 boxes=boxes, features=out["features"], obj_ids=out["obj_ids"], obj_scores=out["obj_scores"],
                 attr_ids=out["attr_ids"], attr_scores=out["attr_scores"], image_hw=(h, w),

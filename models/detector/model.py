@@ -1,5 +1,7 @@
-"""RegionDetector: torchvision Faster R-CNN parts on EfficientNet-Lite0 + FPN, with a box head that also returns
-the pooled region feature, object-class logits and attribute logits (as the Visual Genome bottom-up detector).
+"""RegionDetector: a Faster R-CNN whose box head also returns the pooled region feature, object-class logits and
+attribute logits, in one of two families (DetectorConfig.family) behind one extraction path:
+  efficientnet-fpn  torchvision Faster R-CNN parts on EfficientNet-Lite0 + FPN (vlserve's own, trainable)
+  butd              the bottom-up-attention ResNet C4 detector of Visual Genome (butd.py; imported from frcnn-vg)
 """
 from __future__ import annotations
 
@@ -18,10 +20,11 @@ from torchvision.ops import box_iou, clip_boxes_to_image
 
 from ..region_features import RegionFeatures
 from .backbone import EfficientNetFPN
+from .butd import ButdRoIHeads, ButdRPN, ResNetC4
 from .config import DetectorConfig
 from .preprocess import Prepared, group_by_canvas, prepare_image
 from .roi_align import TrainingRoIAlign
-from .select import choose_regions, detections, region_confidence
+from .select import best_class_nms, choose_regions, detections, region_confidence
 
 
 @dataclass
@@ -30,9 +33,9 @@ class HeadOutputs:
 
     proposals: torch.Tensor  # (R, 4)
     features: torch.Tensor  # (R, D)
-    class_logits: torch.Tensor  # (R, K+1), column 0 = background
-    box_regression: torch.Tensor  # (R, 4 (K+1))
-    attr_logits: torch.Tensor  # (R, A)
+    class_logits: torch.Tensor  # (R, K+1), column 0 = background (butd: column K)
+    box_regression: torch.Tensor  # (R, 4 (K+1)) (butd: (R, 4K), no background box)
+    attr_logits: torch.Tensor  # (R, A) (butd: (R, A+1))
     image_feature: torch.Tensor | None  # (D,)
 
 
@@ -40,6 +43,11 @@ class RegionDetector(nn.Module):
     def __init__(self, config: DetectorConfig, pretrained_backbone: bool = True):
         super().__init__()
         self.config = c = config
+        if c.family == "butd":  # imported weights only: no pretrained backbone to load
+            self.backbone = ResNetC4(c)
+            self.rpn = ButdRPN(c, self.backbone.out_channels)
+            self.roi_heads = ButdRoIHeads(c, self.backbone.out_channels)
+            return
         self.backbone = EfficientNetFPN(c.fpn_channels, c.trainable_blocks, pretrained_backbone)
         anchors = AnchorGenerator(c.anchor_sizes, (c.aspect_ratios,) * len(c.anchor_sizes))
         self.rpn = RegionProposalNetwork(
@@ -66,16 +74,30 @@ class RegionDetector(nn.Module):
         pooled = self.roi_heads.box_roi_pool(feats, boxes, image_sizes)  # (R, C, roi, roi)
         return self.roi_heads.box_head(pooled)  # (R, D)
 
-    def _heads(self, canvas: torch.Tensor, image_sizes: list[tuple[int, int]]) -> list[HeadOutputs]:
+    def _heads(self, canvas: torch.Tensor, image_sizes: list[tuple[int, int]],
+               whole_boxes: list[torch.Tensor] | None = None) -> list[HeadOutputs]:
+        """Box-head outputs per image. whole_boxes: each image's (1, 4) box [0, 0, w, h] for the whole-image feature
+        (by default made from image_sizes; the exported graph passes boxes computed from the image's shape)."""
+        if self.config.image_feature and whole_boxes is None:
+            whole_boxes = [canvas.new_tensor([[0.0, 0.0, w, h]]) for h, w in image_sizes]
+        if self.config.family == "butd":
+            res4 = self.backbone(canvas)
+            proposals = self.rpn(res4, image_sizes)
+            features = self.roi_heads.features(res4, proposals)  # (R, D)
+            class_logits, box_regression, attr_logits = self.roi_heads(features)
+            whole = self.roi_heads.features(res4, whole_boxes) if self.config.image_feature else None  # (B, D)
+            return self._per_image(proposals, features, class_logits, box_regression, attr_logits, whole)
         feats = self.backbone(canvas)
         proposals, _ = self.rpn(ImageList(canvas, image_sizes), feats)
         features = self._box_head(feats, proposals, image_sizes)
         class_logits, box_regression = self.roi_heads.box_predictor(features)
         attr_logits = self.attr_score(features)
-        whole = None
-        if self.config.image_feature:
-            whole_boxes = [canvas.new_tensor([[0.0, 0.0, w, h]]) for h, w in image_sizes]
-            whole = self._box_head(feats, whole_boxes, image_sizes)  # (B, D)
+        whole = self._box_head(feats, whole_boxes, image_sizes) if self.config.image_feature else None  # (B, D)
+        return self._per_image(proposals, features, class_logits, box_regression, attr_logits, whole)
+
+    @staticmethod
+    def _per_image(proposals, features, class_logits, box_regression, attr_logits, whole) -> list[HeadOutputs]:
+        """Split the batch's box-head rows into one HeadOutputs per image."""
         out, start = [], 0
         for i, props in enumerate(proposals):
             sl = slice(start, start + props.shape[0])
@@ -86,6 +108,8 @@ class RegionDetector(nn.Module):
 
     def _decode(self, head: HeadOutputs, resized_hw: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Class-specific boxes (R, K, 4) clipped to the resized image, and foreground scores (R, K)."""
+        if self.config.family == "butd":
+            return self.roi_heads.decode(head.box_regression, head.proposals, head.class_logits, resized_hw)
         r, k1 = head.class_logits.shape
         # explicit shape: with zero proposals (R = 0) decode returns (0, 4 (K+1)), not (0, K+1, 4)
         boxes = self.roi_heads.box_coder.decode(head.box_regression, [head.proposals]).reshape(r, k1, 4)  # (R, K+1, 4)
@@ -106,14 +130,26 @@ class RegionDetector(nn.Module):
                     yield i, prepared[i], head
 
     # ---- inference ---------------------------------------------------------------------------------
+    def _confidence(self, boxes: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(R,) region confidence and class, as config.selection says (negative: never chosen)."""
+        if self.config.selection == "argmax-nms":
+            return best_class_nms(boxes, scores, self.config.region_nms_thresh)
+        return region_confidence(boxes, scores, self.config.region_nms_thresh)
+
+    def _attributes(self, attr_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k,) best attribute probability and id: independent sigmoids, or butd's softmax over its attributes."""
+        if self.config.family == "butd":
+            return ButdRoIHeads.attributes(attr_logits)
+        return torch.sigmoid(attr_logits).max(-1)
+
     def _regions(self, prep: Prepared, head: HeadOutputs, boxes: torch.Tensor, scores: torch.Tensor) -> RegionFeatures:
-        """Bottom-up-attention selection: the most confident regions after per-class NMS, in original pixels."""
+        """Bottom-up-attention selection: the most confident regions after NMS, in original pixels."""
         c = self.config
-        conf, cls = region_confidence(boxes, scores, c.region_nms_thresh)
+        conf, cls = self._confidence(boxes, scores)
         keep = choose_regions(conf, c.num_boxes, c.adaptive, c.min_boxes, c.max_boxes, c.conf_thresh)
         obj_scores, obj_ids = conf[keep], cls[keep]  # most confident first
-        chosen = clip_boxes_to_image(boxes[keep, obj_ids] / prep.scale, prep.original_hw)  # (k, 4)
-        attr_scores, attr_ids = torch.sigmoid(head.attr_logits[keep]).max(-1)
+        chosen = prep.to_original(boxes[keep, obj_ids])  # (k, 4)
+        attr_scores, attr_ids = self._attributes(head.attr_logits[keep])
         return RegionFeatures(
             boxes=chosen.float().cpu().numpy(),
             features=head.features[keep].float().cpu().numpy(),
@@ -128,7 +164,7 @@ class RegionDetector(nn.Module):
 
     def _detections(self, prep: Prepared, boxes: torch.Tensor, scores: torch.Tensor) -> dict[str, torch.Tensor]:
         b, s, lab = detections(boxes, scores, self.config.det_score_thresh, self.config.det_nms_thresh)
-        return {"boxes": clip_boxes_to_image(b / prep.scale, prep.original_hw), "scores": s, "labels": lab}
+        return {"boxes": prep.to_original(b), "scores": s, "labels": lab}
 
     @torch.inference_mode()
     def analyze(self, images: list[np.ndarray], batch_size: int = 8, regions: bool = True, dets: bool = True):
@@ -151,6 +187,8 @@ class RegionDetector(nn.Module):
     # ---- training ----------------------------------------------------------------------------------
     def losses(self, images: list[np.ndarray], targets: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Training losses. targets: boxes (M, 4) original pixels, labels (M,) 0-based, attributes (M, A) multi-hot."""
+        if self.config.family == "butd":
+            raise NotImplementedError("a butd detector is imported (vlserve import frcnn-vg), not trained by vlserve")
         prepared = [prepare_image(im, self.config) for im in images]
         device = next(self.parameters()).device
         canvas = pad_stack([p.tensor for p in prepared]).to(device)

@@ -21,15 +21,28 @@ def region_confidence(boxes: torch.Tensor, scores: torch.Tensor, nms_thresh: flo
     return conf, cls
 
 
+def best_class_nms(boxes: torch.Tensor, scores: torch.Tensor, nms_thresh: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """frcnn-vg's region confidence: each proposal's best class and that class's box, and one NMS over those boxes
+    whatever their classes. boxes (R, K, 4), scores (R, K) -> (R,) best score for survivors, -1 for suppressed
+    proposals (they are never chosen), and (R,) best class."""
+    best, cls = scores.max(1)
+    kept = nms(boxes[torch.arange(cls.shape[0], device=cls.device), cls], best, nms_thresh)
+    conf = torch.full_like(best, -1.0)
+    conf[kept] = best[kept]
+    return conf, cls
+
+
 def choose_regions(conf: torch.Tensor, num_boxes: int, adaptive: bool, min_boxes: int, max_boxes: int, thresh: float) -> torch.Tensor:
-    """Indices of the regions to keep, most confident first: fixed top-N, or adaptive min..max above thresh."""
+    """Indices of the regions to keep, most confident first: fixed top-N, or adaptive min..max above thresh.
+    Regions of negative confidence (suppressed by best_class_nms) are never kept."""
     order = torch.argsort(conf, descending=True, stable=True)
     if adaptive:
         count = int((conf >= thresh).sum())
         count = max(min_boxes, min(max_boxes, count))
     else:
         count = num_boxes
-    return order[: min(count, conf.shape[0])]
+    keep = order[: min(count, conf.shape[0])]
+    return keep[conf[keep] >= 0]
 
 
 def detections(boxes: torch.Tensor, scores: torch.Tensor, score_thresh: float, nms_thresh: float, max_dets: int = 100):

@@ -2,11 +2,14 @@
 
 A source directory holds config.json and model.safetensors or pytorch_model.bin (or their sharded
 `*.index.json` form). Every source tensor is either mapped, checked as a tied copy, or listed under
-`import.ignored_keys` in the manifest: nothing is dropped silently.
+`import.ignored_keys` in the manifest: nothing is dropped silently. The original LXMERT importer reads its
+`.pth` files through the same HFSource (lxmert_original.py).
 """
 from __future__ import annotations
 
 import json
+import pickle
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +32,7 @@ _MISSING = object()
 
 
 class HFImportError(CheckpointError):
-    """A transformers checkpoint directory that cannot be imported; the message names the file or field."""
+    """A public checkpoint (or its answer table) that cannot be imported; the message names the file or field."""
 
 
 @dataclass
@@ -41,10 +44,12 @@ class HFSource:
     state: dict[str, torch.Tensor]
     weights_file: str  # the file (or shard index) the tensors came from
     used: set[str] = field(default_factory=set)  # source keys consumed so far
+    keymap: KeyMap = field(default_factory=dict)  # every mapping taken so far (our key -> source keys)
+    config_file: str = CONFIG_FILE  # the file `config` came from, named in errors
 
     @property
     def config_path(self) -> Path:
-        return self.path / CONFIG_FILE
+        return self.path / self.config_file
 
     @property
     def weights_path(self) -> Path:
@@ -89,10 +94,24 @@ class HFSource:
         """Our tensors from the key map; a source tensor it needs and the file lacks fails naming both."""
         try:
             out = apply_keymap(keymap, self.state)
-        except KeyError as exc:
+        except (KeyError, ValueError) as exc:
             raise HFImportError(f"{self.weights_path}: {exc.args[0]}") from None
         self.used.update(s for srcs in keymap.values() for s in srcs)
+        self.keymap |= keymap
         return out
+
+    def check_shapes(self, target: dict[str, torch.Tensor]) -> None:
+        """Each mapped source tensor has the shape its share of our tensor needs (fused ones split dim 0 evenly);
+        a wrong one fails naming the source tensor."""
+        for dst, srcs in self.keymap.items():
+            if dst not in target:
+                continue  # load_state_strict names a tensor our model lacks
+            want = (target[dst].shape[0] // len(srcs), *target[dst].shape[1:])
+            for src in srcs:
+                if tuple(self.state[src].shape) != want:
+                    raise HFImportError(
+                        f"{self.weights_path}: tensor {src} has shape {tuple(self.state[src].shape)}, the model needs {want}"
+                    )
 
     def tied(self, key: str, to: str) -> None:
         """A tensor transformers saves as a copy of another (a tied decoder): accept it only if it is one."""
@@ -108,23 +127,33 @@ class HFSource:
         return sorted(set(self.state) - self.used)
 
 
-def _load_weight_file(path: Path) -> dict[str, torch.Tensor]:
+def load_weight_file(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file, or a torch.save pickle read with weights_only: it may hold tensors and containers only."""
     try:
         if path.suffix == ".safetensors":
             return load_file(str(path), device="cpu")
         state = torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as exc:  # safetensors/IO errors, and the UnpicklingError of weights_only for non-tensors
-        first_line = (str(exc).strip().splitlines() or [""])[0]
-        raise HFImportError(f"{path}: unreadable weights ({type(exc).__name__}: {first_line})") from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise HFImportError(f"{path}: not a state dict of tensors")
+    except pickle.UnpicklingError as exc:  # weights_only met a class: a pickled object, never unpickled here
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        what = found.group(1) if found else "an object weights_only loading refuses"
+        raise HFImportError(
+            f"{path}: unreadable weights: the pickle holds {what}, not only tensors (vlserve unpickles plain "
+            "tensor dictionaries only)"
+        ) from None
+    except Exception as exc:  # safetensors/IO errors, a truncated zip or pickle
+        first = re.split(r"(?<=\.)\s", (str(exc).strip().splitlines() or [""])[0])[0]
+        raise HFImportError(f"{path}: unreadable weights, truncated or corrupt ({type(exc).__name__}: {first})") from None
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise HFImportError(f"{path}: not a state dict (a dictionary of tensors by name)")
     return state
 
 
 def _load_weights(src: Path) -> tuple[dict[str, torch.Tensor], str]:
     for name in WEIGHT_FILES:
         if (src / name).is_file():
-            return _load_weight_file(src / name), name
+            return load_weight_file(src / name), name
     for name in SHARD_INDEXES:
         index = src / name
         if index.is_file():
@@ -136,9 +165,20 @@ def _load_weights(src: Path) -> tuple[dict[str, torch.Tensor], str]:
             for shard in shards:
                 if not (src / shard).is_file():
                     raise HFImportError(f"{index}: lists shard {shard}, which is missing")
-                state.update(_load_weight_file(src / shard))
+                state.update(load_weight_file(src / shard))
             return state, name
     raise HFImportError(f"{src}: no weights file (looked for {', '.join(WEIGHT_FILES + SHARD_INDEXES)})")
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """A JSON object file (config.json, bert_config.json)."""
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise HFImportError(f"{path}: invalid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise HFImportError(f"{path}: expected a JSON object")
+    return config
 
 
 def read_source(src: str | Path, model_type: str) -> HFSource:
@@ -149,12 +189,7 @@ def read_source(src: str | Path, model_type: str) -> HFSource:
     cfg_path = src / CONFIG_FILE
     if not cfg_path.is_file():
         raise HFImportError(f"{src}: missing file {CONFIG_FILE}")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise HFImportError(f"{cfg_path}: invalid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise HFImportError(f"{cfg_path}: expected a JSON object")
+    config = read_config(cfg_path)
     found = config.get("model_type")
     if found is not None and found != model_type:
         raise HFImportError(f"{cfg_path}: model_type is {found!r}, this importer reads {model_type!r}")
@@ -191,20 +226,21 @@ def build_encoder_config(source: HFSource, preset: str, fields: dict[str, Any]) 
         raise HFImportError(f"{source.config_path}: {exc}") from None
 
 
-def pretraining_heads(source: HFSource, word_embeddings: str) -> tuple[dict[str, HeadConfig], KeyMap]:
-    """BERT pretraining heads under `cls.`: masked LM (decoder tied to the word embeddings) and ITM."""
+def pretraining_heads(source: HFSource, word_embeddings: str, p: str = "") -> tuple[dict[str, HeadConfig], KeyMap]:
+    """BERT pretraining heads under `{p}cls.`: masked LM (decoder tied to the word embeddings) and ITM."""
     heads: dict[str, HeadConfig] = {}
     keymap: KeyMap = {}
-    if source.has("cls.predictions.transform.dense.weight"):
+    cls = f"{p}cls"
+    if source.has(f"{cls}.predictions.transform.dense.weight"):
         heads["mlm"] = HeadConfig(kind="mlm")
-        keymap |= linear("heads.mlm.transform.dense", "cls.predictions.transform.dense")
-        keymap |= linear("heads.mlm.transform.LayerNorm", "cls.predictions.transform.LayerNorm")
-        keymap["heads.mlm.bias"] = ["cls.predictions.bias"]
-        source.tied("cls.predictions.decoder.weight", word_embeddings)
-        source.tied("cls.predictions.decoder.bias", "cls.predictions.bias")
-    if source.has("cls.seq_relationship.weight"):
+        keymap |= linear("heads.mlm.transform.dense", f"{cls}.predictions.transform.dense")
+        keymap |= linear("heads.mlm.transform.LayerNorm", f"{cls}.predictions.transform.LayerNorm")
+        keymap["heads.mlm.bias"] = [f"{cls}.predictions.bias"]
+        source.tied(f"{cls}.predictions.decoder.weight", word_embeddings)
+        source.tied(f"{cls}.predictions.decoder.bias", f"{cls}.predictions.bias")
+    if source.has(f"{cls}.seq_relationship.weight"):
         heads["itm"] = HeadConfig(kind="itm")
-        keymap |= linear("heads.itm.seq_relationship", "cls.seq_relationship")
+        keymap |= linear("heads.itm.seq_relationship", f"{cls}.seq_relationship")
     return heads, keymap
 
 
@@ -217,6 +253,45 @@ def answer_labels(source: HFSource, count: int) -> list[str]:
         except KeyError:
             pass
     return [str(i) for i in range(count)]
+
+
+def read_answers(path: str | Path) -> list[str]:
+    """Answer names by output index from a JSON answer table: a list of answers (VQA's and GQA's
+    trainval_label2ans.json), LXMERT's all_ans.json (a list of {"ans": ...}, its 9500-way pretraining head) or an
+    answer -> index object (trainval_ans2label.json) whose indices are 0..N-1."""
+    path = Path(path)
+    try:
+        table = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HFImportError(f"{path}: unreadable answer table ({exc})") from None
+    if isinstance(table, list) and all(isinstance(a, dict) and isinstance(a.get("ans"), str) for a in table):
+        table = [a["ans"] for a in table]
+    if isinstance(table, list) and table and all(isinstance(a, str) for a in table):
+        return table
+    if isinstance(table, dict) and table and all(isinstance(i, int) and not isinstance(i, bool) for i in table.values()):
+        names = {i: a for a, i in table.items()}
+        if sorted(names) != list(range(len(table))):
+            raise HFImportError(f"{path}: the answer -> index object's indices are not 0..{len(table) - 1}, each once")
+        return [names[i] for i in range(len(table))]
+    raise HFImportError(
+        f"{path}: not an answer table (expected a JSON list of answers, LXMERT's all_ans.json, "
+        "or an answer -> index object)"
+    )
+
+
+def name_answers(source: HFSource, heads: dict[str, HeadConfig], labels: dict[str, Any], answers: Path | None) -> None:
+    """labels["heads"][task] of the answer head (vqa, else the image_qa pretraining head): the names of the
+    `answers` table when given (its size must equal the head's), else config.json's id2label, else numbers."""
+    task = next((t for t in ("vqa", "image_qa") if t in heads), None)
+    if task is None:
+        if answers is not None:
+            raise HFImportError(f"{answers}: the checkpoint has no answer head (vqa or image_qa) to name")
+        return
+    count = heads[task].num_labels
+    names = answer_labels(source, count) if answers is None else read_answers(answers)
+    if len(names) != count:
+        raise HFImportError(f"{answers}: {len(names)} answers, but the checkpoint's {task} head has {count} outputs")
+    labels.setdefault("heads", {})[task] = names
 
 
 def source_tokenizer(source: HFSource, vocab_size: int) -> VLTokenizer:
@@ -241,9 +316,11 @@ def write_checkpoint(
     labels: dict[str, Any],
     fmt: str,
     architecture: str | None,
+    answers: Path | None = None,
 ) -> Path:
     """Build our model from the mapped tensors (strictly) and save it with an `import` record in the manifest."""
     model = VLModel(config)
+    source.check_shapes(model.state_dict())
     load_state_strict(model, weights, source.weights_path)
     tokenizer = source_tokenizer(source, config.encoder.vocab_size)
     record = {
@@ -252,5 +329,6 @@ def write_checkpoint(
         "architecture": architecture,
         "weights_file": source.weights_file,
         "ignored_keys": source.ignored(),
+        "answers": str(Path(answers).resolve()) if answers is not None else None,
     }
     return save_checkpoint(model.eval(), out, tokenizer, labels=labels, extra={"import": record})

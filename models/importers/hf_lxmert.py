@@ -8,12 +8,14 @@ Mapping (transformers -> vlserve), `lxmert.` prefix present on task models only:
   encoder.x_layers.{i}.{lang,visn}_self_att -> encoder.x_layers.{i}.{lang,visn}_self_att
   encoder.x_layers.{i}.{lang,visn}_{inter,output} -> encoder.x_layers.{i}.{lang,visn}_ffn
   pooler.dense                              -> encoder.pooler.dense
-  answer_head.logit_fc.{0,2,3}              -> heads.vqa.cls (QuestionAnswering) or heads.image_qa.cls (PreTraining)
+  answer_head.logit_fc.{0,2,3}              -> heads.vqa.cls (QuestionAnswering) or heads.image_qa.cls (PreTraining:
+                                               lxmert-base-uncased's 9500-way image-QA objective, never served as /vqa)
   cls.predictions / cls.seq_relationship    -> heads.mlm / heads.itm
   obj_predict_head.transform + decoder_dict.obj  -> heads.mrc (masked region class, 'ce' over the detector's objects)
   obj_predict_head.transform + decoder_dict.feat -> heads.mrfr (masked region feature regression)
   obj_predict_head.decoder_dict.attr        -> not imported (vlserve has no attribute head): listed as ignored
-The shared object-head transform is copied into both mrc and mrfr.
+The shared object-head transform is copied into both mrc and mrfr. `--answers` names the answer head's outputs
+(hf_common.read_answers).
 """
 from __future__ import annotations
 
@@ -23,9 +25,9 @@ from ..config import HeadConfig, ModelConfig
 from .hf_common import (
     HFImportError,
     HFSource,
-    answer_labels,
     bert_fields,
     build_encoder_config,
+    name_answers,
     pretraining_heads,
     read_source,
     write_checkpoint,
@@ -54,11 +56,12 @@ def encoder_keymap(p: str, num_layers: int, num_image_layers: int, num_cross_lay
     return keymap | linear("encoder.pooler.dense", f"{p}pooler.dense")
 
 
-def object_heads(source: HFSource, visual_feat_dim: int) -> tuple[dict[str, HeadConfig], KeyMap]:
-    """LXMERT's object prediction head split into our mrc (object classes) and mrfr (region features) heads."""
+def object_heads(source: HFSource, visual_feat_dim: int, p: str = "") -> tuple[dict[str, HeadConfig], KeyMap]:
+    """LXMERT's object prediction head (at `{p}obj_predict_head`) split into our mrc (object classes) and mrfr
+    (region features) heads."""
     heads: dict[str, HeadConfig] = {}
     keymap: KeyMap = {}
-    src = "obj_predict_head"
+    src = f"{p}obj_predict_head"
     for task, name in (("mrc", "obj"), ("mrfr", "feat")):
         key = f"{src}.decoder_dict.{name}.weight"
         if not source.has(key):
@@ -73,8 +76,18 @@ def object_heads(source: HFSource, visual_feat_dim: int) -> tuple[dict[str, Head
     return heads, keymap
 
 
-def import_lxmert(src: str | Path, out: str | Path) -> Path:
-    """Convert a transformers Lxmert* directory into a vlserve checkpoint directory; returns `out`."""
+def answer_head(source: HFSource, task: str, src: str) -> tuple[HeadConfig, KeyMap]:
+    """LXMERT's answer classifier at `src` (Linear, GELU, LayerNorm, Linear: indices 0, 2, 3) as our `task` head."""
+    head = HeadConfig(kind=task, num_labels=source.rows(f"{src}.3.weight"), pool="pooled", classifier="mlp")
+    keymap: KeyMap = {}
+    for i in (0, 2, 3):
+        keymap |= linear(f"heads.{task}.cls.{i}", f"{src}.{i}")
+    return head, keymap
+
+
+def import_lxmert(src: str | Path, out: str | Path, answers: Path | None = None) -> Path:
+    """Convert a transformers Lxmert* directory into a vlserve checkpoint directory; returns `out`.
+    `answers`: the answer table of the answer head (hf_common.read_answers)."""
     source = read_source(src, "lxmert")
     architecture = source.architecture(ARCHITECTURES, FORMAT)
     if source.get("visual_pos_dim", default=4) != 4:
@@ -96,15 +109,14 @@ def import_lxmert(src: str | Path, out: str | Path) -> Path:
     keymap |= obj_keys
     labels: dict = {"heads": {}}
     if architecture == "LxmertForQuestionAnswering" or source.has("answer_head.logit_fc.3.weight"):
-        # the pretraining model's answer head is LXMERT's image-QA objective; the fine-tuned one serves VQA
-        pretraining = architecture == "LxmertForPreTraining" or (architecture is None and "mlm" in heads)
+        # Beside pretraining heads (lxmert-base-uncased, whose config.json may name no architecture) the answer
+        # head is LXMERT's image-QA objective over its 9500 pretraining answers; alone, a fine-tuned VQA/GQA head.
+        pretraining = architecture == "LxmertForPreTraining" or (architecture != "LxmertForQuestionAnswering" and bool(heads))
         task = "image_qa" if pretraining else "vqa"
-        count = source.rows("answer_head.logit_fc.3.weight")
-        heads[task] = HeadConfig(kind=task, num_labels=count, pool="pooled", classifier="mlp")
-        for i in (0, 2, 3):  # Linear, GELU, LayerNorm, Linear
-            keymap |= linear(f"heads.{task}.cls.{i}", f"answer_head.logit_fc.{i}")
-        labels["heads"][task] = answer_labels(source, count)
+        heads[task], qa_keys = answer_head(source, task, "answer_head.logit_fc")
+        keymap |= qa_keys
+    name_answers(source, heads, labels, answers)
 
     weights = source.take(keymap)
     config = ModelConfig(encoder=encoder, heads=heads)
-    return write_checkpoint(source, out, config, weights, labels, FORMAT, architecture)
+    return write_checkpoint(source, out, config, weights, labels, FORMAT, architecture, answers)

@@ -22,9 +22,9 @@ from ..config import HeadConfig, ModelConfig
 from .hf_common import (
     HFImportError,
     HFSource,
-    answer_labels,
     bert_fields,
     build_encoder_config,
+    name_answers,
     pretraining_heads,
     read_source,
     write_checkpoint,
@@ -79,8 +79,9 @@ def classifier_head(source: HFSource, architecture: str | None) -> tuple[str, He
     return task, HeadConfig(kind="multiple_choice")
 
 
-def import_visualbert(src: str | Path, out: str | Path) -> Path:
-    """Convert a transformers VisualBert* directory into a vlserve checkpoint directory; returns `out`."""
+def import_visualbert(src: str | Path, out: str | Path, answers: Path | None = None) -> Path:
+    """Convert a transformers VisualBert* directory into a vlserve checkpoint directory; returns `out`.
+    `answers`: the answer table of the VQA head (hf_common.read_answers)."""
     source = read_source(src, "visual_bert")
     architecture = source.architecture(ARCHITECTURES, FORMAT)
     if source.get("bypass_transformer", bool, default=False):
@@ -99,12 +100,11 @@ def import_visualbert(src: str | Path, out: str | Path) -> Path:
         task, head = found
         heads[task] = head
         keymap |= linear(f"heads.{task}.cls", "cls")
-        if task == "vqa":
-            labels["heads"]["vqa"] = answer_labels(source, head.num_labels)
     if architecture == "VisualBertForRegionToPhraseAlignment" or source.has("attention.query.weight"):
         heads["grounding"] = HeadConfig(kind="grounding")
         keymap |= linear("heads.grounding.query", "attention.query") | linear("heads.grounding.key", "attention.key")
+    name_answers(source, heads, labels, answers)
 
     weights = source.take(keymap)
     config = ModelConfig(encoder=encoder, heads=heads)
-    return write_checkpoint(source, out, config, weights, labels, FORMAT, architecture)
+    return write_checkpoint(source, out, config, weights, labels, FORMAT, architecture, answers)

@@ -56,12 +56,17 @@ def bert_embeddings(dst: str, src: str) -> KeyMap:
 
 
 def apply_keymap(keymap: KeyMap, source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Build our tensors from the source state; raises KeyError naming the first absent source key."""
+    """Build our tensors from the source state; raises KeyError naming the first absent source key, ValueError
+    naming a tensor that cannot be fused with the first of its group."""
     out = {}
     for dst, srcs in keymap.items():
         absent = [s for s in srcs if s not in source]
         if absent:
             raise KeyError(f"source checkpoint lacks {absent[0]} (needed for {dst})")
         tensors = [source[s] for s in srcs]
+        for s, t in zip(srcs[1:], tensors[1:]):
+            if t.shape[1:] != tensors[0].shape[1:]:
+                raise ValueError(f"tensor {s} has shape {tuple(t.shape)}, which cannot be fused with {srcs[0]} "
+                                 f"{tuple(tensors[0].shape)} into {dst}")
         out[dst] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
     return out

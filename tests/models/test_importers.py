@@ -59,8 +59,8 @@ def cli(*args: str | Path):
     return CliRunner().invoke(app, ["import", *map(str, args)])
 
 
-def imported(fmt: str, src: Path, out: Path):
-    result = cli(fmt, src, out)
+def imported(fmt: str, src: Path, out: Path, *options: str | Path):
+    result = cli(fmt, src, out, *options)
     assert result.exit_code == 0, result.output
     return load_checkpoint(out)
 
@@ -314,3 +314,65 @@ def test_existing_output_needs_force(good_src, tmp_path):
     assert result.exit_code == 2 and "--force" in result.stderr
     assert cli("hf-visualbert", good_src, out, "--force").exit_code == 0
     assert load_checkpoint(out).model.config.heads["vqa"].num_labels == 3
+
+
+# ---- answer vocabularies: --answers ------------------------------------------------------------------------
+
+
+def served_kinds(ckpt) -> set[str]:
+    from service.pipeline import task_specs
+
+    return set(task_specs({t: h.kind for t, h in ckpt.model.config.heads.items()}, {}, ckpt.labels))
+
+
+def test_answers_name_the_vqa_head(tmp_path):
+    """VQA's trainval_label2ans.json form (a list) and its trainval_ans2label.json form (answer -> index)."""
+    hf = lxmert("LxmertForQuestionAnswering", num_qa_labels=4)
+    src = save_hf(hf, tmp_path / "hf")
+    names = ["", "woods", "trash can", "2"]
+    (tmp_path / "label2ans.json").write_text(json.dumps(names))
+    (tmp_path / "ans2label.json").write_text(json.dumps({a: i for i, a in enumerate(names)}))
+    for table in ("label2ans.json", "ans2label.json"):
+        ckpt = imported("hf-lxmert", src, tmp_path / table.replace(".json", ""), "--answers", tmp_path / table)
+        assert ckpt.labels["heads"]["vqa"] == names
+        assert manifest_import(tmp_path / table.replace(".json", ""))["answers"] == str((tmp_path / table).resolve())
+
+
+def test_lxmert_base_uncased_answer_head_is_pretraining(tmp_path):
+    """lxmert-base-uncased: LxmertForPreTraining weights under a config.json that names no architecture, with the
+    9500-way answer head of LXMERT's pretraining (answers: its all_ans.json): imported as the image_qa pretraining
+    head, which /vqa does not serve."""
+    src = save_hf(lxmert("LxmertForPreTraining", num_qa_labels=9500, num_object_labels=7, num_attr_labels=3), tmp_path / "hf")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("architectures", None)
+    (src / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "all_ans.json").write_text(json.dumps([{"ans": f"answer {i}", "dsets": ["vqa"]} for i in range(9500)]))
+    ckpt = imported("hf-lxmert", src, tmp_path / "ours", "--answers", tmp_path / "all_ans.json")
+    heads = ckpt.model.config.heads
+    assert set(heads) == {"mlm", "itm", "mrc", "mrfr", "image_qa"} and heads["image_qa"].num_labels == 9500
+    assert ckpt.labels["heads"]["image_qa"][17] == "answer 17"
+    assert served_kinds(ckpt) == {"itm"}
+
+
+ANSWER_ERRORS = {
+    "size": (["yes", "no"], "answers.json: 2 answers, but the checkpoint's vqa head has 3 outputs"),
+    "format": ({"yes": "no"}, "answers.json: not an answer table"),
+    "json": ("{not json", "answers.json: unreadable answer table"),
+}
+
+
+@pytest.mark.parametrize("case", list(ANSWER_ERRORS))
+def test_bad_answers_exit_2(case, good_src, tmp_path):
+    table, message = ANSWER_ERRORS[case]
+    (tmp_path / "answers.json").write_text(table if isinstance(table, str) else json.dumps(table))
+    result = cli("hf-visualbert", good_src, tmp_path / "out", "--answers", tmp_path / "answers.json")
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_answers_without_an_answer_head_exit_2(tmp_path):
+    (tmp_path / "answers.json").write_text(json.dumps(["yes", "no"]))
+    src = save_hf(visualbert("VisualBertForVisualReasoning", num_labels=2), tmp_path / "hf")
+    result = cli("hf-visualbert", src, tmp_path / "out", "--answers", tmp_path / "answers.json")
+    assert result.exit_code == 2 and "answers.json: the checkpoint has no answer head" in result.stderr

@@ -269,3 +269,12 @@ def test_a_burst_of_large_images_stays_within_a_memory_bound():
     got = burst_rss(budget=10_000_000, reduced=True)
     assert got["peak"] - got["base"] < 250, got
     assert got["after"] - got["base"] < 80, got
+
+
+def test_a_detector_with_a_plain_bilinear_resize_always_decodes_at_full_size():
+    """The bottom-up-attention family samples the full image (no antialiasing): a reduced decode would change its
+    input, so its regions would no longer equal its reference's; the pixel budget still bounds memory."""
+    from models.detector import DetectorConfig
+
+    assert decode_side(DetectorConfig(classes=["a"], resize="detectron2")) is None
+    assert decode_side(DetectorConfig(classes=["a"])) == 2 * DetectorConfig(classes=["a"]).max_size

@@ -1,15 +1,17 @@
-"""`vlserve import hf-visualbert|hf-lxmert SRC OUT`: convert transformers checkpoints into vlserve checkpoints."""
+"""`vlserve import FORMAT SRC OUT`: public checkpoints into vlserve checkpoints, frcnn-vg into a detector."""
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 app = typer.Typer(
-    help="Convert public checkpoints (transformers' VisualBERT, LXMERT) into vlserve checkpoint directories.",
+    help="Convert public checkpoints (transformers' VisualBERT, LXMERT; the original LXMERT code's; the frcnn-vg "
+    "detector) into vlserve checkpoint and detector directories.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -18,10 +20,13 @@ app = typer.Typer(
 Source = Annotated[Path, typer.Argument(help="directory written by transformers' save_pretrained (config.json + weights)")]
 Out = Annotated[Path, typer.Argument(help="vlserve checkpoint directory to write")]
 Force = Annotated[bool, typer.Option("--force", help="write into OUT even if it already holds files")]
+Answers = Annotated[Path | None, typer.Option(
+    "--answers", help="answer table naming the answer head's outputs: a JSON list (VQA's or GQA's "
+    "trainval_label2ans.json), LXMERT's all_ans.json, or an answer -> index object (trainval_ans2label.json)")]
 
 
-def _run(convert: Callable[[Path, Path], Path], src: Path, out: Path, force: bool) -> None:
-    """Run one importer; any import error becomes one line on stderr and exit code 2."""
+def _convert(convert: Callable[[Path, Path], Path], src: Path, out: Path, force: bool) -> Path:
+    """Run one importer into OUT; any import error becomes one line on stderr and exit code 2."""
     from models.checkpoint import CheckpointError
 
     if out.resolve() == src.resolve():
@@ -31,30 +36,86 @@ def _run(convert: Callable[[Path, Path], Path], src: Path, out: Path, force: boo
         typer.echo(f"error: {out}: already exists and is not empty (pass --force to write into it)", err=True)
         raise typer.Exit(2)
     try:
-        path = convert(src, out)
+        return convert(src, out)
     except (CheckpointError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+
+
+def _run(convert: Callable[[Path, Path], Path], src: Path, out: Path, force: bool) -> None:
+    """Run one checkpoint importer and say what it wrote."""
+    path = _convert(convert, src, out, force)
     record = json.loads((path / "manifest.json").read_text())["import"]
     ignored = record["ignored_keys"]
     if ignored:
         shown = ", ".join(ignored[:8]) + (f", ... ({len(ignored) - 8} more)" if len(ignored) > 8 else "")
         typer.echo(f"warning: {len(ignored)} source tensors not imported (listed in manifest.json): {shown}", err=True)
     heads = json.loads((path / "config.json").read_text())["heads"]
+    _warn_numbered_answers(path, heads, record)
     typer.echo(f"wrote {path} ({record['architecture'] or 'unknown architecture'}; heads: {', '.join(heads) or 'none'})")
 
 
+def _warn_numbered_answers(path: Path, heads: dict, record: dict) -> None:
+    """A VQA head imported without --answers answers "17": say how to name its answers."""
+    if "vqa" in heads and not record.get("answers"):
+        names = json.loads((path / "labels.json").read_text()).get("heads", {}).get("vqa", [])
+        if names == [str(i) for i in range(len(names))]:
+            typer.echo(f"warning: the {len(names)} VQA answers are numbered; pass --answers FILE to name them", err=True)
+
+
 @app.command("hf-visualbert")
-def hf_visualbert(src: Source, out: Out, force: Force = False) -> None:
+def hf_visualbert(src: Source, out: Out, answers: Answers = None, force: Force = False) -> None:
     """Import a transformers VisualBert* checkpoint (uclanlp/visualbert-* format)."""
     from models.importers.hf_visualbert import import_visualbert
 
-    _run(import_visualbert, src, out, force)
+    _run(partial(import_visualbert, answers=answers), src, out, force)
 
 
 @app.command("hf-lxmert")
-def hf_lxmert(src: Source, out: Out, force: Force = False) -> None:
+def hf_lxmert(src: Source, out: Out, answers: Answers = None, force: Force = False) -> None:
     """Import a transformers Lxmert* checkpoint (unc-nlp/lxmert-* format)."""
     from models.importers.hf_lxmert import import_lxmert
 
-    _run(import_lxmert, src, out, force)
+    _run(partial(import_lxmert, answers=answers), src, out, force)
+
+
+@app.command("lxmert")
+def lxmert_original(
+    src: Annotated[Path, typer.Argument(help="a .pth file of airsplay/lxmert: a pretraining snapshot (*_LXRT.pth) or "
+                                             "a fine-tuned VQA/GQA model (BEST.pth); a bert_config.json and vocab.txt "
+                                             "beside it are read when present")],
+    out: Out,
+    answers: Answers = None,
+    force: Force = False,
+) -> None:
+    """Import a checkpoint of the original LXMERT code (github.com/airsplay/lxmert)."""
+    from models.importers.lxmert_original import import_lxmert_original
+
+    _run(partial(import_lxmert_original, answers=answers), src, out, force)
+
+
+@app.command("frcnn-vg")
+def frcnn_vg(
+    src: Annotated[Path, typer.Argument(help="frcnn-vg directory: config.yaml + pytorch_model.bin or model.safetensors "
+                                             "(the hub's unc-nlp/frcnn-vg-finetuned)")],
+    out: Annotated[Path, typer.Argument(help="vlserve detector directory to write")],
+    objects: Annotated[Path, typer.Option("--objects", help="Visual Genome's objects_vocab.txt: the class names, one "
+                                                            "per line (synonyms after commas)")],
+    attributes: Annotated[Path, typer.Option("--attributes", help="Visual Genome's attributes_vocab.txt: the "
+                                                                  "attribute names")],
+    adaptive: Annotated[bool, typer.Option(
+        "--adaptive", help="bottom-up attention's 10-100 regions (per-class NMS 0.3, confidence >= 0.2) instead of "
+        "the demo's 36")] = False,
+    force: Force = False,
+) -> None:
+    """Import the bottom-up-attention detector of the public LXMERT/VisualBERT checkpoints (frcnn-vg format)."""
+    from models.detector.io import fingerprint_of
+    from models.importers.frcnn_vg import import_frcnn_vg
+
+    convert = partial(import_frcnn_vg, objects=objects, attributes=attributes, adaptive=adaptive)
+    path = _convert(convert, src, out, force)
+    config = json.loads((path / "config.json").read_text())
+    regions = f"{config['min_boxes']}-{config['max_boxes']}" if config["adaptive"] else str(config["num_boxes"])
+    typer.echo(f"wrote {path} (detector {fingerprint_of(json.loads((path / 'manifest.json').read_text()))}: "
+               f"{config['backbone']}, {len(config['classes'])} classes, {len(config['attributes'])} attributes, "
+               f"{config['feature_dim']}-d features, {regions} regions)")

@@ -1,0 +1,200 @@
+"""The bottom-up-attention detector (family "butd"): the ResNet C4 Faster R-CNN of Visual Genome that the public
+LXMERT and VisualBERT checkpoints were trained on, as ported to PyTorch for transformers' demos (frcnn-vg).
+
+    image ─► ResNet stem, res2-res4 (stride 16) ─► RPN: 3x3 conv, objectness + deltas per anchor
+          ─► top pre-NMS proposals, clipped, NMS ─► post-NMS proposals
+          ─► RoIPool (14 x 14 on res4) ─► res5 (stride 1, dilation 2) ─► mean ─► 2048-d region feature
+          ─► class logits (K + 1, background last), class-specific box deltas (4K), attribute logits (A + 1) read
+             from the feature and the embedding of the proposal's best class
+
+Built from torch/torchvision operators: torchvision's Bottleneck blocks (the stride moved to the first 1x1 conv, as
+the MSRA/caffe ResNet has it), roi_pool, batched_nms and BoxCoder. Batch norms are frozen and computed as eval-mode
+batch_norm, the operation the reference runs, so the same weights give the same numbers.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchvision.models.detection._utils import BoxCoder, _topk_min
+from torchvision.models.resnet import Bottleneck
+from torchvision.ops import batched_nms, clip_boxes_to_image, roi_pool
+from torchvision.ops.misc import FrozenBatchNorm2d
+
+from .config import RESNET_BLOCKS, DetectorConfig
+
+STRIDE = 16  # res4's stride: stem 4, res3 2, res4 2
+BOX_CLAMP = math.log(1000.0 / 16)  # largest log-scale a box delta may apply
+
+
+class FrozenBN(FrozenBatchNorm2d):
+    """torchvision's frozen BatchNorm (statistics and affine as buffers) computed as eval-mode batch_norm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+
+
+def bottleneck(in_ch: int, width: int, out_ch: int, c: DetectorConfig, stride: int = 1) -> Bottleneck:
+    """torchvision's Bottleneck with a given bottleneck width and output width; a projection shortcut whenever the
+    width changes (the caffe ResNet's rule); the stride in the first 1x1 conv when the config says so."""
+    planes = out_ch // 4
+    base_width = width * 64 // (c.resnet_groups * planes)
+    shortcut = None
+    if in_ch != out_ch:
+        shortcut = nn.Sequential(nn.Conv2d(in_ch, out_ch, 1, stride=stride, bias=False), FrozenBN(out_ch))
+    block = Bottleneck(in_ch, planes, stride, shortcut, c.resnet_groups, base_width, norm_layer=FrozenBN)
+    if block.conv2.out_channels != width:
+        raise ValueError(f"a bottleneck of width {width} with {c.resnet_groups} groups and {out_ch} outputs does "
+                         "not fit torchvision's Bottleneck")
+    if c.resnet_stride_in_1x1:
+        block.conv1.stride, block.conv2.stride = (stride, stride), (1, 1)
+    return block
+
+
+def stage(count: int, in_ch: int, width: int, out_ch: int, c: DetectorConfig, stride: int) -> nn.Sequential:
+    blocks = [bottleneck(in_ch, width, out_ch, c, stride)]
+    blocks += [bottleneck(out_ch, width, out_ch, c) for _ in range(count - 1)]
+    return nn.Sequential(*blocks)
+
+
+class Stem(nn.Module):
+    """7x7 stride-2 conv, frozen BN, ReLU, 3x3 stride-2 max pool (caffe's: no padding, ceil mode)."""
+
+    def __init__(self, c: DetectorConfig):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, c.resnet_stem_channels, 7, stride=2, padding=3, bias=False)
+        self.bn1 = FrozenBN(c.resnet_stem_channels)
+        self.caffe_maxpool = c.resnet_caffe_maxpool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn1(self.conv1(x)))
+        if self.caffe_maxpool:
+            return F.max_pool2d(x, kernel_size=3, stride=2, padding=0, ceil_mode=True)
+        return F.max_pool2d(x, kernel_size=3, stride=2, padding=1)
+
+
+class ResNetC4(nn.Module):
+    """Stem and res2-res4: (B, 3, H, W) -> (B, 4 res2_channels, ~H/16, ~W/16)."""
+
+    def __init__(self, c: DetectorConfig):
+        super().__init__()
+        blocks = RESNET_BLOCKS[c.resnet_depth]
+        out, width = c.resnet_res2_channels, c.resnet_bottleneck_channels
+        self.stem = Stem(c)
+        self.res2 = stage(blocks[0], c.resnet_stem_channels, width, out, c, stride=1)
+        self.res3 = stage(blocks[1], out, 2 * width, 2 * out, c, stride=2)
+        self.res4 = stage(blocks[2], 2 * out, 4 * width, 4 * out, c, stride=2)
+        self.out_channels = 4 * out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.res4(self.res3(self.res2(self.stem(x))))
+
+
+def cell_anchors(sizes: tuple[int, ...], ratios: tuple[float, ...]) -> torch.Tensor:
+    """(A, 4) anchors centred on 0, size-major: area size^2, height / width = ratio, unrounded."""
+    rows = []
+    for size in sizes:
+        for ratio in ratios:
+            w = math.sqrt(size * size / ratio)
+            h = ratio * w
+            rows.append([-w / 2, -h / 2, w / 2, h / 2])
+    return torch.tensor(rows, dtype=torch.float64).float()
+
+
+def grid_anchors(cells: torch.Tensor, height, width, offset: float) -> torch.Tensor:
+    """(H W A, 4) anchors over a feature map, row-major over cells, anchor-minor (the RPN's output order)."""
+    xs = torch.arange(width, dtype=torch.float32, device=cells.device) * STRIDE + offset * STRIDE
+    ys = torch.arange(height, dtype=torch.float32, device=cells.device) * STRIDE + offset * STRIDE
+    ys, xs = torch.meshgrid(ys, xs, indexing="ij")
+    shifts = torch.stack([xs.reshape(-1), ys.reshape(-1)] * 2, dim=1)  # (H W, 4)
+    return (shifts[:, None, :] + cells[None, :, :]).reshape(-1, 4)
+
+
+class ButdRPN(nn.Module):
+    """Region proposals: per anchor an objectness logit and box deltas; the top pre-NMS proposals of each image,
+    clipped, without tiny ones, after NMS, best first."""
+
+    def __init__(self, c: DetectorConfig, in_channels: int):
+        super().__init__()
+        self.config = c
+        hidden = c.rpn_channels if c.rpn_channels > 0 else in_channels
+        anchors = cell_anchors(c.anchor_sizes[0], c.aspect_ratios)
+        self.conv = nn.Conv2d(in_channels, hidden, 3, padding=1)
+        self.objectness = nn.Conv2d(hidden, anchors.shape[0], 1)
+        self.deltas = nn.Conv2d(hidden, 4 * anchors.shape[0], 1)
+        self.register_buffer("cell_anchors", anchors)  # imported with the weights: the checkpoint's anchors are used
+        self.box_coder = BoxCoder(c.rpn_box_weights, bbox_xform_clip=BOX_CLAMP)
+
+    def forward(self, features: torch.Tensor, image_sizes: list[tuple[int, int]]) -> list[torch.Tensor]:
+        c = self.config
+        b, _, fh, fw = features.shape
+        hidden = F.relu(self.conv(features))
+        logits = self.objectness(hidden).permute(0, 2, 3, 1).reshape(b, -1)  # (B, H W A)
+        deltas = self.deltas(hidden)
+        deltas = deltas.view(b, -1, 4, fh, fw).permute(0, 3, 4, 1, 2).reshape(-1, 4)  # (B H W A, 4)
+        anchors = grid_anchors(self.cell_anchors, fh, fw, c.anchor_offset)
+        boxes = self.box_coder.decode_single(deltas, anchors.repeat(b, 1)).view(b, -1, 4)  # (B, H W A, 4)
+        # top pre-NMS anchors of each image by objectness (a full sort, then the first k)
+        logits, order = logits.sort(dim=1, descending=True)
+        k = _topk_min(logits, c.rpn_pre_nms_top_n, 1)  # a graph value when exported: the image size is dynamic
+        logits, order = logits[:, :k], order[:, :k]
+        proposals = []
+        for i, (h, w) in enumerate(image_sizes):
+            scores, found = logits[i], clip_boxes_to_image(boxes[i][order[i]], (h, w))
+            sides = found[:, 2:] - found[:, :2]
+            big = (sides > c.rpn_min_size).all(dim=1)
+            scores, found = scores[big], found[big]
+            keep = batched_nms(found, scores, torch.zeros_like(scores, dtype=torch.int64), c.rpn_nms_thresh)
+            keep = keep[: c.rpn_post_nms_top_n]
+            scores, best = scores[keep].sort(descending=True)
+            proposals.append(found[keep][best])
+        return proposals
+
+
+class ButdRoIHeads(nn.Module):
+    """RoIPool on res4, res5, spatial mean -> region features; class, box and attribute predictions."""
+
+    def __init__(self, c: DetectorConfig, in_channels: int):
+        super().__init__()
+        self.config = c
+        d, k, a = c.feature_dim, len(c.classes), len(c.attributes)
+        self.res5 = stage(3, in_channels, 8 * c.resnet_bottleneck_channels, d, c, stride=2)
+        if c.res5_dilated:  # bottom-up attention's VG head: the first 1x1 conv and shortcut at stride 1, 3x3s dilated
+            first = self.res5[0]
+            first.conv1.stride = first.downsample[0].stride = (1, 1)
+            for block in self.res5:
+                block.conv2.padding = block.conv2.dilation = (2, 2)
+        self.cls_score = nn.Linear(d, k + 1)  # column k = background
+        self.bbox_pred = nn.Linear(d, 4 * k)
+        self.cls_embedding = nn.Embedding(k + 1, d // 8)
+        self.fc_attr = nn.Linear(d + d // 8, d // 4)
+        self.attr_score = nn.Linear(d // 4, a + 1)  # the last column is dropped when predicting
+        self.box_coder = BoxCoder(c.box_weights, bbox_xform_clip=BOX_CLAMP)
+
+    def features(self, res4: torch.Tensor, boxes: list[torch.Tensor]) -> torch.Tensor:
+        """(R, D) features of boxes (per image, resized-image pixels)."""
+        rois = torch.cat([torch.cat([torch.full_like(b[:, :1], i), b], dim=1) for i, b in enumerate(boxes)])
+        pooled = roi_pool(res4, rois, self.config.roi_size, 1.0 / STRIDE)  # (R, C, S, S)
+        return self.res5(pooled).mean(dim=(2, 3))
+
+    def forward(self, features: torch.Tensor):
+        """(R, D) -> class logits (R, K+1), box deltas (R, 4K), attribute logits (R, A+1). Attributes read the
+        embedding of each region's best class, background included."""
+        class_logits = self.cls_score(features)
+        box_deltas = self.bbox_pred(features)
+        embedding = self.cls_embedding(class_logits.max(-1).indices)
+        attr_logits = self.attr_score(F.relu(self.fc_attr(torch.cat([features, embedding], dim=-1))))
+        return class_logits, box_deltas, attr_logits
+
+    def decode(self, box_deltas: torch.Tensor, proposals: torch.Tensor, class_logits: torch.Tensor, resized_hw):
+        """Class-specific boxes (R, K, 4) clipped to the image, and foreground probabilities (R, K)."""
+        r, k = class_logits.shape[0], class_logits.shape[1] - 1
+        boxes = self.box_coder.decode_single(box_deltas, proposals).reshape(r, k, 4)
+        return clip_boxes_to_image(boxes, resized_hw), F.softmax(class_logits, -1)[:, :-1]
+
+    @staticmethod
+    def attributes(attr_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The best attribute and its probability, a softmax without the last column."""
+        return F.softmax(attr_logits[:, :-1], -1).max(-1)

@@ -1,0 +1,216 @@
+"""`vlserve import frcnn-vg`: the bottom-up-attention detector equals its reference, and bad sources fail clearly.
+
+The fixture (tests/fixtures/frcnn_vg, written by scripts/reference_fixtures/frcnn_vg.py) holds the frcnn-vg
+reference detector at a tiny config in its public format, natural photos, strips that hit the 1000 px cap with
+unequal x and y scales, a blank image, and the reference's own outputs on each image alone.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from models.detector.io import load_detector
+from tests.models.frcnn_vg_reference import (
+    BOX_PX,
+    FIXTURE,
+    MANIFEST,
+    NAMES,
+    check_reference,
+    cli,
+    expected,
+    image,
+    import_fixture,
+    vocab_args,
+)
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory) -> Path:
+    return import_fixture(tmp_path_factory.mktemp("frcnn_vg") / "detector")
+
+
+@pytest.fixture(scope="module")
+def detector(imported):
+    return load_detector(imported)[0]
+
+
+# ---- parity with the reference ---------------------------------------------------------------------------
+def test_fixture_covers_the_cases():
+    by_name = {r["name"]: r for r in MANIFEST["images"]}
+    assert MANIFEST["reference"]["repository"] == "huggingface/transformers-research-projects"
+    capped = [r for r in MANIFEST["images"] if max(r["resized_hw"]) == 1000]
+    assert capped and all(abs(r["scales_yx"][0] - r["scales_yx"][1]) > 1e-4 for r in capped)  # unequal scales
+    assert image("blank").std() == 0
+    assert by_name["coffee"]["resized_hw"] == by_name["chelsea"]["resized_hw"]  # a pair that batches together
+    assert MANIFEST["reference_batched_pair"]["max_box_change_px"] > BOX_PX  # padding a batch moves its boxes
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_torch_detector_equals_reference(detector, name):
+    (rf,) = detector.extract([image(name)])
+    check_reference(rf, name)
+
+
+def test_imported_directory(imported):
+    manifest = json.loads((imported / "manifest.json").read_text())
+    config = json.loads((imported / "config.json").read_text())
+    labels = json.loads((imported / "labels.json").read_text())
+    tiny = yaml.safe_load((FIXTURE / "tiny" / "config.yaml").read_text())
+    assert manifest["kind"] == "detector" and manifest["import"]["format"] == "frcnn-vg"
+    assert config["family"] == "butd" and config["channel_order"] == "BGR" and config["num_boxes"] == 36
+    assert len(labels["objects"]) == tiny["ROI_HEADS"]["NUM_CLASSES"] and labels["objects"][0] == "object00"
+    assert len(labels["attributes"]) == tiny["ROI_BOX_HEAD"]["NUM_ATTRS"]
+    state = torch.load(FIXTURE / "tiny" / "pytorch_model.bin", weights_only=True)
+    assert manifest["import"]["ignored_keys"] == sorted(k for k in state if k.endswith(".num_batches_tracked"))
+
+
+def test_safetensors_source_imports_the_same(detector, tmp_path):
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURE / "tiny", src)
+    save_file(torch.load(src / "pytorch_model.bin", weights_only=True), str(src / "model.safetensors"))
+    (src / "pytorch_model.bin").unlink()
+    out = tmp_path / "out"
+    assert cli("frcnn-vg", src, out, *vocab_args(src)).exit_code == 0
+    theirs, ours = load_detector(out)[0].state_dict(), detector.state_dict()
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in ours)
+
+
+# ---- batching ----------------------------------------------------------------------------------------------
+def test_batched_extraction_equals_per_image(detector):
+    """Photos of different sizes, two of them sharing a resized size (one batch of two), a blank one."""
+    names = ["coffee", "rocket_portrait", "chelsea", "wide_strip", "blank", "astronaut"]
+    images = [image(n) for n in names]
+    batched = detector.extract(images, batch_size=4)
+    for name, one, alone in zip(names, batched, (detector.extract([im])[0] for im in images)):
+        assert one.num_boxes == alone.num_boxes, name
+        np.testing.assert_array_equal(one.obj_ids, alone.obj_ids, err_msg=name)
+        np.testing.assert_array_equal(one.attr_ids, alone.attr_ids, err_msg=name)
+        for field in ("boxes", "features", "obj_scores", "attr_scores"):
+            np.testing.assert_allclose(getattr(one, field), getattr(alone, field), atol=1e-5, err_msg=f"{name}: {field}")
+        check_reference(one, name, " (batched)")
+
+
+def test_adaptive_mode(tmp_path):
+    det = load_detector(import_fixture(tmp_path / "adaptive", "--adaptive"))[0]
+    assert det.config.adaptive and det.config.max_regions == 100
+    images = [image(n) for n in ("coffee", "chelsea", "blank")]
+    for one, alone in zip(det.extract(images, batch_size=3), (det.extract([im])[0] for im in images)):
+        assert 10 <= one.num_boxes <= 100 and one.boxes.shape == (100, 4)
+        assert one.num_boxes == alone.num_boxes
+        np.testing.assert_allclose(one.features, alone.features, atol=1e-5)
+        real = one.obj_scores[: one.num_boxes]
+        assert (np.diff(real) <= 0).all()  # most confident first
+        assert (real[10:] >= 0.2).all()  # beyond the minimum, only regions above the confidence threshold
+
+
+def test_vlserve_extract(imported, detector, tmp_path):
+    """`vlserve extract` with the imported detector: each image's regions as the detector gives them (features in
+    float16 at rest), the reference's classes and boxes."""
+    from typer.testing import CliRunner
+
+    from models.feature_files import FeatureFile
+    from vlserve.cli import app
+
+    out = tmp_path / "regions.vlfeat"
+    result = CliRunner().invoke(app, ["extract", str(FIXTURE / "images"), "--detector", str(imported), "--out", str(out),
+                                      "--batch-size", "4", "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    with FeatureFile(out) as stored:
+        assert sorted(stored) == sorted(NAMES)
+        for name in NAMES:
+            rf, (alone,) = stored[name], detector.extract([image(name)])
+            np.testing.assert_array_equal(rf.obj_ids, alone.obj_ids, err_msg=name)
+            np.testing.assert_array_equal(rf.boxes, alone.boxes, err_msg=name)
+            np.testing.assert_array_equal(rf.features, alone.features.astype(np.float16), err_msg=name)
+            assert rf.num_boxes == len(expected(name)["boxes"])
+
+
+# ---- full size ----------------------------------------------------------------------------------------------
+def test_full_size_state_dict_imports_exactly(tmp_path):
+    """A state dict with the keys and shapes of the reference's full-size module tree (ResNet-101 C4, 1600 classes,
+    400 attributes) imports with nothing missing and nothing left over but the BatchNorm counters."""
+    full = json.loads((FIXTURE / "full_size_keys.json").read_text())
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.yaml").write_text(yaml.safe_dump(full["config"]))
+    (src / "objects_vocab.txt").write_text("".join(f"class{i}\n" for i in range(1600)))
+    (src / "attributes_vocab.txt").write_text("".join(f"attr{i}\n" for i in range(400)))
+    torch.save({k: torch.zeros(shape) for k, shape in full["tensors"].items()}, src / "pytorch_model.bin")
+    result = cli("frcnn-vg", src, tmp_path / "out", *vocab_args(src))
+    assert result.exit_code == 0, result.output
+    det, _ = load_detector(tmp_path / "out")
+    counters = sorted(k for k in full["tensors"] if k.endswith(".num_batches_tracked"))
+    record = json.loads((tmp_path / "out" / "manifest.json").read_text())["import"]
+    assert record["ignored_keys"] == counters
+    assert len(det.state_dict()) == len(full["tensors"]) - len(counters)
+    c = det.config
+    assert (c.resnet_depth, len(c.classes), len(c.attributes), c.feature_dim) == (101, 1600, 400, 2048)
+    assert det.roi_heads.cls_score.out_features == 1601 and det.roi_heads.attr_score.out_features == 401
+
+
+# ---- import errors ------------------------------------------------------------------------------------------
+class NotATensor:
+    pass
+
+
+def edit_state(edit):
+    def make(src: Path) -> None:
+        state = torch.load(src / "pytorch_model.bin", weights_only=True)
+        edit(state)
+        torch.save(state, src / "pytorch_model.bin")
+    return make
+
+
+def edit_config(edit):
+    def make(src: Path) -> None:
+        tree = yaml.safe_load((src / "config.yaml").read_text())
+        edit(tree)
+        (src / "config.yaml").write_text(yaml.safe_dump(tree))
+    return make
+
+
+CLS = "roi_heads.box_predictor.cls_score.weight"
+ERRORS = {
+    "pickled-object": (lambda src: torch.save({"model": NotATensor()}, src / "pytorch_model.bin"),
+                       "NotATensor, not only tensors"),
+    "not-tensors": (lambda src: torch.save({"model": {"a": torch.zeros(1)}}, src / "pytorch_model.bin"),
+                    "not a state dict"),
+    "missing-tensor": (edit_state(lambda s: s.pop(CLS)), f"tensor {CLS} is missing"),
+    "extra-tensor": (edit_state(lambda s: s.update({"roi_heads.extra.weight": torch.zeros(2)})),
+                     "unexpected tensor roi_heads.extra.weight"),
+    "wrong-shape": (edit_state(lambda s: s.update({CLS: torch.zeros(3, 3)})), f"tensor {CLS} has shape (3, 3)"),
+    "unknown-key": (edit_config(lambda t: t["RESNETS"].update({"DEPTHS": 101})), "unknown key RESNETS.DEPTHS"),
+    "unknown-section": (edit_config(lambda t: t.update({"DETECTOR": {"X": 1}})), "unknown key DETECTOR.X"),
+    "missing-key": (edit_config(lambda t: t["RPN"].pop("NMS_THRESH")), "key RPN.NMS_THRESH is missing"),
+    "ill-typed": (edit_config(lambda t: t["RESNETS"].update({"DEPTH": "101"})),
+                  "RESNETS.DEPTH is '101', expected an integer"),
+    "nms-list": (edit_config(lambda t: t["ROI_HEADS"].update({"NMS_THRESH_TEST": [0.6, 0.7]})),
+                 "NMS_THRESH_TEST is [0.6, 0.7], expected one number"),
+    "unsupported": (edit_config(lambda t: t["RESNETS"].update({"NORM": "GN"})), "RESNETS.NORM is 'GN'"),
+    "bad-depth": (edit_config(lambda t: t["RESNETS"].update({"DEPTH": 34})), "resnet_depth must be one of"),
+    "vocabulary": (lambda src: (src / "objects_vocab.txt").write_text("a\nb\n"), "objects_vocab.txt: 2 object names"),
+    "no-weights": (lambda src: (src / "pytorch_model.bin").unlink(), "no weights file"),
+    "no-config": (lambda src: (src / "config.yaml").unlink(), "missing file config.yaml"),
+}
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_bad_source_exits_2_with_one_clear_message(case, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURE / "tiny", src)
+    make, message = ERRORS[case]
+    make(src)
+    result = cli("frcnn-vg", src, tmp_path / "out", *vocab_args(src))
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)  # no traceback
+    assert message in result.stderr, result.stderr
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()

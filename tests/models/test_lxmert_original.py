@@ -1,0 +1,259 @@
+"""`vlserve import lxmert`: parity with the original LXMERT code (airsplay/lxmert), its file layouts, and clear errors.
+
+The fixture (tests/fixtures/lxmert_original, see reference.json for the repository and commit) was written by
+scripts/reference_fixtures/lxmert_original.py: the reference's own VQAModel and LXRTPretraining at a tiny config with
+seeded weights, saved as its code saves them, and their outputs on padded inputs. Imported outputs must equal them
+within 1e-5 in fp32.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from models import VLInputs, VLModel
+from models.checkpoint import load_checkpoint
+from models.importers.hf_common import HFSource
+from models.importers.lxmert_original import BERT_BASE_UNCASED, convert
+from service.pipeline import task_specs
+from vlserve.cli import app
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "lxmert_original"
+ATOL = 1e-5
+BESIDE = ("bert_config.json", "vocab.txt")  # read from beside the weights file
+ATTR = ["module.obj_predict_head.decoder_dict.attr.bias", "module.obj_predict_head.decoder_dict.attr.weight"]
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, torch.Tensor]:
+    return load_file(FIXTURE / "reference.safetensors")
+
+
+def cli(*args: str | Path):
+    return CliRunner().invoke(app, ["import", "lxmert", *map(str, args)])
+
+
+def imported(src: Path, out: Path, *options: str | Path):
+    result = cli(src, out, *options)
+    assert result.exit_code == 0, result.output
+    return load_checkpoint(out)
+
+
+def batch(ref: dict[str, torch.Tensor], features: str) -> VLInputs:
+    return VLInputs(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"],
+                    token_type_ids=ref["token_type_ids"], region_features=ref[features],
+                    region_boxes=ref["region_boxes"], region_mask=ref["region_mask"])
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item()
+
+
+def record(out: Path) -> dict:
+    return json.loads((out / "manifest.json").read_text())["import"]
+
+
+def state(name: str) -> dict[str, torch.Tensor]:
+    return torch.load(FIXTURE / name, weights_only=True)
+
+
+def rewrite(tmp_path: Path, name: str, edit=None, save_kwargs: dict | None = None) -> Path:
+    """The fixture's `name` re-saved into tmp_path (after `edit` of its state), with the files read beside it."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in BESIDE:
+        shutil.copy(FIXTURE / f, src / f)
+    weights = state(name)
+    torch.save(edit(weights) if edit else weights, src / name, **(save_kwargs or {}))
+    return src / name
+
+
+def renamed(old: str, new: str):
+    return lambda sd: {k.replace(old, new, 1): v for k, v in sd.items()}
+
+
+def served_tasks(ckpt) -> dict:
+    cfg = ckpt.model.config
+    return task_specs({t: h.kind for t, h in cfg.heads.items()}, {}, ckpt.labels)
+
+
+# ---- parity -------------------------------------------------------------------------------------------------
+
+
+def test_reference_recorded():
+    ref = json.loads((FIXTURE / "reference.json").read_text())
+    assert ref["repository"] == "airsplay/lxmert" and len(ref["commit"]) == 40
+    assert sum(f.stat().st_size for f in FIXTURE.iterdir()) < 2_000_000  # tiny widths keep the fixture small
+
+
+def test_fine_tuned_vqa_parity(tmp_path, reference):
+    """BEST.pth of src/tasks/vqa.py with its answer table: /vqa answers words, outputs equal the reference's."""
+    ckpt = imported(FIXTURE / "BEST.pth", tmp_path / "ours", "--answers", FIXTURE / "label2ans.json")
+    assert set(ckpt.model.config.heads) == {"vqa"}
+    assert ckpt.labels["heads"]["vqa"] == json.loads((FIXTURE / "label2ans.json").read_text())
+    assert served_tasks(ckpt)["vqa"].labels == tuple(ckpt.labels["heads"]["vqa"])
+    info = record(tmp_path / "ours")
+    assert info["format"] == "lxmert" and info["architecture"] == "VQAModel/GQAModel" and info["ignored_keys"] == []
+    with torch.no_grad():
+        logits = ckpt.model(batch(reference, "region_features"), "vqa").logits
+    assert max_diff(logits, reference["best.vqa"]) < ATOL
+
+
+def test_pretraining_parity(tmp_path, reference):
+    """model_LXRT.pth (`module.` keys): every pretraining head; the answer head is image_qa, not served as /vqa."""
+    ckpt = imported(FIXTURE / "model_LXRT.pth", tmp_path / "ours", "--answers", FIXTURE / "all_ans.json")
+    assert set(ckpt.model.config.heads) == {"mlm", "itm", "mrc", "mrfr", "image_qa"}
+    assert ckpt.labels["heads"]["image_qa"] == [a["ans"] for a in json.loads((FIXTURE / "all_ans.json").read_text())]
+    assert "vqa" not in served_tasks(ckpt)
+    assert record(tmp_path / "ours")["ignored_keys"] == ATTR  # vlserve has no attribute head
+    x = batch(reference, "region_features_2048")
+    words, regions = x.attention_mask.bool(), x.region_mask.bool()  # padded positions: not outputs
+    with torch.no_grad():
+        out = {task: ckpt.model(x, task).logits for task in ckpt.model.config.heads}
+    assert max_diff(out["mlm"][words], reference["lxrt.mlm"][words]) < ATOL
+    assert max_diff(out["mrc"][regions], reference["lxrt.mrc"][regions]) < ATOL
+    assert max_diff(out["mrfr"][regions], reference["lxrt.mrfr"][regions]) < ATOL
+    for task in ("itm", "image_qa"):
+        assert max_diff(out[task], reference[f"lxrt.{task}"]) < ATOL
+
+
+LAYOUTS = {  # other ways the reference saves the same tensors
+    "BEST.pth fine-tuned with --multiGPU": ("BEST.pth", renamed("lxrt_encoder.model.", "lxrt_encoder.model.module."), {}),
+    "_LXRT.pth on one GPU": ("model_LXRT.pth", renamed("module.", ""), {}),
+    "BEST.pth in torch's legacy format": ("BEST.pth", None, {"_use_new_zipfile_serialization": False}),
+}
+
+
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_other_layouts_import_alike(case, tmp_path, reference):
+    name, edit, save_kwargs = LAYOUTS[case]
+    ckpt = imported(rewrite(tmp_path, name, edit, save_kwargs), tmp_path / "ours")
+    task, features = ("vqa", "region_features") if name == "BEST.pth" else ("itm", "region_features_2048")
+    with torch.no_grad():
+        logits = ckpt.model(batch(reference, features), task).logits
+    assert max_diff(logits, reference[f"{'best' if name == 'BEST.pth' else 'lxrt'}.{task}"]) < ATOL
+
+
+@pytest.mark.parametrize("name", ["BEST.pth", "model_LXRT.pth"])
+def test_full_size_keys_all_accounted_for(name):
+    """A state dict of the reference's full-size key set (zero-stride zeros: no memory) maps onto BERT-base-sized
+    lxmert with nothing missing, left over or mis-shaped."""
+    shapes = json.loads((FIXTURE / "manifest_full.json").read_text())[name]
+    zero = torch.zeros(())
+    source = HFSource(path=FIXTURE / "absent", config=dict(BERT_BASE_UNCASED),
+                      state={k: zero.expand(s) for k, s in shapes.items()}, weights_file=name)
+    config, weights, labels, _ = convert(source)
+    assert config.encoder.size == "base"  # 768 wide, 9 language, 5 object-relationship, 5 cross-modality layers
+    with torch.device("meta"):
+        model = VLModel(config)
+    own = model.state_dict()
+    source.check_shapes(own)
+    assert set(weights) == set(own)
+    assert {k: tuple(v.shape) for k, v in weights.items()} == {k: tuple(v.shape) for k, v in own.items()}
+    assert source.ignored() == ([] if name == "BEST.pth" else ATTR)
+    answers = {"BEST.pth": ("vqa", 3129), "model_LXRT.pth": ("image_qa", 9500)}[name]
+    assert config.heads[answers[0]].num_labels == answers[1]
+
+
+# ---- errors: exit code 2, one line naming the file, no traceback --------------------------------------------
+
+
+def drop(key: str):
+    return lambda sd: {k: v for k, v in sd.items() if k != key}
+
+
+def add(key: str, value: torch.Tensor):
+    return lambda sd: {**sd, key: value}
+
+
+def truncated(tmp_path):
+    src = rewrite(tmp_path, "BEST.pth")
+    src.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
+    return src
+
+
+def pickled_object(tmp_path):
+    return rewrite(tmp_path, "BEST.pth", lambda sd: {**sd, "args": Path("snap/vqa")})  # weights_only refuses it
+
+
+def training_state(tmp_path):
+    return rewrite(tmp_path, "BEST.pth", lambda sd: {"epoch": 3, "model": sd})
+
+
+def nlvr2(sd):
+    h = sd["logit_fc.0.weight"].shape[1]
+    return {**sd, "logit_fc.0.weight": torch.zeros(2 * h, 2 * h), "logit_fc.0.bias": torch.zeros(2 * h),
+            "logit_fc.2.weight": torch.ones(2 * h), "logit_fc.2.bias": torch.zeros(2 * h),
+            "logit_fc.3.weight": torch.zeros(2, 2 * h), "logit_fc.3.bias": torch.zeros(2)}
+
+
+def without_bert_config(tmp_path):
+    src = rewrite(tmp_path, "BEST.pth")
+    (src.parent / "bert_config.json").unlink()
+    return src
+
+
+def answers(table):
+    def make(tmp_path):
+        (tmp_path / "answers.json").write_text(json.dumps(table))
+        return rewrite(tmp_path, "BEST.pth")
+    return make
+
+
+KEY = "module.bert.encoder.layer.1.attention.self.key.weight"
+ERRORS = {
+    "directory": (lambda tmp: FIXTURE, "a directory; give the .pth file"),
+    "no file": (lambda tmp: tmp / "BEST.pth", "BEST.pth: no such file"),
+    "truncated file": (truncated, "BEST.pth: unreadable weights, truncated or corrupt"),
+    "pickled object": (pickled_object, "BEST.pth: unreadable weights: the pickle holds pathlib.PosixPath"),
+    "not a tensor dictionary": (training_state, "BEST.pth: not a state dict"),
+    "missing tensor": (lambda tmp: rewrite(tmp, "model_LXRT.pth", drop("module.bert.encoder.x_layers.1.visn_output.LayerNorm.bias")),
+                       "model_LXRT.pth: source checkpoint lacks module.bert.encoder.x_layers.1.visn_output.LayerNorm.bias"),
+    "extra tensor": (lambda tmp: rewrite(tmp, "model_LXRT.pth", add("module.bert.encoder.adapter.weight", torch.zeros(2))),
+                     "model_LXRT.pth: unexpected tensor module.bert.encoder.adapter.weight"),
+    "wrong shape": (lambda tmp: rewrite(tmp, "model_LXRT.pth", add(KEY, torch.zeros(8, 16))),
+                    f"model_LXRT.pth: tensor {KEY} has shape (8, 16), the model needs (16, 16)"),
+    "unfusable shape": (lambda tmp: rewrite(tmp, "model_LXRT.pth", add(KEY, torch.zeros(16, 8))),
+                        f"model_LXRT.pth: tensor {KEY} has shape (16, 8), which cannot be fused"),
+    "transformers format": (lambda tmp: rewrite(tmp, "BEST.pth", renamed("lxrt_encoder.model.bert.", "lxmert.")),
+                            "BEST.pth: transformers' LXMERT weights: import their directory with `vlserve import hf-lxmert`"),
+    "another model": (lambda tmp: rewrite(tmp, "BEST.pth", lambda sd: {"backbone.conv1.weight": torch.zeros(2)}),
+                      "BEST.pth: not an airsplay/lxmert checkpoint"),
+    "nlvr2 model": (lambda tmp: rewrite(tmp, "BEST.pth", nlvr2), "BEST.pth: logit_fc reads 32 values, not the pooled 16"),
+    "tiny without bert_config.json": (without_bert_config, "BEST.pth: hidden size 16, not bert-base-uncased's 768"),
+    "answers of another size": (answers(["yes", "no"]), "answers.json: 2 answers, but the checkpoint's vqa head has 7"),
+    "not an answer table": (answers({"yes": "no"}), "answers.json: not an answer table"),
+    "ans2label with gaps": (answers({"yes": 0, "no": 2}), "answers.json: the answer -> index object's indices"),
+}
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_bad_source_exits_2_with_one_clear_message(case, tmp_path):
+    make, message = ERRORS[case]
+    src = make(tmp_path)
+    options = ["--answers", tmp_path / "answers.json"] if (tmp_path / "answers.json").exists() else []
+    result = cli(src, tmp_path / "out", *options)
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)  # no traceback
+    assert message in result.stderr
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_ans2label_names_answers_by_index(tmp_path):
+    names = json.loads((FIXTURE / "label2ans.json").read_text())
+    (tmp_path / "ans2label.json").write_text(json.dumps({a: i for i, a in reversed(list(enumerate(names)))}))
+    ckpt = imported(FIXTURE / "BEST.pth", tmp_path / "ours", "--answers", tmp_path / "ans2label.json")
+    assert ckpt.labels["heads"]["vqa"] == names
+
+
+def test_numbered_answers_warn(tmp_path):
+    result = cli(FIXTURE / "BEST.pth", tmp_path / "ours")
+    assert result.exit_code == 0, result.output
+    assert "warning: the 7 VQA answers are numbered; pass --answers FILE" in result.stderr
