@@ -36,6 +36,7 @@ TESTS = [
     "tests/models/test_packed_linear.py",
     "tests/models/test_importers.py",
     "tests/models/test_lxmert_original.py",
+    "tests/models/test_frcnn_vg.py",
     "tests/export",
 ]
 
