@@ -49,3 +49,16 @@ def test_exported_adaptive_mode_equals_torch(tmp_path):
         np.testing.assert_allclose(got.boxes[:n], want.boxes[:n], atol=0.5)
         np.testing.assert_allclose(got.features[:n], want.features[:n], atol=1e-3)
         np.testing.assert_allclose(got.obj_scores[:n], want.obj_scores[:n], atol=1e-3)
+
+
+def test_the_export_parity_report_passes_for_this_family(exported, tmp_path):
+    """`vlserve export --detector` checks the exported graph on parity_images(): shapes of several sizes and two
+    blank images, whose tied proposals any rounding may resolve (only their region count is compared)."""
+    from export.detector import detector_parity, parity_images
+    from export.repository import DETECTOR_BOX_PX, MAX_ABS_DIFF, _check_detector
+
+    detector = load_detector(import_fixture(tmp_path / "detector"))[0]
+    report = detector_parity(detector, exported[1], parity_images())
+    assert report["tie_prone_images"] == 2
+    assert _check_detector(report, MAX_ABS_DIFF) is None, report
+    assert report["boxes_px"] <= DETECTOR_BOX_PX and report["same_classes"] == 1
