@@ -233,6 +233,28 @@ def score_tol(client) -> float:
     return SCORE_TOL[client.app.state.services.model.precision]
 
 
+def while_the_encoder_is_held(batcher, send, n: int = 4, during=None) -> tuple[list, object]:
+    """Hold `batcher`'s batch function, call send() (one request, its response) from n threads until one answers
+    429, call during() (if given) while still held, then release: (every response, during()'s result)."""
+    import threading
+
+    release, run = threading.Event(), batcher.fn
+    batcher.fn = lambda items: (release.wait(5), run(items))[1]  # hold the encoder until the queue has filled
+    responses: list = []
+    threads = [threading.Thread(target=lambda: responses.append(send())) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 5
+    while not any(r.status_code == 429 for r in responses) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    extra = during() if during is not None else None
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    batcher.fn = run
+    return responses, extra
+
+
 def assert_problem(response, status: int, kind: str | None = None) -> dict:
     """An RFC 9457 problem+json answer with this status (and problem type), never a trace."""
     assert response.status_code == status, response.text

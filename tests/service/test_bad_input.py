@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import base64
 import io
-import threading
-import time
 
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
 from service.app import create_app
+from tests.service.conftest import while_the_encoder_is_held
 
 LIMITS = dict(max_body_bytes=64 * 1024, max_pixels=2_000_000, max_text_chars=80, max_text_tokens=16, max_top_k=5,
               max_candidates=3)
@@ -150,27 +149,10 @@ def test_queue_full_is_429_with_retry_after(make_settings, problem):
     with TestClient(create_app(settings), raise_server_exceptions=False) as c:
         image_id = c.post("/images", json={"image": IMG}).json()["image_id"]
         batcher = c.app.state.services.pipeline.batchers["vqa"]
-        release = threading.Event()
-        run = batcher.fn
-
-        def slow(items):  # hold the encoder until the queue has filled up
-            release.wait(5)
-            return run(items)
-
-        batcher.fn = slow
-        responses = []
-        threads = [threading.Thread(target=lambda: responses.append(
-            c.post("/vqa", json={"image_id": image_id, "question": TEXT}))) for _ in range(4)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 5
-        while not any(r.status_code == 429 for r in responses) and time.monotonic() < deadline:
-            time.sleep(0.01)
         # refused before its body is read: even a body that is not JSON gets the 429, not a 400
-        early = c.post("/vqa", content=b"{not json", headers={"content-type": "application/json"})
-        release.set()
-        for t in threads:
-            t.join(10)
+        responses, early = while_the_encoder_is_held(
+            batcher, lambda: c.post("/vqa", json={"image_id": image_id, "question": TEXT}),
+            during=lambda: c.post("/vqa", content=b"{not json", headers={"content-type": "application/json"}))
     statuses = sorted(r.status_code for r in responses)
     assert 429 in statuses and 200 in statuses and set(statuses) <= {200, 429}, statuses
     for limited in (next(r for r in responses if r.status_code == 429), early):

@@ -6,8 +6,6 @@ from __future__ import annotations
 import base64
 import itertools
 import re
-import threading
-import time
 from pathlib import Path
 
 import jsonschema
@@ -17,6 +15,7 @@ from fastapi.testclient import TestClient
 from service.app import create_app
 from service.routes.common import PROBLEM_TYPES
 from service.schemas import BASE64_PATTERN, decode_base64
+from tests.service.conftest import while_the_encoder_is_held
 
 LIMITS = dict(max_body_bytes=64 * 1024, max_text_chars=40, max_text_tokens=64, max_top_k=5, max_candidates=3)
 TASK = {"200": None, "400": ["bad-request"], "404": ["unknown-image", "no-head"], "413": ["body-too-large"],
@@ -314,19 +313,8 @@ def test_queue_full_answers_are_as_declared(make_settings, image_png):
     with TestClient(app) as client:
         image_id = client.post("/images", json={"image": base64.b64encode(image_png).decode()}).json()["image_id"]
         batcher = client.app.state.services.pipeline.batchers["vqa"]
-        release, run = threading.Event(), batcher.fn
-        batcher.fn = lambda items: (release.wait(5), run(items))[1]  # hold the encoder until the queue has filled
-        responses: list = []
-        threads = [threading.Thread(target=lambda: responses.append(
-            client.post("/vqa", json={"image_id": image_id, "question": "q"}))) for _ in range(4)]
-        for thread in threads:
-            thread.start()
-        deadline = time.monotonic() + 5
-        while not any(r.status_code == 429 for r in responses) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        release.set()
-        for thread in threads:
-            thread.join(10)
+        responses, _ = while_the_encoder_is_held(
+            batcher, lambda: client.post("/vqa", json={"image_id": image_id, "question": "q"}))
     limited = [r for r in responses if r.status_code == 429]
     assert limited, [r.status_code for r in responses]
     for response in responses:

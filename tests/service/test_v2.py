@@ -9,8 +9,6 @@ import os
 import struct
 import subprocess
 import sys
-import threading
-import time
 
 import httpx
 import numpy as np
@@ -18,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.app import create_app
-from tests.service.conftest import free_port, wait_until_ready
+from tests.service.conftest import free_port, wait_until_ready, while_the_encoder_is_held
 
 tritonclient_http = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is a test dependency")
 from tritonclient.utils import InferenceServerException  # noqa: E402
@@ -287,20 +285,9 @@ def test_admission_refuses_a_v2_request_the_queue_cannot_take(make_settings, ima
     with TestClient(app) as client:
         image_id = client.post("/images", json={"image": base64.b64encode(image_png).decode()}).json()["image_id"]
         batcher = client.app.state.services.pipeline.batchers["vqa"]
-        release, run = threading.Event(), batcher.fn
-        batcher.fn = lambda items: (release.wait(5), run(items))[1]  # hold the encoder until the queue has filled
         body = v2_json([q(), {"name": "image_id", "datatype": "BYTES", "shape": [1], "data": [image_id]}])
-        responses: list = []
-        threads = [threading.Thread(target=lambda: responses.append(
-            client.post("/v2/models/vlserve-vqa/infer", content=body))) for _ in range(4)]
-        for thread in threads:
-            thread.start()
-        deadline = time.monotonic() + 5
-        while not any(r.status_code == 429 for r in responses) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        release.set()
-        for thread in threads:
-            thread.join(10)
+        responses, _ = while_the_encoder_is_held(
+            batcher, lambda: client.post("/v2/models/vlserve-vqa/infer", content=body))
     limited = [r for r in responses if r.status_code == 429]
     assert limited and {r.status_code for r in responses} <= {200, 429}, [r.status_code for r in responses]
     for response in limited:
