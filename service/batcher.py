@@ -111,13 +111,15 @@ class InFlight:
             self._listeners.remove(event)
 
     def expected_wait_s(self, joining: Batcher | None = None) -> tuple[float, float]:
-        """(queued, running): how long a request submitted now to `joining` would wait for the batches queued ahead
-        of it (every batcher's queue in batches of its size; in its own batcher, the full batches it cannot join)
-        and for the rest of the batch running now. (0, 0) until a batch time has been measured."""
+        """(queued, running): how long a request submitted now to `joining` would wait for the work queued ahead of
+        it and for the rest of the batch running now; (0, 0) until a batch time has been measured. Queued work is
+        counted in batch times: in its own batcher the full batches it cannot join, in every other batcher the
+        fraction of a full batch that is queued there (a lone request of another task is a short batch, not a
+        whole batch time)."""
         if self.batch_seconds is None:  # nothing measured yet (start-up): no basis for refusing
             return 0.0, 0.0
         ahead = sum(b.requests_waiting // b.config.max_batch_size if b is joining
-                    else math.ceil(b.requests_waiting / b.config.max_batch_size) for b in self._batchers)
+                    else b.requests_waiting / b.config.max_batch_size for b in self._batchers)
         running = max(self.batch_seconds - (time.perf_counter() - self._running_since), 0.0) if self.count else 0.0
         return ahead * self.batch_seconds, running
 

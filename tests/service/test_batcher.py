@@ -482,3 +482,29 @@ def test_expected_wait_counts_every_batcher_on_the_runtime_and_starts_unbounded(
 def test_max_queue_wait_must_be_non_negative():
     with pytest.raises(ValueError, match="max_queue_wait_ms"):
         BatcherConfig(max_batch_size=1, max_wait_ms=0, max_queue=1, max_queue_wait_ms=-1)
+
+
+def test_a_lone_request_of_another_task_is_not_a_whole_batch_ahead():
+    """Two task batchers on one runtime with a 300 ms batch time and a 10 ms budget: a request of one task that
+    finds a single request of the other task queued is taken (that is a short batch ahead, not a full one)."""
+    fn = Recorder(delay=0.3)
+
+    async def main():
+        shared, pool = InFlight(), ThreadPoolExecutor(1)
+        config = BatcherConfig(max_batch_size=32, max_wait_ms=0, max_queue=100, max_queue_wait_ms=10)
+        a, b = (Batcher(name, fn, config, pool, in_flight=shared) for name in ("a", "b"))
+        await a.start()
+        await b.start()
+        await a.submit(0)  # a batch time measured
+        running = asyncio.ensure_future(a.submit(1))
+        await asyncio.sleep(0.01)  # a's batch runs
+        queued = asyncio.ensure_future(a.submit(2))  # one request of task a waits
+        await asyncio.sleep(0.01)
+        other = await b.submit(3)  # not refused
+        await asyncio.gather(running, queued)
+        for x in (a, b):
+            await x.stop()
+        pool.shutdown()
+        return other
+
+    assert run(main()) == 30
