@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install test isa faults serve zoo zoo-pretrained zoo-full bench gpu results clean
+.PHONY: install test isa faults serve zoo zoo-pretrained zoo-full bench gpu results image deploy-test clean
 
 # torch first (pins read from pyproject.toml), so no dependency pulls another torch build.
 # redis-server comes from Debian: the tests start their own on a free loopback port. kubectl too where none is
@@ -48,6 +48,17 @@ gpu: install
 # The presets table of docs/RESULTS.md (benchmarks/results/presets.json): needs the demo detector (`make zoo`).
 results: install
 	$(PYTHON) benchmarks/presets.py --finetune-steps 600 --lead-steps 150 --demo-levers --pretrain-steps 300 --grounded-mlm
+
+# The service image (vlserve:latest) with no registry needed: the base from Debian (debootstrap) when python:3.11-slim
+# is not present, wheels from this machine's pip configuration; PROFILE=demo bakes that model set in. docs/DEPLOYMENT.md
+image:
+	docker/dockerd-up.sh
+	PROFILE=$(PROFILE) docker/build.sh
+
+# The production topology rehearsed with Docker (Redis, two replicas, HAProxy; Redis stopped and a replica SIGTERMed
+# under load, then locust): asserts, and records the figures in docs/DEPLOYMENT.md "Rehearsal". ~3 min warm.
+deploy-test: install
+	PYTHON=$(PYTHON) docker/deploy-test.sh --record
 
 clean:
 	rm -rf build *.egg-info .pytest_cache
