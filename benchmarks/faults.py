@@ -224,10 +224,6 @@ def summary(outcomes: list[Outcome], seconds: float) -> dict:
 
 # ---- checks ----------------------------------------------------------------------------------------------------
 
-class Failed(AssertionError):
-    pass
-
-
 def expect(condition: bool, what: str, failures: list[str]) -> None:
     if not condition:
         failures.append(what)

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from ..checkpoint import CheckpointError, load_state_strict, save_checkpoint
