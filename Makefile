@@ -2,14 +2,16 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install test isa faults serve zoo zoo-pretrained zoo-full bench gpu results image deploy-test clean
+.PHONY: install test isa faults serve zoo zoo-pretrained zoo-full bench gpu results image deploy-test screenshots clean
 
 # torch first (pins read from pyproject.toml), so no dependency pulls another torch build.
 # redis-server comes from Debian: the tests start their own on a free loopback port. kubectl too where none is
-# installed (Debian's kubernetes-client): the tests render k8s/ with `kubectl kustomize`, which needs no cluster.
+# installed (Debian's kubernetes-client): the tests render k8s/ with `kubectl kustomize`, which needs no cluster. And
+# chromium: the page's tests drive Debian's browser with Playwright (no browser download).
 install:
 	command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
 	command -v kubectl >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubernetes-client)
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 	$(PIP) install -q $$($(PYTHON) scripts/pins.py torch torchvision)
 	$(PIP) install -q --no-deps $$($(PYTHON) scripts/pins.py --no-deps)
 	$(PIP) install -q -e ".[test]"
@@ -59,6 +61,10 @@ image:
 # under load, then locust): asserts, and records the figures in docs/DEPLOYMENT.md "Rehearsal". ~3 min warm.
 deploy-test: install
 	PYTHON=$(PYTHON) docker/deploy-test.sh --record
+
+# The page to try it (GET /) in Debian's chromium, one screenshot per task: docs/img/page-*.png (the demo model set).
+screenshots: install
+	$(PYTHON) scripts/screenshots.py
 
 clean:
 	rm -rf build *.egg-info .pytest_cache

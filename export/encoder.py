@@ -88,8 +88,8 @@ def graph_spec(config: ModelConfig, task: str) -> GraphSpec:
     joint = kind == "nlvr2" and head.nlvr2_mode == "joint"  # joint NLVR2 drops the whole-image feature
     if enc.preset in IMAGE_FEATURE_PRESETS and not joint:
         inputs.append(InputSpec("image_feature", "float32", (*lead, enc.visual_feat_dim)))
-    if enc.preset == "u-visualbert":
-        inputs.append(InputSpec("tag_ids", "int64", regions))
+    if enc.preset == "u-visualbert":  # the published embeddings read every sub-word of a region's tag: (..., N, K)
+        inputs.append(InputSpec("tag_ids", "int64", (*regions, "subwords") if enc.embedding_style == "published" else regions))
     if kind == "grounding":
         inputs.append(InputSpec("phrase_index", "int64", ("batch", "phrases")))
     out = {
@@ -134,7 +134,7 @@ def graph_feed(spec: GraphSpec, batch: dict[str, np.ndarray]) -> dict[str, np.nd
             if inp.name == "image_feature":
                 value = masked_mean(np.asarray(batch["region_features"], np.float32), np.asarray(batch["region_mask"]))
             elif inp.name in ("tag_ids", "phrase_index"):
-                value = np.full(np.shape(batch["region_mask"]), -1, np.int64)
+                value = np.full(np.shape(batch["region_mask"]) + (1,) * (len(inp.shape) - np.ndim(batch["region_mask"])), -1, np.int64)
             else:
                 raise ValueError(f"graph {spec.task!r} needs input {inp.name!r}")
         feed[inp.name] = np.ascontiguousarray(value, dtype=np.int64 if inp.dtype == "int64" else np.float32)
@@ -163,10 +163,11 @@ def synthetic_batch(
     lengths = rng.integers(min(4, text_len), text_len + 1, size=text_shape)
     lengths.reshape(-1)[0] = text_len  # the longest row sets the width, as when the service pads
     mask = (np.arange(text_len) < lengths[..., None]).astype(np.int64)
-    ids = rng.integers(1000, min(enc.vocab_size, 30000), size=(*text_shape, text_len))
+    words = (1000 if enc.vocab_size > 1000 else enc.mask_token_id + 1, min(enc.vocab_size, 30000))  # past the specials
+    ids = rng.integers(*words, size=(*text_shape, text_len))
     ids[..., 0] = enc.cls_token_id
     np.put_along_axis(ids, lengths[..., None] - 1, enc.sep_token_id, -1)
-    if head.pool == "answer_slot":
+    if head.pool in ("answer_slot", "answer_segment"):
         np.put_along_axis(ids, lengths[..., None] - 2, enc.mask_token_id, -1)
     ids = np.where(mask == 1, ids, enc.pad_token_id)
     types = np.zeros_like(ids)
@@ -188,9 +189,10 @@ def synthetic_batch(
     if "image_feature" in names:
         out["image_feature"] = np.abs(rng.standard_normal((*region_shape, enc.visual_feat_dim))).astype(np.float32)
     if "tag_ids" in names:
-        tags = rng.integers(1000, min(enc.vocab_size, 30000), size=(*region_shape, regions))
-        tags[rng.random(tags.shape) < 0.3] = -1  # regions without a detector tag
-        out["tag_ids"] = np.where(rmask == 1, tags, -1)
+        subwords = (3,) if enc.embedding_style == "published" else ()  # sub-words of each region's tag
+        tags = rng.integers(*words, size=(*region_shape, regions, *subwords))
+        tags[rng.random(tags.shape) < 0.3] = -1  # regions (sub-word slots) without a detector tag
+        out["tag_ids"] = np.where((rmask == 1).reshape(rmask.shape + (1,) * len(subwords)), tags, -1)
     if "phrase_index" in names:
         idx = 1 + (rng.random((batch, phrases)) * (lengths[:, None] - 2)).astype(np.int64)
         idx[rng.random(idx.shape) < 0.2] = -1

@@ -10,7 +10,10 @@ FORMAT_VERSION = 1  # bump when config.json or the weight layout changes incompa
 PRESETS = ("visualbert", "vl-bert", "vilbert", "lxmert", "u-visualbert")
 TWO_STREAM = ("vilbert", "lxmert")
 BOX_EMBEDDINGS = ("linear", "normalized")  # EncoderConfig.box_embedding (u-visualbert)
-HEAD_POOLS = ("pooled", "answer_slot", "regions", "regions_geometry", "regions_count", "regions_film")  # HeadConfig.pool; which heads read each: below
+VLBERT_EMBEDDINGS = ("concat", "reference")  # EncoderConfig.vlbert_embedding (vl-bert)
+EMBEDDING_STYLES = ("vlserve", "published")  # EncoderConfig.embedding_style (u-visualbert)
+HEAD_POOLS = ("pooled", "answer_slot", "answer_segment", "regions", "regions_geometry", "regions_count", "regions_film")  # HeadConfig.pool; which heads read each: below
+ANSWER_POOLS = ("answer_slot", "answer_segment")  # pools that read a [MASK] answer slot: the text layout needs one
 HEAD_KINDS = (
     # task heads
     "vqa", "nlvr2", "refer", "itm", "multiple_choice", "grounding",
@@ -43,17 +46,43 @@ class EncoderConfig:
     num_image_layers: int = 0  # ViLBERT image-stream layers; LXMERT object-relationship layers NR
     num_cross_layers: int = 0  # LXMERT cross-modality layers NX; ViLBERT co-attention layers
     coattention_text_layers: tuple[int, ...] = ()  # ViLBERT: text layers run before each co-attention layer
+    coattention_image_layers: tuple[int, ...] = ()  # ViLBERT: image layers run before each co-attention layer
+    # (its v_biattention_id; () = 0, 1, 2, ...: one more image layer before each co-attention layer after the first)
+    task_tokens: int = 0  # ViLBERT 12-in-1: rows of its task-token table (a learned token after [CLS] that names
+    # the task; HeadConfig.task_token picks it per head); 0 = no task token
+    img_from_regions: bool = False  # ViLBERT: [IMG]'s feature is the mean of the real regions' features even where the
+    # detector gives a whole-image feature, as vilbert-multi-task's feature reader builds it; False: the detector's
+    # whole-image feature when it has one
     coattention_hidden_size: int = 0  # ViLBERT bi-attention width (0 = image_hidden_size)
     coattention_num_heads: int = 0  # ViLBERT bi-attention heads (0 = image_num_heads)
+    pooler_size: int = 0  # ViLBERT: width of each stream's pooler and of the fused pooled vector (0 = the
+    # bi-attention width; VOLTA's ctrl_vilbert pools to 1024 from 768-wide streams and bi-attention); LXMERT and
+    # VisualBERT with pooler_style "relu" or "relu_mul": the pooled width (0 = hidden_size)
+    pooler_style: str = "tanh"  # lxmert, visualbert: "tanh" = tanh(FC(h_CLS)), as BERT; "relu" = ReLU(FC(h_CLS)), as
+    # VOLTA's conversion of LXMERT; "relu_mul" = ReLU(FC(h_CLS)) * ReLU(FC(h_IMG)), as VOLTA's controlled models
+    whole_image_region: bool = False  # lxmert, visualbert: the whole image (the mean real-region feature, box 0 0 1 1)
+    # leads the regions, as ViLBERT's [IMG] (VOLTA's controlled models)
+    box_dims: int = 4  # lxmert: location values the object embedding reads: 4 (x1 y1 x2 y2) or 5 (and the
+    # area, VOLTA's controlled LXMERT)
     geometry_dim: int = 0  # VL-BERT sin/cos box embedding width (0 = 4 * 64)
     visual_scale_init: float = 0.0  # VL-BERT: initial weight of the LayerNorms on the visual embeddings added to the
     # text tokens and to the regions (its visual_ln_text / visual_ln_object, 0 in its configs): the image enters the
     # language model gradually instead of swamping its word embeddings at the first step
+    vlbert_embedding: str = "concat"  # vl-bert visual embedding (VLBERT_EMBEDDINGS): "reference" = jackroos/VL-BERT's
+    # (its released checkpoints and new builds); "concat" = vlserve's first version, which its trained checkpoints keep
+    pooler: bool = True  # a tanh pooler over the first token; without one (VL-BERT's released configs) `pooled` is the
+    # first token's hidden state itself
     box_embedding: str = "linear"  # u-visualbert: "linear" = Linear(4, H)(box) summed with the feature projection;
     # "normalized" = LN(FC(feature)) + LN(FC(sin/cos box)), each half layer-normalised so the box is not drowned
     # by the features (as LXMERT's and UNITER's region embeddings)
     region_tags: bool = False  # u-visualbert fine-tuned with tags: every region also carries its detector class word
     # (tag_ids), in fine-tuning and at inference alike, as its pretraining does
+    embedding_style: str = "vlserve"  # u-visualbert: "vlserve" = VisualBERT's embeddings (one LayerNorm over text and
+    # regions, region segment and position, box_embedding) with each region's tags summed into it, as vlserve trains;
+    # "published" = the embeddings of the authors' code (uclanlp/visualbert, unsupervised_visualbert), which its
+    # published checkpoints need: text LN(word + position) (segments ignored), regions LN(FC(feature)) + LN(FC(4-d
+    # box)), and every tag sub-word (tag_ids (B, N, K)) a token of its own, LN(word) + its region's LN(FC(box)),
+    # after the regions; no segment or position on regions and tags
     img_token_id: int = 1  # VL-BERT [IMG] / U-VisualBERT region token: reuses [unused0]
     end_token_id: int = 2  # VL-BERT [END]: reuses [unused1]
     pad_token_id: int = 0  # [PAD]
@@ -65,12 +94,32 @@ class EncoderConfig:
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         self.coattention_text_layers = tuple(self.coattention_text_layers)
+        self.coattention_image_layers = tuple(self.coattention_image_layers)
         if self.box_embedding not in BOX_EMBEDDINGS:
             raise ValueError(f"unknown box_embedding {self.box_embedding!r}; choose one of {', '.join(BOX_EMBEDDINGS)}")
         if self.box_embedding != "linear" and self.preset != "u-visualbert":
             raise ValueError(f"box_embedding {self.box_embedding!r} is u-visualbert's; {self.preset} embeds boxes as its paper does")
+        if (self.task_tokens or self.coattention_image_layers or self.img_from_regions) and self.preset != "vilbert":
+            raise ValueError(f"task_tokens, coattention_image_layers and img_from_regions are vilbert's; {self.preset} "
+                             "has no [IMG] region or task token")
+        if self.vlbert_embedding not in VLBERT_EMBEDDINGS:
+            raise ValueError(f"unknown vlbert_embedding {self.vlbert_embedding!r}; choose one of {', '.join(VLBERT_EMBEDDINGS)}")
         if self.region_tags and self.preset != "u-visualbert":
             raise ValueError(f"region_tags is u-visualbert's; {self.preset} has no detector-tag embedding")
+        if (self.pooler_style, self.whole_image_region, self.box_dims) != ("tanh", False, 4):
+            if self.preset not in ("lxmert", "visualbert") or (self.box_dims != 4 and self.preset != "lxmert"):
+                raise ValueError("pooler_style and whole_image_region are lxmert's and visualbert's, box_dims lxmert's")
+            if self.pooler_style not in ("tanh", "relu", "relu_mul") or self.box_dims not in (4, 5):
+                raise ValueError("pooler_style is one of tanh, relu, relu_mul; box_dims 4 or 5")
+            if self.pooler_style == "relu_mul" and not self.whole_image_region:
+                raise ValueError("pooler_style relu_mul pools the whole-image region: it needs whole_image_region")
+        if self.embedding_style not in EMBEDDING_STYLES:
+            raise ValueError(f"unknown embedding_style {self.embedding_style!r}; choose one of {', '.join(EMBEDDING_STYLES)}")
+        if self.embedding_style != "vlserve" and self.preset != "u-visualbert":
+            raise ValueError(f"embedding_style {self.embedding_style!r} is u-visualbert's")
+        if self.embedding_style == "published" and self.box_embedding != "linear":
+            raise ValueError("box_embedding applies to the vlserve embedding style; the published one embeds the 4-d box "
+                             "as its authors' code does")
         for name, width, heads in (
             ("hidden_size", self.hidden_size, self.num_heads),
             ("image_hidden_size", self.image_width, self.image_heads),
@@ -80,7 +129,12 @@ class EncoderConfig:
         if self.preset == "vilbert":
             if len(self.coattention_text_layers) != self.num_cross_layers:
                 raise ValueError("vilbert needs one coattention_text_layers index per co-attention layer")
-            if self.num_image_layers < self.num_cross_layers:
+            if self.coattention_image_layers:
+                image_ids = list(self.coattention_image_layers)
+                if len(image_ids) != self.num_cross_layers or image_ids != sorted(image_ids) or image_ids[-1] > self.num_image_layers:
+                    raise ValueError("coattention_image_layers must be one non-decreasing count of image layers "
+                                     "(<= num_image_layers) per co-attention layer")
+            elif self.num_image_layers < self.num_cross_layers:
                 raise ValueError("vilbert needs at least one image layer before each co-attention layer")
             if any(i > self.num_layers for i in self.coattention_text_layers) or list(
                 self.coattention_text_layers
@@ -114,7 +168,11 @@ class EncoderConfig:
     @property
     def pooled_size(self) -> int:
         """Width of the fused pooled vector the classification heads read."""
-        return self.coattention_width if self.preset == "vilbert" else self.hidden_size
+        if self.preset == "vilbert":
+            return self.pooler_size or self.coattention_width
+        if self.preset in ("lxmert", "visualbert") and self.pooler_style != "tanh":
+            return self.pooler_size or self.hidden_size
+        return self.hidden_size
 
     @property
     def geometry_width(self) -> int:
@@ -125,13 +183,22 @@ class EncoderConfig:
 class HeadConfig:
     kind: str  # one of HEAD_KINDS
     num_labels: int = 0  # answers (vqa, image_qa), object classes (mrc); ignored where fixed
-    pool: str = "pooled"  # vqa: "pooled" (CLS / fused), "answer_slot" (the [MASK] before the final [SEP]) or
+    pool: str = "pooled"  # vqa: "pooled" (CLS / fused), "answer_slot" (the [MASK] before the final [SEP]: text
+    #                       `[CLS] q [MASK] [SEP]`), "answer_segment" (the same slot as VL-BERT lays it out: `[CLS] q
+    #                       [SEP] [MASK] [SEP]`, the last two in segment 1) or
     #                       "regions" (pooled + question-guided attention pooling of the regions) or
     #                       "regions_geometry" (regions + the boxes of question-located regions) or
     #                       "regions_count" (regions + counts of the regions the question fits) or "regions_film"
     #                       (regions + counts + located boxes, modulated by the question); itm and nlvr2
     #                       (each image): "pooled" or "regions"
-    classifier: str = "mlp"  # vqa/nlvr2/image_qa: "mlp" (Linear-GELU-LN-Linear, LXMERT/ViLBERT) or "linear"
+    classifier: str = "mlp"  # vqa/nlvr2/image_qa: "mlp" (Linear-GELU-LN-Linear, LXMERT/ViLBERT) or "linear" or
+    #                          "bert" (BERT's prediction transform Linear-GELU-LN, then Linear: VL-BERT's VQA "mlm"
+    #                          classifier); refer/mrc: "dense_gelu" puts VL-BERT's Linear-GELU transform (no LN)
+    #                          before the scores (refer otherwise scores with one Linear, mrc with Linear-GELU-LN)
+    classifier_hidden: int = 0  # the "mlp" classifier's hidden width (0 = twice what it reads; VOLTA's task heads
+    #                             use a fixed clf_hidden_size, 1536)
+    task_token: int = -1  # ViLBERT 12-in-1: the task token every input of this head carries (its task_id in
+    #                       vilbert_tasks.yml, a row of EncoderConfig.task_tokens); -1 = none
     nlvr2_mode: str = "pair"  # nlvr2: "pair" (two passes, concatenated pooled) or "joint" (one pass, both images)
     mrc_loss: str = "ce"  # mrc: "ce" against the detector's top class or "kl" to its distribution
     vqa_loss: str = "bce"  # vqa: "bce" on soft scores (bottom-up attention, LXMERT) or "ce": softmax cross-entropy
@@ -142,7 +209,7 @@ class HeadConfig:
             raise ValueError(f"unknown head kind {self.kind!r}; choose one of {', '.join(HEAD_KINDS)}")
         checks = {
             "pool": (self.pool, HEAD_POOLS),
-            "classifier": (self.classifier, ("mlp", "linear")),
+            "classifier": (self.classifier, ("mlp", "linear", "bert", "dense_gelu")),
             "nlvr2_mode": (self.nlvr2_mode, ("pair", "joint")),
             "mrc_loss": (self.mrc_loss, ("ce", "kl")),
             "vqa_loss": (self.vqa_loss, ("bce", "ce")),
@@ -150,13 +217,19 @@ class HeadConfig:
         for name, (value, allowed) in checks.items():
             if value not in allowed:
                 raise ValueError(f"head {self.kind}: {name}={value!r} is not one of {allowed}")
-        readers = {"answer_slot": ("vqa", "image_qa"), "regions": ("vqa", "image_qa", "itm", "nlvr2"),
+        readers = {"answer_slot": ("vqa", "image_qa"), "answer_segment": ("vqa", "image_qa"), "regions": ("vqa", "image_qa", "itm", "nlvr2"),
                    "regions_geometry": ("vqa", "image_qa"), "regions_count": ("vqa", "image_qa"),
                    "regions_film": ("vqa", "image_qa")}
         if self.pool in readers and self.kind not in readers[self.pool]:
             raise ValueError(f"head {self.kind}: pool={self.pool!r} is for {', '.join(readers[self.pool])} heads only")
+        classifier_readers = {"bert": ("vqa", "image_qa", "nlvr2"), "dense_gelu": ("refer", "mrc")}
+        if self.classifier in classifier_readers and self.kind not in classifier_readers[self.classifier]:
+            raise ValueError(f"head {self.kind}: classifier={self.classifier!r} is for "
+                             f"{', '.join(classifier_readers[self.classifier])} heads only")
         if self.kind in ("vqa", "image_qa", "mrc") and self.num_labels <= 0:
             raise ValueError(f"head {self.kind} needs num_labels > 0")
+        if self.task_token < -1:
+            raise ValueError(f"head {self.kind}: task_token={self.task_token} is neither a task id (>= 0) nor -1 (none)")
 
 
 @dataclass

@@ -9,18 +9,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import EncoderConfig, HeadConfig
+from .config import ANSWER_POOLS, EncoderConfig, HeadConfig
 from .inputs import VLInputs
 from .outputs import EncoderOutput
 
 NEG = -1e4  # logit given to padded regions / candidates: exp() underflows, but stays finite in fp16
 
 
-def classifier(kind: str, width: int, out: int, eps: float) -> nn.Module:
-    """'linear', or LXMERT/ViLBERT's 'mlp': Linear(w, 2w) - GELU - LayerNorm - Linear(2w, out)."""
+def classifier(kind: str, width: int, out: int, eps: float, hidden: int = 0) -> nn.Module:
+    """'linear', or LXMERT/ViLBERT's 'mlp': Linear(w, h) - GELU - LayerNorm - Linear(h, out), h = `hidden` or 2w, or
+    'bert': Transform(w) then Linear(w, out)."""
     if kind == "linear":
         return nn.Linear(width, out)
-    return nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.LayerNorm(2 * width, eps=eps), nn.Linear(2 * width, out))
+    if kind == "bert":  # VL-BERT's VQA "mlm" classifier: BERT's prediction transform (width kept), then the answers
+        return nn.Sequential(Transform(width, eps), nn.Linear(width, out))
+    hidden = hidden or 2 * width
+    return nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.LayerNorm(hidden, eps=eps), nn.Linear(hidden, out))
 
 
 def soft_target_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -198,7 +202,7 @@ class VQAHead(Head):
 
     def __init__(self, head: HeadConfig, enc: EncoderConfig):
         super().__init__(head, enc)
-        width = enc.hidden_size if head.pool == "answer_slot" else pooled_width(head, enc)
+        width = enc.hidden_size if head.pool in ANSWER_POOLS else pooled_width(head, enc)
         if head.pool in ("regions", "regions_geometry", "regions_count", "regions_film"):
             self.region_query = nn.Linear(enc.pooled_size, enc.image_width)
         if head.pool in ("regions_geometry", "regions_film"):
@@ -209,7 +213,7 @@ class VQAHead(Head):
             self.film = nn.ModuleDict({"question": nn.Linear(enc.pooled_size, MODULATED),
                                        "features": nn.Linear(EXPLICIT, MODULATED)})
         self.dropout = nn.Dropout(enc.dropout)
-        self.cls = classifier(head.classifier, width, head.num_labels, enc.layer_norm_eps)
+        self.cls = classifier(head.classifier, width, head.num_labels, enc.layer_norm_eps, head.classifier_hidden)
 
     @property
     def pooled_only(self) -> bool:
@@ -251,7 +255,7 @@ class NLVR2Head(Head):
         if head.pool == "regions":
             self.region_query = nn.Linear(enc.pooled_size, enc.image_width)
         self.dropout = nn.Dropout(enc.dropout)
-        self.cls = classifier(head.classifier, width, 2, enc.layer_norm_eps)
+        self.cls = classifier(head.classifier, width, 2, enc.layer_norm_eps, head.classifier_hidden)
 
     def prepare(self, inputs: VLInputs) -> VLInputs:
         b = inputs.region_features.shape[0]
@@ -286,15 +290,19 @@ class NLVR2Head(Head):
 
 
 class ReferHead(Head):
-    """One score per region (B, N); padded regions get NEG. Targets: regions with IoU >= 0.5 to the gold box."""
+    """One score per region (B, N); padded regions get NEG. Targets: regions with IoU >= 0.5 to the gold box.
+    classifier="dense_gelu": VL-BERT's RefCOCO+ head, a Linear-GELU transform before the score."""
 
     def __init__(self, head: HeadConfig, enc: EncoderConfig):
         super().__init__(head, enc)
+        if head.classifier == "dense_gelu":
+            self.transform = Transform(enc.image_width, enc.layer_norm_eps, norm=False)
         self.dropout = nn.Dropout(enc.dropout)
         self.score = nn.Linear(enc.image_width, 1)
 
     def forward(self, enc: EncoderOutput, inputs: VLInputs) -> torch.Tensor:
-        logits = self.score(self.dropout(enc.image)).squeeze(-1)  # (B, N)
+        regions = self.transform(enc.image) if self.head.classifier == "dense_gelu" else enc.image
+        logits = self.score(self.dropout(regions)).squeeze(-1)  # (B, N)
         return logits.masked_fill(inputs.region_mask == 0, NEG)
 
     def loss(self, logits, labels, inputs):
@@ -378,21 +386,24 @@ class GroundingHead(Head):
 
 
 class Transform(nn.Module):
-    """BERT prediction-head transform: dense - GELU - LayerNorm."""
+    """BERT prediction-head transform: dense - GELU - LayerNorm (without `norm`: dense - GELU, VL-BERT's MVRC one)."""
 
-    def __init__(self, width: int, eps: float):
+    def __init__(self, width: int, eps: float, norm: bool = True):
         super().__init__()
         self.dense = nn.Linear(width, width)
-        self.LayerNorm = nn.LayerNorm(width, eps=eps)
+        self.LayerNorm = nn.LayerNorm(width, eps=eps) if norm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(F.gelu(self.dense(x)))
+        x = F.gelu(self.dense(x))
+        return self.LayerNorm(x) if self.LayerNorm is not None else x
 
 
 class MaskedLMHead(Head):
     """Masked LM over text (B, T, V); decoder tied to the word embeddings. Labels: token ids, -100 = not masked.
 
-    The `tag` kind applies the same prediction to region positions (U-VisualBERT tag reconstruction, (B, N, V)).
+    The `tag` kind applies the same prediction to the detector tags (U-VisualBERT tag reconstruction): at the region
+    positions (B, N, V), or where the tags are tokens of their own (the published embeddings) at each of those,
+    shaped as tag_ids (B, N, K, V).
     """
 
     def __init__(self, head: HeadConfig, enc: EncoderConfig, word_embeddings: nn.Embedding):
@@ -411,8 +422,16 @@ class MaskedLMHead(Head):
             h = self.project(h)
         return F.linear(h, self._tied[0].weight, self.bias)
 
+    def states(self, enc: EncoderOutput, inputs: VLInputs) -> torch.Tensor:
+        """The hidden states this head predicts from: text (B, T, H), regions (B, N, H) or tag tokens (B, N, K, H)."""
+        if self.head.kind != "tag":
+            return enc.text
+        if enc.tags is None:
+            return enc.image
+        return enc.tags.reshape(*inputs.tag_ids.shape, -1)
+
     def forward(self, enc: EncoderOutput, inputs: VLInputs) -> torch.Tensor:
-        return self.decode(enc.image if self.head.kind == "tag" else enc.text)  # (B, L, V)
+        return self.decode(self.states(enc, inputs))  # (B, L, V); tag tokens (B, N, K, V)
 
     def loss(self, logits, labels, inputs):
         return masked_cross_entropy(logits, labels)
@@ -420,7 +439,7 @@ class MaskedLMHead(Head):
     def training_loss(self, enc: EncoderOutput, inputs: VLInputs, labels) -> torch.Tensor:
         """Decode only the masked positions: the vocabulary projection of every position costs as much as the
         encoder, and the per-position transform makes the result the same."""
-        states = enc.image if self.head.kind == "tag" else enc.text
+        states = self.states(enc, inputs)
         scored = labels != -100
         if not scored.any():
             return self.decode(states[:, :1]).sum() * 0.0  # keeps the graph (and the tied weight's grad) defined
@@ -449,12 +468,13 @@ class RegionClassHead(Head):
     """Masked region classification (B, N, C).
 
     ce: labels (B, N) detector class ids, -100 = not masked. kl: labels (B, N, C) the detector's class
-    distribution, rows of zeros = not masked (ViLBERT).
+    distribution, rows of zeros = not masked (ViLBERT). classifier="dense_gelu": no LayerNorm in the transform
+    (VL-BERT's MVRC head).
     """
 
     def __init__(self, head: HeadConfig, enc: EncoderConfig):
         super().__init__(head, enc)
-        self.transform = Transform(enc.image_width, enc.layer_norm_eps)
+        self.transform = Transform(enc.image_width, enc.layer_norm_eps, norm=head.classifier != "dense_gelu")
         self.decoder = nn.Linear(enc.image_width, head.num_labels)
 
     def forward(self, enc: EncoderOutput, inputs: VLInputs) -> torch.Tensor:

@@ -15,6 +15,7 @@ class EncoderOutput:
     sequence_mask: torch.Tensor | None = None  # (B, S) 1 = real element of `sequence`
     attentions: tuple[torch.Tensor, ...] | None = None  # per layer (B, heads, S, S): self-attention (text stream for two-stream)
     cross_attentions: tuple[torch.Tensor, ...] | None = None  # per cross layer (B, heads, T, N): text attending to regions
+    tags: torch.Tensor | None = None  # (B, N * K, H) contextual tag tokens (u-visualbert's published embeddings), else None
 
 
 @dataclass

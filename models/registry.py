@@ -19,13 +19,15 @@ _TWO_STREAM = {
         "small": dict(_SINGLE["small"], num_layers=6, num_image_layers=2, num_cross_layers=2),
         "tiny": dict(_SINGLE["tiny"], num_layers=2, num_image_layers=1, num_cross_layers=1),
     },
-    "vilbert": {
-        "base": dict(_SINGLE["base"], image_hidden_size=1024, image_num_heads=8, image_intermediate_size=1024,
-                     num_image_layers=6, num_cross_layers=6, coattention_text_layers=(6, 7, 8, 9, 10, 11)),
-        "small": dict(_SINGLE["small"], image_hidden_size=384, image_num_heads=6, image_intermediate_size=768,
-                      num_image_layers=2, num_cross_layers=2, coattention_text_layers=(4, 5)),
-        "tiny": dict(_SINGLE["tiny"], image_hidden_size=48, image_num_heads=4, image_intermediate_size=64,
-                     coattention_hidden_size=40, num_image_layers=2, num_cross_layers=2, coattention_text_layers=(1, 2)),
+    "vilbert": {  # [IMG] is the mean of the regions, as vilbert-multi-task builds it (img_from_regions)
+        "base": dict(_SINGLE["base"], img_from_regions=True, image_hidden_size=1024, image_num_heads=8,
+                     image_intermediate_size=1024, num_image_layers=6, num_cross_layers=6,
+                     coattention_text_layers=(6, 7, 8, 9, 10, 11)),
+        "small": dict(_SINGLE["small"], img_from_regions=True, image_hidden_size=384, image_num_heads=6,
+                      image_intermediate_size=768, num_image_layers=2, num_cross_layers=2, coattention_text_layers=(4, 5)),
+        "tiny": dict(_SINGLE["tiny"], img_from_regions=True, image_hidden_size=48, image_num_heads=4,
+                     image_intermediate_size=64, coattention_hidden_size=40, num_image_layers=2, num_cross_layers=2,
+                     coattention_text_layers=(1, 2)),
     },
 }
 SIZES = tuple(_SINGLE)
@@ -41,6 +43,8 @@ def encoder_config(preset: str, size: str = "small", **overrides: Any) -> Encode
     fields = dict(table[size])
     if preset == "vl-bert":
         fields["type_vocab_size"] = 3  # segments A, B and C (image)
+        # its authors' embeddings (2048-d sin/cos box geometry, as jackroos/VL-BERT) and no pooler, as its released configs
+        fields.update(vlbert_embedding="reference", geometry_dim=2048, pooler=False)
     fields.update(overrides)
     return EncoderConfig(preset=preset, size=size, **fields)
 

@@ -1,7 +1,8 @@
 """Single-stream encoders (early fusion): VisualBERT, VL-BERT and U-VisualBERT share one BERT stack.
 
 They differ only in how text and regions become one embedded sequence; each preset has its embeddings class.
-Sequence layout: [text (T)] [regions (N)] (+ [END] for VL-BERT).
+Sequence layout: [text (T)] [regions (N)] (+ [END] for VL-BERT; + the whole-image token, then [END], for its
+reference embeddings).
 """
 from __future__ import annotations
 
@@ -12,13 +13,25 @@ from .config import EncoderConfig
 from .layers import (FeatureNorm, Packing, Pooler, ScaledLayerNorm, TextEmbeddings, TransformerLayer, additive_mask,
                      normalized_features)
 from .outputs import EncoderOutput
-from .spatial import sinusoidal_box_embedding
+from .spatial import center_size_box_embedding, sinusoidal_box_embedding
 
 
 def whole_image_feature(region_features: torch.Tensor, region_mask: torch.Tensor) -> torch.Tensor:
     """Mean of the real regions' features (B, D): the whole-image feature when the detector gave none."""
     m = region_mask.to(region_features.dtype).unsqueeze(-1)  # (B, N, 1)
     return (region_features * m).sum(1) / m.sum(1).clamp(min=1.0)
+
+
+def with_whole_image(region_features, region_boxes, region_mask, image_feature=None, last: bool = False):
+    """The whole image as one more region, first (or `last`): its feature (the mean of the real regions' when the
+    detector gives none), the whole-image box, always real -> features (B, 1+N, D), boxes (B, 1+N, 4), mask (B, 1+N)."""
+    b = region_features.shape[0]
+    if image_feature is None:
+        image_feature = whole_image_feature(region_features, region_mask)
+    whole_box = region_boxes.new_tensor([0.0, 0.0, 1.0, 1.0]).expand(b, 1, 4)
+    parts = [(image_feature.unsqueeze(1), region_features), (whole_box, region_boxes),
+             (region_mask.new_ones(b, 1), region_mask)]
+    return tuple(torch.cat([x, whole] if last else [whole, x], dim=1) for whole, x in parts)
 
 
 class VisualBertEmbeddings(TextEmbeddings):
@@ -77,6 +90,45 @@ class UVisualBertEmbeddings(VisualBertEmbeddings):
         return vis  # (B, N, H)
 
 
+class PublishedUVisualBertEmbeddings(TextEmbeddings):
+    """U-VisualBERT as its authors' code embeds its input (uclanlp/visualbert, unsupervised_visualbert, at the flags of
+    its published configs: hybrid_embedding, use_bert_input_for_tags, disable_divide_2, no joint LayerNorm):
+
+      text    LN(word + position)                       segment ids are ignored (the reference passes none)
+      region  LN_v(FC(feature)) + LN_b(FC(4-d box))
+      tag     LN_t(word(sub-word)) + LN_b(FC(its region's box))   one token per sub-word of a region's class name
+
+    Sequence [text (T)] [regions (N)] [tags (N*K)]: tag_ids (B, N, K), -1 = no sub-word in that slot. The reference
+    puts the tags before the regions; neither carries a position, so attention cannot tell the orders apart, and
+    keeping the regions right after the text keeps every region reader's slice [T, T+N).
+    """
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__(config.vocab_size, config.hidden_size, config.max_position_embeddings, config.type_vocab_size, config.pad_token_id)
+        h, eps = config.hidden_size, config.layer_norm_eps
+        self.LayerNorm = nn.LayerNorm(h, eps=eps)  # text
+        self.visual_projection = nn.Linear(config.visual_feat_dim, h)
+        self.visual_layer_norm = nn.LayerNorm(h, eps=eps)
+        self.box_projection = nn.Linear(4, h)
+        self.box_layer_norm = nn.LayerNorm(h, eps=eps)
+        self.tag_layer_norm = nn.LayerNorm(h, eps=eps)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, input_ids, attention_mask, token_type_ids, region_features, region_boxes, region_mask, image_feature=None, tag_ids=None):
+        text = self.LayerNorm(super().forward(input_ids, torch.zeros_like(input_ids)))  # (B, T, H)
+        boxes = self.box_layer_norm(self.box_projection(region_boxes))  # (B, N, H)
+        parts = [text, self.visual_layer_norm(self.visual_projection(region_features)) + boxes]
+        masks = [attention_mask, region_mask]
+        if tag_ids is not None:
+            tags = tag_ids if tag_ids.dim() == region_boxes.dim() else tag_ids.unsqueeze(-1)  # (B, N, K)
+            b, n, k = tags.shape
+            words = self.tag_layer_norm(self.word_embeddings(tags.clamp(min=0)))  # (B, N, K, H)
+            parts.append((words + boxes.unsqueeze(2)).reshape(b, n * k, -1))  # (B, N*K, H)
+            real = (tags >= 0) & region_mask.bool().unsqueeze(-1)  # a padded region has no tags
+            masks.append(real.reshape(b, n * k).to(attention_mask.dtype))
+        return self.dropout(torch.cat(parts, dim=1)), torch.cat(masks, dim=1)
+
+
 class VLBertEmbeddings(TextEmbeddings):
     """VL-BERT: every token also gets a visual feature embedding FC([RoI feature; sin/cos box geometry]).
 
@@ -123,7 +175,67 @@ class VLBertEmbeddings(TextEmbeddings):
         return x, mask
 
 
-EMBEDDINGS = {"visualbert": VisualBertEmbeddings, "vl-bert": VLBertEmbeddings, "u-visualbert": UVisualBertEmbeddings}
+class ReferenceVLBertEmbeddings(TextEmbeddings):
+    """VL-BERT as its authors' code embeds its input (jackroos/VL-BERT: VisualLinguisticBert.embedding, FastRCNN's
+    obj_downsample, the task modules' object_linguistic_embeddings, the datasets' whole-image box):
+
+      visual(f, box) = ReLU(FC([sin/cos of the box's centre and size (geometry_width); feature f]))
+      text    word + position + segment + LN_text(visual(whole image))
+      image   object + position(text length) + segment C + LN_object(visual(whole image))   the whole image is a region
+      region  object + position(text length) + segment C + LN_object(visual(region))
+      [END]   end + position(text length + 1) + segment C                                    no visual embedding
+
+    `object` and `end` are learned vectors of their own (not word embeddings). Sequence: [text (T)] [regions (N)]
+    [image] [END]. The reference puts the image before the regions; they share one position and attention has no
+    order, so the outputs are the same, and the regions stay where every region reader looks ([T, T+N)).
+    The whole image's box is the image, [0, 0, 1, 1]; its feature is image_feature, else the mean of the regions'.
+    """
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__(config.vocab_size, config.hidden_size, config.max_position_embeddings, config.type_vocab_size, config.pad_token_id)
+        if config.type_vocab_size < 3:
+            raise ValueError("vl-bert needs type_vocab_size >= 3 (segments A, B and C)")
+        h = config.hidden_size
+        self.geometry_width = config.geometry_width
+        self.visual_fc = nn.Linear(config.geometry_width + config.visual_feat_dim, h)
+        self.visual_ln_text = ScaledLayerNorm(h, config.layer_norm_eps, config.visual_scale_init)
+        self.visual_ln_object = ScaledLayerNorm(h, config.layer_norm_eps, config.visual_scale_init)
+        self.object_embedding = nn.Embedding(1, h)
+        self.end_embedding = nn.Embedding(1, h)
+        self.LayerNorm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def visual(self, features: torch.Tensor, norm_boxes: torch.Tensor) -> torch.Tensor:
+        geometry = center_size_box_embedding(norm_boxes, self.geometry_width)
+        return torch.relu(self.visual_fc(torch.cat([geometry, features.to(geometry.dtype)], dim=-1)))
+
+    def forward(self, input_ids, attention_mask, token_type_ids, region_features, region_boxes, region_mask, image_feature=None, tag_ids=None):
+        b, n = input_ids.shape[0], region_features.shape[1]
+        if image_feature is None:
+            image_feature = whole_image_feature(region_features, region_mask)
+        whole_box = region_boxes.new_tensor([0.0, 0.0, 1.0, 1.0]).expand(b, 1, 4)
+        features = torch.cat([region_features, image_feature.unsqueeze(1).to(region_features.dtype)], dim=1)  # (B, N+1, D)
+        visual = self.visual(features, torch.cat([region_boxes, whole_box], dim=1))  # (B, N+1, H)
+        text = super().forward(input_ids, token_type_ids) + self.visual_ln_text(visual[:, n:])  # (B, T, H)
+
+        text_len = attention_mask.sum(1, keepdim=True).long()  # (B, 1): the image sits right after the real text
+        seg_c = torch.full((b, n + 2), 2, dtype=torch.long, device=input_ids.device)
+        place = self.position_embeddings(torch.cat([text_len.expand(b, n + 1), text_len + 1], dim=1))  # (B, 1+N+1, H)
+        place = place + self.token_type_embeddings(seg_c)
+        regions = place[:, : n + 1] + self.object_embedding.weight + self.visual_ln_object(visual)  # (B, N+1, H)
+        end = place[:, n + 1 :] + self.end_embedding.weight  # (B, 1, H)
+
+        x = self.dropout(self.LayerNorm(torch.cat([text, regions, end], dim=1)))  # (B, T+N+2, H)
+        ones = attention_mask.new_ones(b, 2)  # the image and [END]
+        return x, torch.cat([attention_mask, region_mask.to(attention_mask.dtype), ones], dim=1)
+
+
+def vl_bert_embeddings(config: EncoderConfig) -> nn.Module:
+    """The vl-bert embeddings its config names (EncoderConfig.vlbert_embedding)."""
+    return ReferenceVLBertEmbeddings(config) if config.vlbert_embedding == "reference" else VLBertEmbeddings(config)
+
+
+EMBEDDINGS = {"visualbert": VisualBertEmbeddings, "vl-bert": vl_bert_embeddings, "u-visualbert": UVisualBertEmbeddings}
 
 
 class SingleStreamEncoder(nn.Module):
@@ -133,13 +245,27 @@ class SingleStreamEncoder(nn.Module):
         super().__init__()
         self.config = config
         c = config
-        self.embeddings = EMBEDDINGS[c.preset](c)
+        self.tag_tokens = c.embedding_style == "published"  # tags are tokens after the regions, not summed into them
+        self.embeddings = PublishedUVisualBertEmbeddings(c) if self.tag_tokens else EMBEDDINGS[c.preset](c)
         self.layer = nn.ModuleList(
             TransformerLayer(c.hidden_size, c.num_heads, c.intermediate_size, c.dropout, c.attention_dropout, c.layer_norm_eps)
             for _ in range(c.num_layers)
         )
-        self.pooler = Pooler(c.hidden_size, c.hidden_size)
+        self.pooler = Pooler(c.hidden_size, c.hidden_size) if c.pooler and c.pooler_style == "tanh" else None
+        if c.pooler_style != "tanh":  # VOLTA's: ReLU poolers of their own width, the text's alone or times the image's
+            self.t_pooler = Pooler(c.hidden_size, c.pooled_size, activation="relu")
+            if c.pooler_style == "relu_mul":
+                self.v_pooler = Pooler(c.hidden_size, c.pooled_size, activation="relu")
+                self.pools_first_token = False  # it reads the whole-image token too
         self.feature_norm = FeatureNorm(c.visual_feat_dim) if c.feature_norm else None
+
+    def pool(self, x: torch.Tensor, whole_at: int = 0) -> torch.Tensor:
+        """The pooled vector (B, H) from the first token: through the pooler, or its hidden state where there is none."""
+        if self.config.pooler_style != "tanh":
+            pooled = self.t_pooler(x)  # (B, P)
+            # the whole-image token follows the regions (pooled_only never runs here: pools_first_token is False)
+            return pooled * self.v_pooler(x[:, whole_at:]) if self.config.pooler_style == "relu_mul" else pooled
+        return self.pooler(x) if self.pooler is not None else x[:, 0]
 
     def forward(
         self,
@@ -155,6 +281,11 @@ class SingleStreamEncoder(nn.Module):
         pooled_only: bool = False,  # only `pooled` is wanted: the last layer runs for the first token alone
     ) -> EncoderOutput:
         region_features, image_feature = normalized_features(self.feature_norm, region_features, image_feature)
+        n = region_features.shape[1]
+        if self.config.whole_image_region:  # VOLTA's controlled VisualBERT: the whole image as one more region, after
+            # the others (VOLTA's goes first; regions share one position, so the order changes no output)
+            region_features, region_boxes, region_mask = with_whole_image(region_features, region_boxes, region_mask,
+                                                                          image_feature, last=True)
         x, mask = self.embeddings(input_ids, attention_mask, token_type_ids, region_features, region_boxes, region_mask, image_feature, tag_ids)
         bias = additive_mask(mask, x.dtype)
         # the layers' token-wise work on the real tokens alone (Packing); padding positions come out as zeros
@@ -169,14 +300,15 @@ class SingleStreamEncoder(nn.Module):
                 attentions.append(probs)
         if pooled_only:
             first = self.layer[-1](x, bias, False, packing, first_only=True)[0].unsqueeze(1)  # (B, 1, H)
-            return EncoderOutput(text=None, image=None, pooled=self.pooler(first), sequence=None, sequence_mask=mask)
+            return EncoderOutput(text=None, image=None, pooled=self.pool(first), sequence=None, sequence_mask=mask)
         x = packing.unpack(x) if packing else x
-        t, n = input_ids.shape[1], region_features.shape[1]
+        t = input_ids.shape[1]
         return EncoderOutput(
             text=x[:, :t],
             image=x[:, t : t + n],
-            pooled=self.pooler(x),
+            pooled=self.pool(x, t + n),
             sequence=x,
             sequence_mask=mask,
             attentions=tuple(attentions) if output_attentions else None,
+            tags=x[:, t + n :] if self.tag_tokens and tag_ids is not None else None,
         )

@@ -37,6 +37,22 @@ def sinusoidal_box_embedding(norm_boxes: torch.Tensor, dim: int, wave_length: fl
     return emb.flatten(-2)  # (..., dim)
 
 
+def center_size_box_embedding(norm_boxes: torch.Tensor, dim: int, wave_length: float = 1000.0) -> torch.Tensor:
+    """jackroos/VL-BERT's box geometry (its coordinate_embeddings): centre x, centre y, width and height, each scaled
+    to [0, 100] and divided by wave_length ** (i / F) at F = dim / 8 frequencies; per coordinate F sines then F
+    cosines -> (..., dim). Computed as it does (a division, not a multiplication by the inverse), so the rounding is
+    the same."""
+    if dim % 8:
+        raise ValueError(f"geometry dim {dim} must be a multiple of 8 (4 coordinates x sin/cos)")
+    freqs = dim // 8
+    centre = (norm_boxes[..., :2] + norm_boxes[..., 2:]) / 2
+    size = norm_boxes[..., 2:] - norm_boxes[..., :2]
+    pos = torch.cat([centre, size], dim=-1) * 100  # (..., 4)
+    dim_mat = wave_length ** (torch.arange(freqs, dtype=norm_boxes.dtype, device=norm_boxes.device) / freqs)
+    angles = pos.unsqueeze(-1) / dim_mat  # (..., 4, F)
+    return torch.cat([angles.sin(), angles.cos()], dim=-1).flatten(-2)  # (..., dim)
+
+
 def pairwise_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """IoU between boxes a (M, 4) and b (K, 4) in x1,y1,x2,y2 -> (M, K)."""
     area_a = box_area(a)[:, None]

@@ -32,7 +32,7 @@ def init_text_from_minilm(model: VLModel, path: str | Path | None = None) -> lis
     keymap = bert_embeddings("encoder.embeddings", "embeddings")
     for i in range(min(layers, enc.num_layers)):
         keymap |= bert_layer(f"encoder.layer.{i}", f"encoder.layer.{i}")
-    if enc.preset != "vilbert":  # ViLBERT's pooler maps to the co-attention width, not H
+    if enc.preset != "vilbert" and enc.pooler:  # ViLBERT's pooler maps to the co-attention width, not H
         keymap |= linear("encoder.pooler.dense", "pooler.dense")
     new = apply_keymap(keymap, src)
     own = model.state_dict()

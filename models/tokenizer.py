@@ -31,7 +31,8 @@ class VLTokenizer:
     """bert-base-uncased WordPiece with the text layouts of the vision-and-language presets.
 
     Layouts: single text `[CLS] a [SEP]`; with an answer slot `[CLS] a [MASK] [SEP]` (VQA heads that read
-    the [MASK] position); pairs `[CLS] a [SEP] b [SEP]` with segments 0/1 (multiple choice).
+    the [MASK] position), or as VL-BERT lays it out (answer_slot="answer_segment") `[CLS] a [SEP] [MASK] [SEP]` with
+    the last two in segment 1; pairs `[CLS] a [SEP] b [SEP]` with segments 0/1 (multiple choice).
     """
 
     def __init__(self, vocab_file: str | Path, lowercase: bool = True, max_length: int = 64):
@@ -86,14 +87,29 @@ class VLTokenizer:
         """Detector class id -> word id of its name (`word_id`): U-VisualBERT's region tags share the word table."""
         return np.array([self.word_id(name) for name in classes], dtype=np.int64)
 
+    def tag_subwords(self, classes: list[str]) -> np.ndarray:
+        """Detector class id -> the word ids of every sub-word of its name (C, K), -1 after the last: the tags of
+        U-VisualBERT's published embeddings, one token per sub-word (its authors' code tokenizes each class name)."""
+        ids = [self.token_ids(name) or [self.vocab["[UNK]"]] for name in classes]
+        table = np.full((len(ids), max(map(len, ids), default=1)), -1, dtype=np.int64)
+        for row, words in zip(table, ids):
+            row[: len(words)] = words
+        return table
+
+    @staticmethod
+    def special_count(answer_slot: bool | str = False) -> int:
+        """Special tokens around one text: [CLS] and [SEP], plus the answer slot's [MASK] (and [SEP] for VL-BERT's)."""
+        return 2 + (2 if answer_slot == "answer_segment" else 1 if answer_slot else 0)
+
     def encode(
         self,
         texts: list[str],
         pairs: list[str] | None = None,
-        answer_slot: bool = False,
+        answer_slot: bool | str = False,  # True or "answer_slot": `a [MASK] [SEP]`; "answer_segment": `a [SEP] [MASK] [SEP]`
         max_length: int | None = None,
     ) -> dict[str, np.ndarray]:
         """Batch-encode to int64 arrays input_ids / attention_mask / token_type_ids, padded to the longest row."""
+        segment_slot = answer_slot == "answer_segment"
         max_length = max_length or self.max_length
         if pairs is not None and len(pairs) != len(texts):
             raise ValueError(f"{len(texts)} texts but {len(pairs)} pair texts")
@@ -101,12 +117,15 @@ class VLTokenizer:
         for i, text in enumerate(texts):
             a = self.token_ids(text)
             b = self.token_ids(pairs[i]) if pairs is not None else []
-            budget = max_length - 2 - (1 if answer_slot else 0) - (len(b) + 1 if b else 0)
+            budget = max_length - self.special_count(answer_slot) - (len(b) + 1 if b else 0)
             if budget < 1:
                 raise ValueError(f"max_length={max_length} leaves no room for the text")
             a = a[:budget]
-            ids = [self.cls_id, *a] + ([self.mask_id] if answer_slot else []) + [self.sep_id]
+            ids = [self.cls_id, *a] + ([self.mask_id] if answer_slot and not segment_slot else []) + [self.sep_id]
             seg = [0] * len(ids)
+            if segment_slot:  # VL-BERT: the answer is a second segment
+                ids += [self.mask_id, self.sep_id]
+                seg += [1, 1]
             if b:
                 b = b[: max_length - len(ids) - 1]
                 ids += [*b, self.sep_id]

@@ -17,7 +17,7 @@ from torch import nn
 from .config import EncoderConfig
 from .layers import CrossAttention, FeatureNorm, FeedForward, Pooler, SelfAttention, TextEmbeddings, TransformerLayer, additive_mask, normalized_features
 from .outputs import EncoderOutput
-from .single_stream import whole_image_feature
+from .single_stream import whole_image_feature, with_whole_image
 from .spatial import spatial_5d
 
 
@@ -64,20 +64,21 @@ class BertTextEmbeddings(TextEmbeddings):
 
 
 class LxmertObjectEmbeddings(nn.Module):
-    """LXMERT object input: (LN(FC(feature)) + LN(FC(4-d box))) / 2."""
+    """LXMERT object input: (LN(FC(feature)) + LN(FC(4-d box))) / 2 (VOLTA's controlled LXMERT: the 5-d location)."""
 
     def __init__(self, config: EncoderConfig):
         super().__init__()
         h, eps = config.hidden_size, config.layer_norm_eps
         self.visn_fc = nn.Linear(config.visual_feat_dim, h)
         self.visn_layer_norm = nn.LayerNorm(h, eps=eps)
-        self.box_fc = nn.Linear(4, h)
+        self.box_fc = nn.Linear(config.box_dims, h)
         self.box_layer_norm = nn.LayerNorm(h, eps=eps)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, features: torch.Tensor, norm_boxes: torch.Tensor) -> torch.Tensor:
         x = self.visn_layer_norm(self.visn_fc(features))
-        y = self.box_layer_norm(self.box_fc(norm_boxes))
+        boxes = spatial_5d(norm_boxes) if self.box_fc.in_features == 5 else norm_boxes
+        y = self.box_layer_norm(self.box_fc(boxes))
         return self.dropout((x + y) / 2)  # (B, N, H)
 
 
@@ -112,8 +113,19 @@ class LxmertEncoder(nn.Module):
         self.layer = nn.ModuleList(TransformerLayer(*args) for _ in range(c.num_layers))  # NL language layers
         self.r_layers = nn.ModuleList(TransformerLayer(*args) for _ in range(c.num_image_layers))  # NR object layers
         self.x_layers = nn.ModuleList(LxmertCrossLayer(c) for _ in range(c.num_cross_layers))  # NX cross layers
-        self.pooler = Pooler(c.hidden_size, c.hidden_size)
+        if c.pooler_style == "tanh":
+            self.pooler = Pooler(c.hidden_size, c.hidden_size)
+        else:  # VOLTA's: ReLU poolers of their own width, the text's alone or times the whole image's
+            self.t_pooler = Pooler(c.hidden_size, c.pooled_size, activation="relu")
+            if c.pooler_style == "relu_mul":
+                self.v_pooler = Pooler(c.hidden_size, c.pooled_size, activation="relu")
         self.feature_norm = FeatureNorm(c.visual_feat_dim) if c.feature_norm else None
+
+    def pool(self, lang: torch.Tensor, visn: torch.Tensor) -> torch.Tensor:
+        pooler = self.config.pooler_style
+        if pooler == "tanh":
+            return self.pooler(lang)
+        return self.t_pooler(lang) * self.v_pooler(visn) if pooler == "relu_mul" else self.t_pooler(lang)
 
     def encode_text(self, input_ids, attention_mask, token_type_ids, output_attentions: bool = False) -> StreamStates:
         """Embeddings and the NL language layers."""
@@ -126,8 +138,12 @@ class LxmertEncoder(nn.Module):
         return StreamStates(lang, attention_mask, tuple(attentions) if output_attentions else None)
 
     def encode_image(self, region_features, region_boxes, region_mask, image_feature=None) -> StreamStates:
-        """Object embeddings and the NR object-relationship layers (LXMERT has no whole-image input)."""
-        region_features, _ = normalized_features(self.feature_norm, region_features, None)
+        """Object embeddings and the NR object-relationship layers (LXMERT has no whole-image input; VOLTA's
+        controlled LXMERT puts the whole image first, mask (B, 1+N))."""
+        region_features, image_feature = normalized_features(self.feature_norm, region_features, image_feature)
+        if self.config.whole_image_region:
+            region_features, region_boxes, region_mask = with_whole_image(region_features, region_boxes, region_mask,
+                                                                          image_feature)
         visn = self.visn_fc(region_features, region_boxes)  # (B, N, H)
         visn_bias = additive_mask(region_mask, visn.dtype)
         for layer in self.r_layers:
@@ -143,12 +159,13 @@ class LxmertEncoder(nn.Module):
         for layer in self.x_layers:
             lang, visn, probs = layer(lang, lang_bias, visn, visn_bias, output_attentions)
             cross.append(probs)
+        first = 1 if self.config.whole_image_region else 0  # the whole image is no region of the detector's
         return EncoderOutput(
             text=lang,
-            image=visn,
-            pooled=self.pooler(lang),
+            image=visn[:, first:],
+            pooled=self.pool(lang, visn),
             attentions=text.attentions if output_attentions else None,
-            cross_attentions=tuple(cross) if output_attentions else None,
+            cross_attentions=tuple(p[..., first:] for p in cross) if output_attentions else None,
         )
 
     def forward(self, input_ids, attention_mask, token_type_ids, region_features, region_boxes, region_mask,
@@ -193,6 +210,11 @@ class CoAttentionLayer(nn.Module):
         return self.text_ffn(text_x), self.image_ffn(image_x), probs
 
 
+def without_task_token(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x without position 1 of `dim` (where ViLBERT's task token follows [CLS])."""
+    return torch.cat([x.narrow(dim, 0, 1), x.narrow(dim, 2, x.shape[dim] - 2)], dim=dim)
+
+
 class VilbertEncoder(nn.Module):
     """Text layers and image layers interleaved with co-attention layers; an [IMG] region (whole image) leads."""
 
@@ -210,9 +232,16 @@ class VilbertEncoder(nn.Module):
             for _ in range(c.num_image_layers)
         )
         self.c_layer = nn.ModuleList(CoAttentionLayer(c) for _ in range(c.num_cross_layers))
-        self.t_pooler = Pooler(c.hidden_size, c.coattention_width, activation="relu")
-        self.v_pooler = Pooler(c.image_width, c.coattention_width, activation="relu")
+        self.t_pooler = Pooler(c.hidden_size, c.pooled_size, activation="relu")
+        self.v_pooler = Pooler(c.image_width, c.pooled_size, activation="relu")
         self.feature_norm = FeatureNorm(c.visual_feat_dim) if c.feature_norm else None
+        # 12-in-1's task token: a learned embedding after [CLS], its own row of the task table (no position, no segment)
+        self.task_embeddings = nn.Embedding(c.task_tokens, c.hidden_size) if c.task_tokens else None
+
+    @property
+    def image_layer_ids(self) -> tuple[int, ...]:
+        """Image layers run before each co-attention layer (counts from the first image layer)."""
+        return self.config.coattention_image_layers or tuple(range(len(self.c_layer)))
 
     @property
     def text_only_layers(self) -> int:
@@ -221,12 +250,16 @@ class VilbertEncoder(nn.Module):
 
     @property
     def image_only_layers(self) -> int:
-        """Image layers that run before the first co-attention layer: none (they follow each co-attention)."""
-        return 0 if len(self.c_layer) else len(self.v_layer)
+        """Image layers that run before the first co-attention layer (all of them without co-attention)."""
+        return self.image_layer_ids[0] if len(self.c_layer) else len(self.v_layer)
 
-    def encode_text(self, input_ids, attention_mask, token_type_ids, output_attentions: bool = False) -> StreamStates:
-        """Embeddings and the text layers before the first co-attention layer."""
+    def encode_text(self, input_ids, attention_mask, token_type_ids, output_attentions: bool = False,
+                    task_token: int | None = None) -> StreamStates:
+        """Embeddings and the text layers before the first co-attention layer. With a task table, `task_token`'s
+        embedding follows [CLS] (states (B, 1+T, H))."""
         text = self.embeddings(input_ids, token_type_ids)  # (B, T, H)
+        if self.task_embeddings is not None:
+            text, attention_mask = self.with_task_token(text, attention_mask, task_token)
         text_bias = additive_mask(attention_mask, text.dtype)
         attentions = []
         for layer in self.layer[: self.text_only_layers]:
@@ -234,11 +267,24 @@ class VilbertEncoder(nn.Module):
             attentions.append(probs)
         return StreamStates(text, attention_mask, tuple(attentions) if output_attentions else None)
 
+    def with_task_token(self, text: torch.Tensor, attention_mask: torch.Tensor, task_token: int | None):
+        """[CLS], the task token, the other tokens (B, 1+T, H) and their mask (the task token always attended)."""
+        if task_token is None or not 0 <= task_token < self.task_embeddings.num_embeddings:
+            raise ValueError(f"this ViLBERT puts a task token after [CLS]: give its head a task_token in "
+                             f"0..{self.task_embeddings.num_embeddings - 1} (got {task_token})")
+        b = text.shape[0]
+        ids = torch.full((b, 1), task_token, dtype=torch.long, device=text.device)
+        token = self.embeddings.dropout(self.embeddings.LayerNorm(self.task_embeddings(ids)))  # (B, 1, H)
+        text = torch.cat([text[:, :1], token.to(text.dtype), text[:, 1:]], dim=1)  # (B, 1+T, H)
+        return text, torch.cat([attention_mask[:, :1], attention_mask.new_ones(b, 1), attention_mask[:, 1:]], dim=1)
+
     def encode_image(self, region_features, region_boxes, region_mask, image_feature=None) -> StreamStates:
-        """[IMG] (the whole image) then the regions, embedded; mask (B, 1+N) with [IMG] always real."""
+        """[IMG] (the whole image) then the regions, embedded; mask (B, 1+N) with [IMG] always real. [IMG]'s feature
+        is the mean of the real regions' (where the detector gives none, or with img_from_regions), its box the whole
+        image (area 1)."""
         b = region_features.shape[0]
         region_features, image_feature = normalized_features(self.feature_norm, region_features, image_feature)
-        if image_feature is None:
+        if image_feature is None or self.config.img_from_regions:
             image_feature = whole_image_feature(region_features, region_mask)
         whole_box = region_boxes.new_tensor([0.0, 0.0, 1.0, 1.0]).expand(b, 1, 4)
         feats = torch.cat([image_feature.unsqueeze(1), region_features], dim=1)  # (B, 1+N, D)
@@ -259,13 +305,14 @@ class VilbertEncoder(nn.Module):
         attentions, cross = list(text_states.attentions or ()), []
         t_next, v_next = self.text_only_layers, self.image_only_layers
         for k, co_layer in enumerate(self.c_layer):
-            # text layers up to this co-attention point; image layers [.., k) before co-attention k
-            for layer in self.layer[t_next : self.config.coattention_text_layers[k]]:
+            # text and image layers up to this co-attention point
+            t_end, v_end = self.config.coattention_text_layers[k], self.image_layer_ids[k]
+            for layer in self.layer[t_next:t_end]:
                 text, probs = layer(text, text_bias, output_attentions)
                 attentions.append(probs)
-            for layer in self.v_layer[v_next:k]:
+            for layer in self.v_layer[v_next:v_end]:
                 image, _ = layer(image, image_bias)
-            t_next, v_next = self.config.coattention_text_layers[k], k
+            t_next, v_next = t_end, v_end
             text, image, probs = co_layer(text, text_bias, image, image_bias, output_attentions)
             cross.append(probs)
         for layer in self.layer[t_next:]:
@@ -274,6 +321,11 @@ class VilbertEncoder(nn.Module):
         for layer in self.v_layer[v_next:]:
             image, _ = layer(image, image_bias)
         pooled = self.t_pooler(text) * self.v_pooler(image)  # h_CLS ⊙ h_IMG
+        if self.task_embeddings is not None:  # the task token is no word: text and attentions align with input_ids again
+            text = without_task_token(text, 1)  # (B, T, H)
+            if output_attentions:
+                attentions = [without_task_token(without_task_token(p, -2), -1) for p in attentions]
+                cross = [without_task_token(p, -2) for p in cross]
         return EncoderOutput(
             text=text,
             image=image[:, 1:],
@@ -283,7 +335,8 @@ class VilbertEncoder(nn.Module):
         )
 
     def forward(self, input_ids, attention_mask, token_type_ids, region_features, region_boxes, region_mask,
-                image_feature=None, tag_ids=None, output_attentions: bool = False) -> EncoderOutput:
-        text = self.encode_text(input_ids, attention_mask, token_type_ids, output_attentions)
+                image_feature=None, tag_ids=None, output_attentions: bool = False,
+                task_token: int | None = None) -> EncoderOutput:
+        text = self.encode_text(input_ids, attention_mask, token_type_ids, output_attentions, task_token)
         image = self.encode_image(region_features, region_boxes, region_mask, image_feature)
         return self.fuse(text, image, output_attentions)

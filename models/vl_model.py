@@ -45,10 +45,13 @@ class VLModel(nn.Module):
     def tasks(self) -> list[str]:
         return list(self.heads)
 
-    def forward_features(self, inputs: VLInputs, output_attentions: bool = False, pooled_only: bool = False) -> EncoderOutput:
+    def forward_features(self, inputs: VLInputs, output_attentions: bool = False, pooled_only: bool = False,
+                         task_token: int = -1) -> EncoderOutput:
         """The encoder's output; with `pooled_only` (and an encoder that can: single-stream) only its pooled vector is
         sure to be there (the last layer runs for the first token alone)."""
         only = {"pooled_only": True} if pooled_only and getattr(self.encoder, "pools_first_token", False) else {}
+        if task_token >= 0:  # ViLBERT 12-in-1: the head's task token (HeadConfig.task_token)
+            only["task_token"] = task_token
         return self.encoder(**inputs.encoder_kwargs(), output_attentions=output_attentions, **only)
 
     def forward_head(self, task: str, enc: EncoderOutput, inputs: VLInputs):
@@ -59,7 +62,8 @@ class VLModel(nn.Module):
             raise KeyError(f"model has no head {task!r}; it has: {', '.join(self.heads) or 'none'}")
         head = self.heads[task]
         prepared = head.prepare(inputs)
-        enc = self.forward_features(prepared, output_attentions, pooled_only=head.pooled_only)
+        enc = self.forward_features(prepared, output_attentions, pooled_only=head.pooled_only,
+                                    task_token=head.head.task_token)
         logits = head.unprepare(self.forward_head(task, enc, prepared), inputs)
         loss = head.loss(logits.float(), labels, inputs) if labels is not None else None  # float32 under bf16 autocast too
         return ModelOutput(logits=logits, loss=loss, encoder=enc)

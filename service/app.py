@@ -26,6 +26,7 @@ from fastapi.openapi.utils import get_openapi
 from export.detector import OnnxDetector
 from export.repository import Repository, is_repository, load_repository
 from models import ModelConfig
+from models.attention import layer_kind
 from models.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from models.query_bank import QueryBank
 from models.detector import RegionDetector
@@ -34,6 +35,7 @@ from models.detector.io import load_detector
 from .admission import AdmissionMiddleware
 from .batcher import Batcher, BatcherConfig, InFlight
 from .errors import PROBLEM_JSON, install_error_handlers
+from .explain import Explainer, grounding_report
 from .feature_store import create_store
 from .metrics import Metrics, MetricsMiddleware
 from .query_bank import BankPriors
@@ -41,7 +43,7 @@ from .pipeline import Limits, Pipeline, TaskSpec, batch_fn, fused_batch_fn, task
 from .regions import RegionService
 from .routes import ROUTERS
 from .routes.common import Services, problems
-from .runtime import create_runtime
+from .runtime import Runtime, create_runtime
 from .schemas import ModelInfo, Problem
 from .security import PUBLIC_PATHS, APIKeyMiddleware, BodyLimitMiddleware
 from .settings import Settings
@@ -90,6 +92,14 @@ def model_config(model: Checkpoint | Repository) -> ModelConfig:
     return model.config if isinstance(model, Repository) else model.model.config
 
 
+def region_tag_table(tokenizer, classes: list[str], encoder) -> np.ndarray | None:
+    """Detector class id -> the word ids an encoder that reads region tags is given: the first sub-word of the
+    class name (C,), or every sub-word (C, K) for u-visualbert's published embeddings; None for other encoders."""
+    if not encoder.region_tags:
+        return None
+    return tokenizer.tag_subwords(classes) if encoder.embedding_style == "published" else tokenizer.tag_words(classes)
+
+
 def load_models(settings: Settings) -> Loaded:
     """Detector and encoder checkpoint, checked against each other."""
     try:
@@ -109,7 +119,27 @@ def load_models(settings: Settings) -> Loaded:
         from .runtime.onnx_runtime import exported_detector  # the repository's detector graph replaces torch's
 
         detector = exported_detector(checkpoint, detector.config, settings)
+    else:
+        fingerprint = detector_for_serving(detector, settings, fingerprint)
     return Loaded(detector, fingerprint, checkpoint)
+
+
+def detector_for_serving(detector: RegionDetector, settings: Settings, fingerprint: str) -> str:
+    """A butd detector rewritten into its serving form (models/detector/butd.py: batch norms folded, channels-last,
+    RoIPool as a gather, res5 in bfloat16 where `precision` resolves to bf16). Returns the feature-store namespace:
+    the fingerprint, with "-bf16" when the features carry bfloat16's rounding, so that pods serving at different
+    precisions never share cached regions."""
+    import torch
+
+    from .runtime.torch_runtime import resolve_precision
+
+    try:
+        precision = resolve_precision(settings.precision, torch.device(settings.device))
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    if not detector.for_serving(torch.bfloat16 if precision == "bf16" else torch.float32):
+        return fingerprint
+    return f"{fingerprint}-bf16" if precision == "bf16" else fingerprint
 
 
 def model_info(loaded: Loaded, runtime_name: str, precision: str = "fp32") -> ModelInfo:
@@ -135,6 +165,14 @@ def bank_priors(checkpoint: Checkpoint | Repository, settings: Settings) -> Bank
     except ValueError as exc:
         raise StartupError(f"{settings.model_dir}: labels.json: {exc}") from None
     return BankPriors(bank, checkpoint.tokenizer, settings.query_bank_max_images) if bank else None
+
+
+def explainer(loaded: Loaded, runtime, inference: ThreadPoolExecutor) -> Explainer | None:
+    """What answers explain=true, where the runtime returns attention (torch, serving a checkpoint directory)."""
+    if type(runtime).explain is Runtime.explain or not isinstance(loaded.checkpoint, Checkpoint):
+        return None
+    return Explainer(runtime, inference, loaded.checkpoint.tokenizer, layer_kind(loaded.checkpoint.model),
+                     grounding_report(loaded.checkpoint))
 
 
 def warm_up(loaded: Loaded, pipeline: Pipeline, runtime) -> None:
@@ -188,10 +226,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         batchers = {spec.task: encoder_batcher(spec) for spec in specs.values()}
         limits = Limits(settings.max_text_chars, settings.max_text_tokens, settings.max_top_k, settings.max_candidates)
         tokenizer = loaded.checkpoint.tokenizer
-        tags = tokenizer.tag_words(loaded.detector.config.classes) if model_config(loaded.checkpoint).encoder.region_tags else None
+        tags = region_tag_table(tokenizer, loaded.detector.config.classes, model_config(loaded.checkpoint).encoder)
         pipeline = Pipeline(regions, tokenizer, specs, batchers, limits, streams, tag_words=tags,
                             bank=bank_priors(loaded.checkpoint, settings) if "itm" in specs else None,
-                            bank_on_register=settings.query_bank_on_register)
+                            bank_on_register=settings.query_bank_on_register,
+                            explainer=explainer(loaded, runtime, inference),
+                            detector_labels=(loaded.detector.config.classes, loaded.detector.config.attributes))
         metrics.watch({**batchers, "detector": regions}, store, regions, streams)
 
         await regions.start()

@@ -20,12 +20,14 @@ from typing import Any
 import numpy as np
 
 from models import RANK_HEAD
+from models.config import ANSWER_POOLS
 from models.region_features import RegionFeatures, region_tag_ids, stack
 from models.tokenizer import VLTokenizer
 
 from .batcher import Batcher
 from .collate import pad_and_stack
 from .errors import InvalidInput, NoHeadError
+from .explain import Explainer, explain_pairs
 from .query_bank import BankPriors
 from .regions import RegionService
 from .runtime.base import Runtime
@@ -76,6 +78,15 @@ def rank(scores: np.ndarray, k: int) -> list[int]:
     return [int(i) for i in np.argsort(-scores, kind="stable")[:k]]
 
 
+def detected_regions(rf: RegionFeatures, classes: Sequence[str], attributes: Sequence[str]) -> list[dict[str, Any]]:
+    """The real regions of an image as the detector labelled them, most confident first."""
+    name = lambda names, i: names[i] if 0 <= i < len(names) else str(i)  # noqa: E731
+    return [{"index": i, "box": [round(float(v), 2) for v in rf.boxes[i]],
+             "label": name(classes, int(rf.obj_ids[i])), "score": round(float(rf.obj_scores[i]), 4),
+             "attribute": name(attributes, int(rf.attr_ids[i])), "attribute_score": round(float(rf.attr_scores[i]), 4)}
+            for i in range(rf.num_boxes)]
+
+
 def true_probability(logits: np.ndarray) -> float:
     """NLVR2 (2,) [false, true] logits -> P(true)."""
     return float(softmax(logits.astype(np.float64))[1])
@@ -118,7 +129,7 @@ class Scored:
 class TaskSpec:
     task: str  # head name in the checkpoint
     kind: str  # head kind (vqa, refer, itm, nlvr2)
-    answer_slot: bool = False  # VQA read from the [MASK] slot: the text layout needs one
+    answer_slot: bool | str = False  # VQA read from the [MASK] slot: the text layout needs one (its pool, ANSWER_POOLS)
     labels: tuple[str, ...] = ()  # VQA answer names
     softmax_scores: bool = False  # VQA head trained with cross-entropy: answer scores are a softmax, not sigmoids
 
@@ -141,7 +152,8 @@ def task_specs(tasks: dict[str, str], head_options: dict[str, dict[str, Any]], l
             continue
         names = tuple((labels.get("heads") or {}).get(task) or ())
         options = head_options.get(task, {})
-        specs[kind] = TaskSpec(task, kind, answer_slot=options.get("pool") == "answer_slot", labels=names,
+        slot = options.get("pool") if options.get("pool") in ANSWER_POOLS else False
+        specs[kind] = TaskSpec(task, kind, answer_slot=slot, labels=names,
                                softmax_scores=options.get("vqa_loss") == "ce")
     return specs
 
@@ -205,8 +217,11 @@ class Pipeline:
 
     def __init__(self, regions: RegionService, tokenizer: VLTokenizer, specs: dict[str, TaskSpec],
                  batchers: dict[str, Batcher], limits: Limits, streams: StreamCache | None = None,
-                 tag_words: np.ndarray | None = None, bank: BankPriors | None = None, bank_on_register: bool = True):
+                 tag_words: np.ndarray | None = None, bank: BankPriors | None = None, bank_on_register: bool = True,
+                 explainer: Explainer | None = None, detector_labels: tuple[Sequence[str], Sequence[str]] = ((), ())):
         self.regions = regions
+        self.detector_labels = detector_labels  # (class names, attribute names) of the detector's ids
+        self.explainer = explainer  # explain=true; None where the runtime does not return attention
         self.bank = bank  # the model's query bank: text -> image ranks bank-normalised scores
         self.bank_on_register = bank_on_register  # POST /images schedules the image's prior (in the background)
         self.tag_words = tag_words  # detector class id -> word id, for an encoder fine-tuned with region tags
@@ -234,13 +249,13 @@ class Pipeline:
         if count > self.limits.max_candidates:
             raise InvalidInput((loc,), f"at most {self.limits.max_candidates} candidates per request, got {count}")
 
-    def text(self, text: str, loc: tuple[str | int, ...], answer_slot: bool = False) -> Item:
+    def text(self, text: str, loc: tuple[str | int, ...], answer_slot: bool | str = False) -> Item:
         """Token arrays of one text row, refusing empty, too long (characters) or too many word pieces."""
         if not text.strip():
             raise InvalidInput(loc, "must not be empty or only whitespace")
         if len(text) > self.limits.max_text_chars:
             raise InvalidInput(loc, f"is {len(text)} characters long; the limit is {self.limits.max_text_chars}")
-        specials = 2 + int(answer_slot)  # [CLS] text ([MASK]) [SEP]
+        specials = self.tokenizer.special_count(answer_slot)  # [CLS] text ([MASK]) [SEP], or VL-BERT's [SEP] [MASK] [SEP]
         # one tokenization: a text over the limit comes back cut to limit + 1, which is enough to refuse it
         encoded = self.tokenizer.encode([text], answer_slot=answer_slot, max_length=self.limits.max_text_tokens + 1)
         length = encoded["input_ids"].shape[1]
@@ -285,39 +300,63 @@ class Pipeline:
         timer.add("encoder", sum(end - start for start, end in batches))
         return [r.logits for r in results]
 
-    def tokens(self, text: str, loc: tuple[str | int, ...], timer: Timer, answer_slot: bool = False) -> Item:
+    async def explained(self, spec: TaskSpec, item: Item, text: str, images: Sequence[tuple[str, RegionFeatures]],
+                        timer: Timer) -> tuple[np.ndarray, list[dict[str, Any]]]:
+        """explain=true: the item's logits from a pass of its own that keeps the attention (outside the batcher),
+        and the response's `explain` entries, one per image."""
+        if self.explainer is None:
+            raise InvalidInput(("explain",), "this service's runtime does not return attention; explain needs the "
+                                             "torch runtime, serving a checkpoint directory")
+        logits, attention, seconds = await self.explainer.run(spec.task, item)
+        timer.add("encoder", seconds)
+        return logits, explain_pairs(self.explainer, attention, text, item, images)
+
+    async def answer(self, spec: TaskSpec, item: Item, timer: Timer, explain: bool, text: str,
+                     images: Sequence[tuple[str, RegionFeatures]]) -> tuple[np.ndarray, dict[str, Any]]:
+        """The item's logits from the task's batcher, or with explain from an explained pass (and {"explain": ...})."""
+        if not explain:
+            (logits,) = await self.run(spec, [item], timer)
+            return logits, {}
+        logits, entries = await self.explained(spec, item, text, images, timer)
+        return logits, {"explain": entries}
+
+    def tokens(self, text: str, loc: tuple[str | int, ...], timer: Timer, answer_slot: bool | str = False) -> Item:
         with timer.stage("tokenize"):
             return self.text(text, loc, answer_slot)
 
     # ---- tasks ----
 
-    async def vqa(self, data: bytes | None, image_id: str | None, question: str, top_k: int, timer: Timer) -> dict[str, Any]:
+    async def vqa(self, data: bytes | None, image_id: str | None, question: str, top_k: int, timer: Timer,
+                  explain: bool = False) -> dict[str, Any]:
         spec = self.spec("vqa")
         self.check_top_k(top_k)
         text = self.tokens(question, ("question",), timer, spec.answer_slot)
         image_id, rf = await self.image(data, image_id, timer)
-        (logits,) = await self.run(spec, [{**text, **region_arrays([rf], self.tag_words)}], timer)
+        item = {**text, **region_arrays([rf], self.tag_words)}
+        logits, explained = await self.answer(spec, item, timer, explain, question, [(image_id, rf)])
         names = spec.labels or tuple(f"answer_{i}" for i in range(logits.shape[-1]))
         answers = top_answers(logits, names, top_k, spec.softmax_scores)
-        return {"image_id": image_id, "answers": [{"answer": a, "score": s} for a, s in answers]}
+        return {"image_id": image_id, "answers": [{"answer": a, "score": s} for a, s in answers], **explained}
 
-    async def refer(self, data: bytes | None, image_id: str | None, expression: str, timer: Timer) -> dict[str, Any]:
+    async def refer(self, data: bytes | None, image_id: str | None, expression: str, timer: Timer,
+                    explain: bool = False) -> dict[str, Any]:
         spec = self.spec("refer")
         text = self.tokens(expression, ("expression",), timer)
         image_id, rf = await self.image(data, image_id, timer)
         if rf.num_boxes == 0:
             raise InvalidInput(("image",), "the detector found no regions in this image")
-        (logits,) = await self.run(spec, [{**text, **region_arrays([rf], self.tag_words)}], timer)
+        item = {**text, **region_arrays([rf], self.tag_words)}
+        logits, explained = await self.answer(spec, item, timer, explain, expression, [(image_id, rf)])
         regions = [{"index": i, "box": [float(v) for v in rf.boxes[i]], "score": s}
                    for i, s in ranked_regions(logits, rf.num_boxes, 1 + RUNNER_UP)]
         best = regions[0]
         return {"image_id": image_id, "box": best["box"], "score": best["score"], "region": best,
-                "runner_up": regions[1:], "image_size": list(rf.image_hw)}
+                "runner_up": regions[1:], "image_size": list(rf.image_hw), **explained}
 
     async def text_to_images(self, text: str, image_ids: list[str], top_k: int, timer: Timer,
-                             query_bank: bool = True) -> dict[str, Any]:
+                             query_bank: bool = True, explain: bool = False) -> dict[str, Any]:
         """Ranks the images by the bank-normalised score where the model has a query bank (and query_bank), else
-        by the raw score."""
+        by the raw score; explain: the text over the best image."""
         spec = self.spec("itm")
         self.check_top_k(top_k)
         self.check_candidates("image_ids", len(image_ids))
@@ -332,7 +371,12 @@ class Pipeline:
             timer.add("query_bank", time.perf_counter() - t0)
             for hit, value in zip(hits, key):
                 hit["bank_score"] = float(value)
-        return {"direction": "text_to_images", "results": [hits[i] for i in rank(key, top_k)]}
+        order = rank(key, top_k)
+        explained = {}
+        if explain:
+            item = {**tokens, **region_arrays([images[order[0]][1]], self.tag_words)}
+            explained["explain"] = (await self.explained(spec, item, text, [images[order[0]]], timer))[1]
+        return {"direction": "text_to_images", "results": [hits[i] for i in order], **explained}
 
     async def score_rows(self, spec: TaskSpec, rows: Sequence[Item], image_id: str, rf: RegionFeatures,
                          background: bool = False) -> np.ndarray:
@@ -357,7 +401,8 @@ class Pipeline:
         return [self.streams.pair(text_key, tokens, image_id, rf) for image_id, rf in images]
 
     async def image_to_texts(self, data: bytes | None, image_id: str | None, texts: list[str], top_k: int,
-                             timer: Timer) -> dict[str, Any]:
+                             timer: Timer, explain: bool = False) -> dict[str, Any]:
+        """Ranks the texts for the image; explain: the best text over the image."""
         spec = self.spec("itm")
         self.check_top_k(top_k)
         self.check_candidates("texts", len(texts))
@@ -372,23 +417,32 @@ class Pipeline:
         score, prob = match_scores(np.stack(logits))
         hits = [{"index": i, "text": texts[i], "score": float(score[i]), "probability": float(prob[i])}
                 for i in rank(score, top_k)]
-        return {"direction": "image_to_texts", "image_id": image_id, "results": hits}
+        explained = {}
+        if explain:
+            best = hits[0]["index"]
+            item = {**rows[best], **region_arrays([rf], self.tag_words)}
+            explained["explain"] = (await self.explained(spec, item, texts[best], [(image_id, rf)], timer))[1]
+        return {"direction": "image_to_texts", "image_id": image_id, "results": hits, **explained}
 
-    async def nlvr2(self, refs: Sequence[tuple[bytes | None, str | None]], statement: str, timer: Timer) -> dict[str, Any]:
+    async def nlvr2(self, refs: Sequence[tuple[bytes | None, str | None]], statement: str, timer: Timer,
+                    explain: bool = False) -> dict[str, Any]:
         spec = self.spec("nlvr2")
         text = self.tokens(statement, ("statement",), timer)
         pair = await self.images(refs, timer)
-        (logits,) = await self.run(spec, [{**text, **region_arrays([rf for _, rf in pair], self.tag_words)}], timer)
+        item = {**text, **region_arrays([rf for _, rf in pair], self.tag_words)}
+        logits, explained = await self.answer(spec, item, timer, explain, statement, pair)
         p_true = true_probability(logits)
-        return {"image_ids": [i for i, _ in pair], "answer": p_true >= 0.5, "probability": p_true}
+        return {"image_ids": [i for i, _ in pair], "answer": p_true >= 0.5, "probability": p_true, **explained}
 
-    async def register(self, data: bytes, timer: Timer) -> dict[str, Any]:
+    async def register(self, data: bytes, timer: Timer, with_regions: bool = False) -> dict[str, Any]:
+        """The image's id and size; with_regions: its regions too (boxes, class and attribute with their scores)."""
         image_id, rf = await self.image(data, None, timer)
         if self.bank is not None and self.bank_on_register:
             self.bank.schedule(image_id, rf, functools.partial(self.score_rows, self.spec("itm"),
                                                                background=True))
+        found = {"regions": detected_regions(rf, *self.detector_labels)} if with_regions else {}
         return {"image_id": image_id, "num_boxes": rf.num_boxes, "image_size": list(rf.image_hw),
-                "cached": bool(timer.cache_hit)}
+                "cached": bool(timer.cache_hit), **found}
 
     # ---- start-up ----
 

@@ -218,6 +218,36 @@ class TaskResponse(BaseModel):
     timings: Timings | None = None
 
 
+class HeadAttention(BaseModel):
+    layer: int = Field(ge=1, description="layer (from 1) of the explanation's layer_kind")
+    head: int = Field(ge=1, description="attention head (from 1) in that layer")
+    weights: list[list[float]] = Field(description=(
+        "tokens x regions: the attention of each text token (rows, as `tokens`) on each region (columns, as "
+        "`regions`), in [0, 1], rounded to 3 decimals. Single-stream presets share a token's attention between "
+        "text and regions, so a row sums to its share on the regions; two-stream presets' cross-attention rows sum "
+        "to 1 over the regions"))
+
+
+class Explanation(BaseModel):
+    """Where the model looked (only with ?explain=true): the attention of the text's tokens over one image's regions
+    at every layer where text meets regions (single-stream: every layer; two-stream: the cross-modality layers).
+    Bounded: at most 48 heads, each tokens (<= max_text_tokens) x regions (the detector's boxes)."""
+
+    text: str = Field(description="the text explained")
+    image_id: str
+    tokens: list[str] = Field(description="the word pieces of the text as the model read it, specials included")
+    regions: list[int] = Field(description="region index (detector output) of each weights column")
+    boxes: list[list[float]] = Field(description="x1, y1, x2, y2 in image pixels of each region, as `regions`")
+    image_size: list[int] = Field(description="height, width in pixels")
+    layer_kind: str = Field(examples=["layer", "cross-modality layer"])
+    layers: int
+    heads_per_layer: int
+    ranked_by: Literal["grounding", "layer"] = Field(description=(
+        "grounding: heads best first by the checkpoint's grounding analysis (entity-grounding accuracy); layer: "
+        "in layer, head order (the checkpoint carries no analysis)"))
+    attention: list[HeadAttention] = Field(description="at most 48 heads, in the order ranked_by says")
+
+
 class Answer(BaseModel):
     answer: str
     score: float = Field(description="sigmoid of the answer logit (soft-score VQA head), or the softmax over the answers (head trained with cross-entropy)")
@@ -226,6 +256,7 @@ class Answer(BaseModel):
 class VQAResponse(TaskResponse):
     image_id: str
     answers: list[Answer] = Field(description="best first")
+    explain: list[Explanation] | None = Field(None, description="?explain=true: the question over the image")
 
 
 class Region(BaseModel):
@@ -241,6 +272,7 @@ class ReferResponse(TaskResponse):
     region: Region
     runner_up: list[Region] = Field(description="the next best regions, best first")
     image_size: list[int] = Field(description="height, width in pixels")
+    explain: list[Explanation] | None = Field(None, description="?explain=true: the expression over the image")
 
 
 class ImageHit(BaseModel):
@@ -264,12 +296,25 @@ class RetrieveResponse(TaskResponse):
     direction: Literal["text_to_images", "image_to_texts"]
     image_id: str | None = Field(None, description="the query image (image -> texts)")
     results: list[ImageHit] | list[TextHit] = Field(description="best first, at most top_k")
+    explain: list[Explanation] | None = Field(None, description=(
+        "?explain=true: the text over the best image (text -> images), or the best text over the image (image -> texts)"))
 
 
 class NLVR2Response(TaskResponse):
     image_ids: list[str] = Field(min_length=2, max_length=2)
     answer: bool
     probability: float = Field(description="P(statement is true)")
+    explain: list[Explanation] | None = Field(None, description=(
+        "?explain=true: the statement over the left image, then over the right one"))
+
+
+class DetectedRegion(BaseModel):
+    index: int = Field(description="region index in the detector output (as /refer and explain number them)")
+    box: list[float] = Field(min_length=4, max_length=4, description="x1, y1, x2, y2 in image pixels")
+    label: str = Field(description="the detector's object class")
+    score: float = Field(description="the detector's confidence in the class")
+    attribute: str = Field(description="the detector's most likely attribute")
+    attribute_score: float
 
 
 class ImageResponse(TaskResponse):
@@ -277,6 +322,7 @@ class ImageResponse(TaskResponse):
     num_boxes: int
     image_size: list[int] = Field(description="height, width in pixels")
     cached: bool = Field(description="regions were already in the feature store")
+    regions: list[DetectedRegion] | None = Field(None, description="?regions=true: every region the detector found")
 
 
 class Problem(BaseModel):

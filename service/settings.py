@@ -25,7 +25,8 @@ class Settings(BaseSettings):
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
     threads: int = Field(2, ge=1)  # intra-op threads of the inference runtime
     # torch runtime arithmetic: "bf16" runs the encoder's GEMMs and attention in bfloat16 (float32 LayerNorm and
-    # residuals, as training's autocast); "auto" = bf16 where the hardware has native bfloat16 (AVX512-BF16/AMX CPUs, bf16 GPUs)
+    # residuals, as training's autocast) and a butd detector's res5 in bfloat16 (its own feature-cache namespace);
+    # "auto" = bf16 where the hardware has native bfloat16 (AVX512-BF16/AMX CPUs, bf16 GPUs)
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     engine_cache_dir: Path | None = None  # onnxruntime's TensorRT engine cache; None = ~/.cache/vlserve/tensorrt
     # feature store

@@ -56,7 +56,8 @@ class FinetuneConfig:
     size: str = "small"  # encoder size (small: text side from MiniLM)
     num_layers: int | None = None  # encoder (text) layers; None = the size's (small: MiniLM's 6); fewer start from
     # MiniLM's first layers
-    vqa_pool: str = "pooled"  # "pooled" (CLS), "answer_slot" (VL-BERT's [MASK]) or "regions" (pooled + attention over regions)
+    vqa_pool: str = "pooled"  # "pooled" (CLS), "answer_slot" ([MASK] before the last [SEP]), "answer_segment" (VL-BERT's
+    #                        `[SEP] [MASK] [SEP]`) or "regions" (pooled + attention over regions)
     #                        or "regions_geometry" (regions + the boxes of question-located regions)
     #                        or "regions_count" (regions + counts of the regions the question fits)
     #                        or "regions_film" (regions + counts + located boxes, modulated by the question)

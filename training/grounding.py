@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from models import HeadConfig, VLInputs, VLModel
+from models import HeadConfig, VLModel
+from models.attention import layer_kind, text_region_attention  # shared with the service's explain=true
 from models.checkpoint import load_checkpoint
 from models.detector import RegionDetector
 from models.detector.io import load_detector
@@ -115,19 +116,6 @@ def scene_regions(detector: RegionDetector, fingerprint: str, scenes: int, split
     with FeatureFile(path) as f:
         regions = [f[str(i)] for i in range(scenes)]
     return table, [r.obj_scores[: r.num_boxes] for r in regions]
-
-
-def text_region_attention(model: VLModel, inputs: VLInputs) -> torch.Tensor:
-    """Attention of every text token to every region at each layer where text meets regions: (L, B, heads, T, N)."""
-    enc = model.forward_features(inputs, output_attentions=True)
-    if model.config.encoder.is_two_stream:
-        return torch.stack(enc.cross_attentions)  # text queries, region keys (ViLBERT's [IMG] column left out)
-    t, n = inputs.input_ids.shape[1], inputs.region_features.shape[1]
-    return torch.stack([a[:, :, :t, t : t + n] for a in enc.attentions])  # the layout is [text][regions](...)
-
-
-def layer_kind(model: VLModel) -> str:
-    return "cross-modality layer" if model.config.encoder.is_two_stream else "layer"
 
 
 @dataclass

@@ -10,6 +10,13 @@ LXMERT and VisualBERT checkpoints were trained on, as ported to PyTorch for tran
 Built from torch/torchvision operators: torchvision's Bottleneck blocks (the stride moved to the first 1x1 conv, as
 the MSRA/caffe ResNet has it), roi_pool, batched_nms and BoxCoder. Batch norms are frozen and computed as eval-mode
 batch_norm, the operation the reference runs, so the same weights give the same numbers.
+
+For serving, `fast_convolutions` rewrites the ResNet in place: each frozen batch norm folded into the convolution
+before it (one pass over the activations instead of two), channels-last activations (oneDNN's native layout, no
+reorder per convolution), RoIPool as one gather (roi_pool.py) and, on CPUs with native bfloat16 dot products,
+bfloat16 weights and activations in res5, 92% of the detector's FLOPs (res5 runs at 14 x 14 on each of 300
+proposals). The backbone, the RPN and the predictors stay float32, so the proposals are exactly float32's and only
+the region features (and the scores read from them) carry bfloat16's rounding.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ from torchvision.ops import batched_nms, clip_boxes_to_image, roi_pool
 from torchvision.ops.misc import FrozenBatchNorm2d
 
 from .config import RESNET_BLOCKS, DetectorConfig
+from .roi_pool import roi_pool_channels_last
 
 STRIDE = 16  # res4's stride: stem 4, res3 2, res4 2
 BOX_CLAMP = math.log(1000.0 / 16)  # largest log-scale a box delta may apply
@@ -34,6 +42,46 @@ class FrozenBN(FrozenBatchNorm2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+
+
+@torch.no_grad()
+def fold_batch_norms(module: nn.Module) -> int:
+    """Fold every frozen batch norm that directly follows a bias-free convolution (stem, bottlenecks, shortcuts)
+    into it: w' = w * g / sqrt(v + eps), b' = b - m * g / sqrt(v + eps); the norm becomes an identity. Returns how
+    many were folded. Same function, different rounding (about 1e-6 relative)."""
+    folded = 0
+
+    def fold(conv: nn.Conv2d, bn: FrozenBN) -> None:
+        scale = bn.weight * torch.rsqrt(bn.running_var + bn.eps)
+        conv.weight.mul_(scale[:, None, None, None])
+        conv.bias = nn.Parameter(bn.bias - bn.running_mean * scale, requires_grad=False)
+
+    for parent in module.modules():
+        if isinstance(parent, Bottleneck):
+            pairs = [("conv1", "bn1"), ("conv2", "bn2"), ("conv3", "bn3")]
+        elif isinstance(parent, Stem):
+            pairs = [("conv1", "bn1")]
+        elif isinstance(parent, nn.Sequential) and len(parent) == 2 and isinstance(parent[1], FrozenBN):
+            pairs = [("0", "1")]  # a projection shortcut
+        else:
+            continue
+        for conv_name, bn_name in pairs:
+            conv, bn = getattr(parent, conv_name), getattr(parent, bn_name)
+            if isinstance(bn, FrozenBN) and isinstance(conv, nn.Conv2d) and conv.bias is None:
+                fold(conv, bn)
+                setattr(parent, bn_name, nn.Identity())
+                folded += 1
+    return folded
+
+
+def fast_convolutions(backbone: ResNetC4, heads: ButdRoIHeads, res5_dtype: torch.dtype) -> None:
+    """The serving form of the ResNet convolutions (module docstring): batch norms folded, channels-last, res5 in
+    `res5_dtype`."""
+    for part in (backbone, heads.res5):
+        fold_batch_norms(part)
+        part.to(memory_format=torch.channels_last)
+    heads.res5.to(dtype=res5_dtype)
+    backbone.input_layout = heads.res5_layout = torch.channels_last
 
 
 def bottleneck(in_ch: int, width: int, out_ch: int, c: DetectorConfig, stride: int = 1) -> Bottleneck:
@@ -87,8 +135,11 @@ class ResNetC4(nn.Module):
         self.res3 = stage(blocks[1], out, 2 * width, 2 * out, c, stride=2)
         self.res4 = stage(blocks[2], 2 * out, 4 * width, 4 * out, c, stride=2)
         self.out_channels = 4 * out
+        self.input_layout = torch.contiguous_format  # channels_last once fast_convolutions has run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Images in any dtype -> res4 in the weights' dtype and layout."""
+        x = x.to(dtype=self.stem.conv1.weight.dtype, memory_format=self.input_layout)
         return self.res4(self.res3(self.res2(self.stem(x))))
 
 
@@ -130,7 +181,7 @@ class ButdRPN(nn.Module):
     def forward(self, features: torch.Tensor, image_sizes: list[tuple[int, int]]) -> list[torch.Tensor]:
         c = self.config
         b, _, fh, fw = features.shape
-        hidden = F.relu(self.conv(features))
+        hidden = F.relu(self.conv(features.float()))  # float32 whatever the backbone's dtype
         logits = self.objectness(hidden).permute(0, 2, 3, 1).reshape(b, -1)  # (B, H W A)
         deltas = self.deltas(hidden)
         deltas = deltas.view(b, -1, 4, fh, fw).permute(0, 3, 4, 1, 2).reshape(-1, 4)  # (B H W A, 4)
@@ -161,6 +212,7 @@ class ButdRoIHeads(nn.Module):
         self.config = c
         d, k, a = c.feature_dim, len(c.classes), len(c.attributes)
         self.res5 = stage(3, in_channels, 8 * c.resnet_bottleneck_channels, d, c, stride=2)
+        self.res5_layout = torch.contiguous_format  # channels_last once fast_convolutions has run
         if c.res5_dilated:  # bottom-up attention's VG head: the first 1x1 conv and shortcut at stride 1, 3x3s dilated
             first = self.res5[0]
             first.conv1.stride = first.downsample[0].stride = (1, 1)
@@ -174,10 +226,20 @@ class ButdRoIHeads(nn.Module):
         self.box_coder = BoxCoder(c.box_weights, bbox_xform_clip=BOX_CLAMP)
 
     def features(self, res4: torch.Tensor, boxes: list[torch.Tensor]) -> torch.Tensor:
-        """(R, D) features of boxes (per image, resized-image pixels)."""
+        """(R, D) float32 features of boxes (per image, resized-image pixels); res5 runs in its weights' dtype."""
         rois = torch.cat([torch.cat([torch.full_like(b[:, :1], i), b], dim=1) for i, b in enumerate(boxes)])
-        pooled = roi_pool(res4, rois, self.config.roi_size, 1.0 / STRIDE)  # (R, C, S, S)
-        return self.res5(pooled).mean(dim=(2, 3))
+        if self.res5_layout == torch.channels_last:  # the serving form: the same pooling, in res5's dtype and layout
+            res4 = res4.to(dtype=self.res5[0].conv1.weight.dtype, memory_format=torch.channels_last)
+            pooled = roi_pool_channels_last(res4, rois, self.config.roi_size, 1.0 / STRIDE)
+        else:
+            pooled = roi_pool(res4.float(), rois, self.config.roi_size, 1.0 / STRIDE)  # (R, C, S, S)
+        out = self.res5(pooled)
+        if out.dtype == torch.float32:
+            return out.mean(dim=(2, 3))
+        # bfloat16: the spatial sum as a product with ones (float32 accumulation, one rounding), several times faster
+        # than a reduction, which first copies the whole (R, D, S, S) map to float32
+        cells = out.permute(0, 2, 3, 1).reshape(out.shape[0], -1, out.shape[1])  # a view of channels-last
+        return torch.matmul(out.new_ones((1, cells.shape[1])), cells).squeeze(1).float() / cells.shape[1]
 
     def forward(self, features: torch.Tensor):
         """(R, D) -> class logits (R, K+1), box deltas (R, 4K), attribute logits (R, A+1). Attributes read the

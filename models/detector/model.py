@@ -20,7 +20,7 @@ from torchvision.ops import box_iou, clip_boxes_to_image
 
 from ..region_features import RegionFeatures
 from .backbone import EfficientNetFPN
-from .butd import ButdRoIHeads, ButdRPN, ResNetC4
+from .butd import ButdRoIHeads, ButdRPN, ResNetC4, fast_convolutions
 from .config import DetectorConfig
 from .preprocess import Prepared, group_by_canvas, prepare_image
 from .roi_align import TrainingRoIAlign
@@ -68,6 +68,15 @@ class RegionDetector(nn.Module):
             score_thresh=c.det_score_thresh, nms_thresh=c.det_nms_thresh, detections_per_img=100,
         )
         self.attr_score = nn.Linear(c.feature_dim, max(1, len(c.attributes)))
+
+    def for_serving(self, dtype: torch.dtype = torch.float32) -> bool:
+        """Rewrite a butd detector into its serving form (butd.fast_convolutions: batch norms folded, channels-last,
+        RoIPool as a gather, res5 in `dtype`: bfloat16 only where the CPU computes it natively); no-op and False for
+        the efficientnet-fpn family, whose convolutions are a small share of its time. Inference only, irreversible."""
+        if self.config.family != "butd":
+            return False
+        fast_convolutions(self.backbone, self.roi_heads, dtype)
+        return True
 
     # ---- shared forward ----------------------------------------------------------------------------
     def _box_head(self, feats, boxes: list[torch.Tensor], image_sizes) -> torch.Tensor:

@@ -71,6 +71,9 @@ def read_original(src: str | Path) -> HFSource:
 
 def encoder_prefix(source: HFSource) -> str:
     """The LAYOUTS key under which the file holds LXRTModel; another format fails saying which it is."""
+    if any(source.has(f"{p}v_embeddings.image_embeddings.weight") for p in ("bert.", "module.bert.")):
+        raise HFImportError(f"{source.weights_path}: a vilbert-multi-task checkpoint (ViLBERT's image stream): import it "
+                            "with `vlserve import vilbert`")
     for prefix in LAYOUTS:
         if source.has(f"{prefix}embeddings.word_embeddings.weight"):
             return prefix

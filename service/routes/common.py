@@ -112,6 +112,9 @@ class Call:
 # than declaring the Call as a dependency: each level of FastAPI dependency solving cost about 40 us per
 # request, a tenth of the service's own per-request work (docs/BENCHMARKS.md, "Service: session 5").
 TimingsQuery = Annotated[bool, Query(description="add per-stage timings (ms) to the response")]
+ExplainQuery = Annotated[bool, Query(description=(
+    "add `explain`: the attention of the text's tokens over the image's regions per layer and head (at most 48 "
+    "heads, weights rounded to 3 decimals); the request runs outside the task's batch"))]
 
 
 def open_call(request: Request, timings: bool) -> Call:

@@ -1,7 +1,9 @@
 """POST /images: register an image (JSON base64 or multipart upload); its regions are computed and cached."""
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
@@ -50,10 +52,12 @@ async def image_bytes(request: Request) -> bytes:
         "multipart/form-data": {"schema": _UPLOAD_SCHEMA},
     }}},
 )
-async def register_image(request: Request, timings: TimingsQuery = False) -> ImageResponse:
+async def register_image(request: Request, timings: TimingsQuery = False,
+                         regions: Annotated[bool, Query(description="add the detector's regions (boxes, labels, "
+                                                                    "scores)")] = False) -> ImageResponse:
     """Compute (or find in the feature store) the image's regions; answer its `image_id` for later requests."""
     call = open_call(request, timings)
     with call.timer.stage("decode"):
         data = await image_bytes(request)
-    result = await call.pipeline.register(data, call.timer)
+    result = await call.pipeline.register(data, call.timer, regions)
     return call.respond(ImageResponse, result)

@@ -48,6 +48,11 @@ class Runtime(ABC):
     def close(self) -> None:
         """Release backend resources (sessions, GPU memory)."""
 
+    def explain(self, task: str, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """`run`'s logits and, per image of each row in order (two per row for NLVR2), the attention of the text
+        tokens over the region slots at each layer where text meets regions: (L, heads, T, N) (explain=true)."""
+        raise NotImplementedError(f"the {self.name} runtime does not return attention; the torch runtime does")
+
     # Two-stream retrieval: a runtime that can run each stream alone lets the service cache every image's and
     # every text's single-modality states and run only the fusion layers per (text, image) pair. States are
     # opaque to the service: one object per row with an `nbytes` attribute.

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from models import layers
+from models.attention import explained_forward
 from models.checkpoint import Checkpoint
 from models.inputs import VLInputs
 from models.two_stream import StreamStates
@@ -94,9 +95,18 @@ class TorchRuntime(Runtime):
             logits = self.model(inputs, task).logits
         return logits.float().cpu().numpy()
 
+    def explain(self, task: str, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        self.check_batch(task, batch)
+        inputs = to_inputs(batch, self.device)
+        with torch.inference_mode(), self._autocast():
+            logits, attention = explained_forward(self.model, inputs, task)
+        return logits.float().cpu().numpy(), [a.float().cpu().numpy() for a in attention]
+
     def splits_streams(self, task: str) -> bool:
-        # the ITM head reads only the fused pooled vector, so it needs no inputs beyond the two streams
-        return hasattr(self.model.encoder, "fuse") and self.tasks.get(task) == "itm"
+        # the ITM head reads only the fused pooled vector, so it needs no inputs beyond the two streams; a head whose
+        # inputs carry a task token (ViLBERT 12-in-1) runs whole, as the cached text states hold no task token
+        return (hasattr(self.model.encoder, "fuse") and self.tasks.get(task) == "itm"
+                and self.model.config.heads[task].task_token < 0)
 
     def encode_texts(self, batch: dict[str, np.ndarray]) -> list[StreamStates]:
         t = to_tensors(batch, self.device)

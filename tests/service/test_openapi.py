@@ -244,9 +244,12 @@ def test_unparseable_multipart_and_content_length_get_a_400(served, problem):
 
 def test_a_query_parameter_of_the_wrong_type_gets_a_422(served, problem):
     client, schema, image_id = served
-    (timings,) = schema["paths"]["/vqa"]["post"]["parameters"]
-    assert timings["in"] == "query" and timings["schema"]["type"] == "boolean"
-    problem(client.post("/vqa?timings=maybe", json={"image_id": image_id, "question": "q"}), 422, "validation-error")
+    parameters = schema["paths"]["/vqa"]["post"]["parameters"]
+    assert sorted(p["name"] for p in parameters) == ["explain", "timings"]
+    for parameter in parameters:
+        assert parameter["in"] == "query" and parameter["schema"]["type"] == "boolean"
+        problem(client.post(f"/vqa?{parameter['name']}=maybe", json={"image_id": image_id, "question": "q"}), 422,
+                "validation-error")
 
 
 # ---- answers no generated request provokes: each conforms to its declaration (status, type, body, headers) ------

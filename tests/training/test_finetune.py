@@ -133,7 +133,7 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(task_data, tmp_path):
         (["--tasks", "vqa:0"], "task weights must be positive"),
         (["--size", "tiny"], "--init-text needs size small"),
         (["--vqa-loss", "mse"], "--vqa-loss must be bce or ce"),
-        (["--vqa-pool", "mean"], "--vqa-pool must be pooled, answer_slot, regions, regions_geometry, regions_count or regions_film"),
+        (["--vqa-pool", "mean"], "--vqa-pool must be pooled, answer_slot, answer_segment, regions, regions_geometry, regions_count or regions_film"),
         (["--itm-pool", "answer_slot"], "--itm-pool must be pooled or regions"),
         (["--nlvr2-pool", "mean"], "--nlvr2-pool must be pooled or regions"),
         (["--tasks", "itm_rank:1", "--rank-pool", "cls"], "--rank-pool must be pooled or regions"),

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from models import HeadConfig, VLInputs
+from models.config import ANSWER_POOLS
 from models.spatial import pairwise_iou
 from models.tokenizer import VLTokenizer
 
@@ -187,7 +188,8 @@ def collate(
     if kind == "multiple_choice":
         text = encode_choices(tokenizer, examples, max_length)
     else:
-        text = tokenizer.encode([e.text for e in examples], answer_slot=head.pool == "answer_slot", max_length=max_length)
+        slot = head.pool if head.pool in ANSWER_POOLS else False
+        text = tokenizer.encode([e.text for e in examples], answer_slot=slot, max_length=max_length)
     rows = np.array([e.rows if kind == "nlvr2" else e.rows[0] for e in examples])
     width = table.width(rows)  # the batch's region slots: padding no image of it needs is dropped
     inputs = VLInputs(

@@ -10,8 +10,8 @@ from typing import Annotated
 import typer
 
 app = typer.Typer(
-    help="Convert public checkpoints (transformers' VisualBERT, LXMERT; the original LXMERT code's; the frcnn-vg "
-    "detector) into vlserve checkpoint and detector directories.",
+    help="Convert public checkpoints (transformers' VisualBERT, LXMERT; the original LXMERT code's; vilbert-multi-task's "
+    "ViLBERT and 12-in-1; the frcnn-vg detector) into vlserve checkpoint and detector directories.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -92,6 +92,80 @@ def lxmert_original(
     from models.importers.lxmert_original import import_lxmert_original
 
     _run(partial(import_lxmert_original, answers=answers), src, out, force)
+
+
+@app.command("volta")
+def volta(
+    src: Annotated[Path, typer.Argument(help="a VOLTA weights file: a pretrained (pytorch_model_9.bin) or fine-tuned "
+                                             "(pytorch_model_best.bin) model; a vocab.txt beside it is read when present")],
+    out: Out,
+    config: Annotated[Path | None, typer.Option(
+        "--config", help="the VOLTA config json the model was built from (its config/ctrl_vilbert_base.json, "
+        "vilbert_base.json, ctrl_lxmert.json, lxmert.json, original_lxmert.json, ctrl_visualbert_base.json); "
+        "default: the one VOLTA config json beside SRC")] = None,
+    answers: Answers = None,
+    force: Force = False,
+) -> None:
+    """Import a VOLTA checkpoint (github.com/e-bug/volta) of a ViLBERT-, LXMERT- or VisualBERT-style config."""
+    from models.importers.volta import import_volta
+
+    _run(partial(import_volta, config=config, answers=answers), src, out, force)
+
+
+@app.command("vilbert")
+def vilbert(
+    src: Annotated[Path, typer.Argument(help="a vilbert-multi-task .bin file: the pretrained model "
+                                             "(pretrained_model.bin) or the 12-in-1 model (multi_task_model.bin); a "
+                                             "vocab.txt beside it is read when present")],
+    out: Out,
+    config: Annotated[Path | None, typer.Option(
+        "--config", help="the vilbert-multi-task config json it was trained with (its "
+        "config/bert_base_6layer_6conect.json for the published models); default: a config.json or "
+        "bert_base_6layer_6conect.json beside SRC")] = None,
+    answers: Answers = None,
+    force: Force = False,
+) -> None:
+    """Import a checkpoint of facebookresearch/vilbert-multi-task (ViLBERT, 12-in-1)."""
+    from models.importers.vilbert import import_vilbert, why_unused
+
+    _run(partial(import_vilbert, config=config, answers=answers), src, out, force)
+    for why in why_unused(json.loads((out / "manifest.json").read_text())["import"]["ignored_keys"]):
+        typer.echo(f"warning: not imported: {why}", err=True)
+
+
+@app.command("u-visualbert")
+def u_visualbert(
+    src: Annotated[Path, typer.Argument(help="a .pth file of uclanlp/visualbert's unsupervised_visualbert: the pretrained "
+                                             "model (CC_Unsupervised_LXRT.pth, any *_LXRT.pth) or a fine-tuned VQA model "
+                                             "(vqa.pth); a bert_config.json and vocab.txt beside it are read when present")],
+    out: Out,
+    answers: Answers = None,
+    force: Force = False,
+) -> None:
+    """Import a checkpoint of the weakly-supervised VisualBERT (github.com/uclanlp/visualbert, unsupervised_visualbert)."""
+    from models.importers.u_visualbert import import_u_visualbert
+
+    _run(partial(import_u_visualbert, answers=answers), src, out, force)
+
+
+@app.command("vl-bert")
+def vl_bert(
+    src: Annotated[Path, typer.Argument(help="a .model file of jackroos/VL-BERT: a pretrained model "
+                                             "(vl-bert-{base,large}-{e2e,prec}.model) or a model fine-tuned with its "
+                                             "vqa/ or refcoco/ code; a vocab.txt beside it is read when present")],
+    out: Out,
+    config: Annotated[Path | None, typer.Option(
+        "--config", help="the VL-BERT yaml it was built with (its cfgs/<task>/*.yaml); default: SRC's name with "
+        ".yaml beside it, else BERT-base's or BERT-large's number of attention heads")] = None,
+    answers: Annotated[Path | None, typer.Option(
+        "--answers", help="the VQA head's answers: VL-BERT's answers_vqa.txt (one per line) or a JSON answer "
+        "table")] = None,
+    force: Force = False,
+) -> None:
+    """Import a checkpoint of VL-BERT's own code (github.com/jackroos/VL-BERT)."""
+    from models.importers.vl_bert import import_vl_bert
+
+    _run(partial(import_vl_bert, config=config, answers=answers), src, out, force)
 
 
 @app.command("frcnn-vg")

@@ -98,7 +98,7 @@ def finetune(
     clip: Annotated[float, typer.Option(min=0.0, help="gradient norm clip")] = 1.0,
     vqa_loss: Annotated[str, typer.Option(help="bce (soft scores, the VQA standard) or ce (softmax; faster on single-answer data)")] = "bce",
     freeze_word_embeddings: Annotated[bool, typer.Option(help="keep the word-embedding table fixed (about 1.2x faster steps)")] = False,
-    vqa_pool: Annotated[str, typer.Option(help="pooled (CLS), answer_slot (VL-BERT's [MASK]), regions (pooled + attention over regions), regions_geometry (regions + the boxes of question-located regions), regions_count (regions + counts of the regions the question fits) or regions_film (regions + counts + located boxes, modulated by the question)")] = "pooled",
+    vqa_pool: Annotated[str, typer.Option(help="pooled (CLS), answer_slot ([MASK] before the last [SEP]), answer_segment (VL-BERT's [SEP] [MASK] [SEP]), regions (pooled + attention over regions), regions_geometry (regions + the boxes of question-located regions), regions_count (regions + counts of the regions the question fits) or regions_film (regions + counts + located boxes, modulated by the question)")] = "pooled",
     itm_pool: Annotated[str, typer.Option(help="pooled (CLS) or regions (pooled + attention over regions)")] = "pooled",
     nlvr2_pool: Annotated[str, typer.Option(help="pooled (CLS) or regions, for each image of the pair")] = "pooled",
     rank_pool: Annotated[str | None, typer.Option(help="pooled or regions: itm_rank / itm_rank_text train a ranking "

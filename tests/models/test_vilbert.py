@@ -1,0 +1,278 @@
+"""`vlserve import vilbert`: parity with facebookresearch/vilbert-multi-task's ViLBERT, its full-size key set, errors.
+
+The fixture (tests/fixtures/vilbert, see reference.json for the repository and commit) was written by
+scripts/reference_fixtures/vilbert.py: the reference's own BertForMultiModalPreTraining and VILBertForVLTasks (with
+task tokens, as the 12-in-1 model) at tiny configs with seeded weights, saved as its code saves them, and their outputs
+at two padded shapes. Imported outputs must equal them within 1e-5 in fp32.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from models import VLInputs, VLModel
+from models.checkpoint import load_checkpoint
+from models.importers.hf_common import HFSource
+from models.importers.vilbert import TASK_TOKENS, convert
+from service.pipeline import task_specs
+from vlserve.cli import app
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "vilbert"
+ATOL = 1e-5
+SHAPES = ("a", "b")  # the generator's two padded shapes
+CONFIGS = {"pretrained_model.bin": "pretrained_config.json", "multi_task_model.bin": "multi_task_config.json"}
+INPUTS = ("input_ids", "attention_mask", "token_type_ids", "region_features", "region_boxes", "region_mask")
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, torch.Tensor]:
+    return load_file(FIXTURE / "reference.safetensors")
+
+
+def cli(*args: str | Path):
+    return CliRunner().invoke(app, ["import", "vilbert", *map(str, args)])
+
+
+def imported(name: str, out: Path, *options: str | Path):
+    result = cli(FIXTURE / name, out, "--config", FIXTURE / CONFIGS[name], *options)
+    assert result.exit_code == 0, result.output
+    return load_checkpoint(out), result
+
+
+def batch(ref: dict[str, torch.Tensor], shape: str, pairs: bool = False) -> VLInputs:
+    """One of the generator's batches; `pairs`: NLVR2's, each even row's text with the regions of rows 2i and 2i+1."""
+    x = {k: ref[f"{shape}.{k}"] for k in INPUTS}
+    if pairs:
+        x |= {k: x[k][0::2] for k in INPUTS[:3]}
+        x |= {k: x[k].reshape(x[k].shape[0] // 2, 2, *x[k].shape[1:]) for k in INPUTS[3:]}
+    return VLInputs(**x)
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item()
+
+
+def record(out: Path) -> dict:
+    return json.loads((out / "manifest.json").read_text())["import"]
+
+
+def q_dense(layers: int) -> list[str]:
+    return [f"bert.encoder.c_layer.{k}.biOutput.q_dense{s}.{t}" for k in range(layers) for s in (1, 2)
+            for t in ("weight", "bias")]
+
+
+# ---- parity -------------------------------------------------------------------------------------------------
+
+
+def test_reference_recorded():
+    ref = json.loads((FIXTURE / "reference.json").read_text())
+    assert ref["repository"] == "facebookresearch/vilbert-multi-task" and len(ref["commit"]) == 40
+    assert "vilbert/vilbert.py" in ref["sha256"]
+    assert sum(f.stat().st_size for f in FIXTURE.iterdir()) < 3_000_000  # tiny widths keep the fixture small
+
+
+def test_pretrained_parity(tmp_path, reference):
+    """pretrained_model.bin: masked LM, masked region classification (regions after [IMG]) and ITM (its index 0 is
+    "matches", ours 1), at both padded shapes; q_dense* are listed as never used."""
+    ckpt, result = imported("pretrained_model.bin", tmp_path / "ours")
+    assert set(ckpt.model.config.heads) == {"mlm", "itm", "mrc"}
+    info = record(tmp_path / "ours")
+    assert info["architecture"] == "BertForMultiModalPreTraining" and info["ignored_keys"] == sorted(q_dense(2))
+    assert "warning: 8 source tensors not imported" in result.stderr
+    enc = ckpt.model.config.encoder
+    assert enc.coattention_image_layers == (0, 2) and enc.coattention_text_layers == (1, 1) and enc.task_tokens == 0
+    model = ckpt.model.eval()
+    for shape in SHAPES:
+        x = batch(reference, shape)
+        words, regions = x.attention_mask.bool(), x.region_mask.bool()  # padded positions: not outputs
+        with torch.no_grad():
+            out = {task: model(x, task).logits for task in ("mlm", "mrc", "itm")}
+        assert max_diff(out["mlm"][words], reference[f"{shape}.pretrained.mlm"][words]) < ATOL
+        assert max_diff(out["mrc"][regions], reference[f"{shape}.pretrained.mrc"][:, 1:][regions]) < ATOL
+        assert max_diff(out["itm"], reference[f"{shape}.pretrained.itm"].flip(-1)) < ATOL
+
+
+def test_multi_task_parity(tmp_path, reference):
+    """multi_task_model.bin (12-in-1, task tokens): every head with an endpoint, each run with its task's token, at
+    both padded shapes; NLVR2 on image pairs."""
+    answers = [f"answer{i}" for i in range(3129)]
+    (tmp_path / "label2ans.json").write_text(json.dumps(answers))
+    ckpt, result = imported("multi_task_model.bin", tmp_path / "ours", "--answers", tmp_path / "label2ans.json")
+    heads = ckpt.model.config.heads
+    assert {name: (h.kind, h.task_token) for name, h in heads.items()} == {
+        "vqa": ("vqa", 1), "gqa": ("vqa", 15), "nlvr2": ("nlvr2", 12), "refer": ("refer", 9), "rank": ("itm", 7)}
+    assert {name: h.task_token for name, h in heads.items()} == TASK_TOKENS
+    assert ckpt.labels["heads"]["vqa"] == answers
+    specs = task_specs({t: h.kind for t, h in heads.items()}, {}, ckpt.labels)
+    assert {kind: spec.task for kind, spec in specs.items()} == {"vqa": "vqa", "nlvr2": "nlvr2", "refer": "refer",
+                                                                 "itm": "rank"}
+    ignored = record(tmp_path / "ours")["ignored_keys"]
+    assert {"vil_tri_prediction.weight", "linguisic_logit.weight", "cls.bi_seq_relationship.weight",
+            "cls.predictions.decoder.weight", *q_dense(2)} <= set(ignored)
+    assert all(k.startswith(("vil_tri_prediction.", "linguisic_logit.", "cls.")) or k in q_dense(2) for k in ignored)
+    assert "vil_tri_prediction" in result.stderr
+    assert ckpt.model.config.encoder.img_from_regions
+    model = ckpt.model.eval()
+    for shape in SHAPES:
+        x = batch(reference, shape)
+        # a detector's whole-image feature is not [IMG]: vilbert-multi-task's is the mean of the regions' features
+        x = x.replace(image_feature=torch.randn(x.region_features.shape[0], x.region_features.shape[-1]))
+        regions = x.region_mask.bool()
+        with torch.no_grad():
+            out = {task: model(x, task).logits for task in ("vqa", "gqa", "rank", "refer")}
+            nlvr2 = model(batch(reference, shape, pairs=True), "nlvr2").logits
+        assert max_diff(out["vqa"], reference[f"{shape}.task1.vil_prediction"]) < ATOL
+        assert max_diff(out["gqa"], reference[f"{shape}.task15.vil_prediction_gqa"]) < ATOL
+        assert max_diff(out["rank"][:, 1] - out["rank"][:, 0], reference[f"{shape}.task7.vil_logit"][:, 0]) < ATOL
+        refer = reference[f"{shape}.task9.vision_logit"][:, 1:, 0]  # after [IMG]
+        assert max_diff(out["refer"][regions], refer[regions]) < ATOL
+        assert max_diff(nlvr2, reference[f"{shape}.task12.vil_binary_prediction"]) < ATOL
+
+
+def test_task_token_is_required_and_changes_the_answer(tmp_path, reference):
+    ckpt, _ = imported("multi_task_model.bin", tmp_path / "ours")
+    model, x = ckpt.model.eval(), batch(reference, "a")
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="puts a task token after \\[CLS\\]"):
+            model.forward_features(x)
+        vqa = model.heads["vqa"](model.forward_features(x, task_token=1), x)
+        other = model.heads["vqa"](model.forward_features(x, task_token=2), x)
+    assert max_diff(vqa, reference["a.task1.vil_prediction"]) < ATOL and max_diff(vqa, other) > 1e-3
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_full_size_keys_all_accounted_for(name):
+    """A state dict of the reference's full-size key set (zero-stride zeros: no memory) with
+    bert_base_6layer_6conect.json maps onto BERT-base-sized vilbert with nothing missing, left over or mis-shaped."""
+    full = json.loads((FIXTURE / "manifest_full.json").read_text())
+    zero = torch.zeros(())
+    source = HFSource(path=FIXTURE / "absent", config=full["config"],
+                      state={k: zero.expand(s) for k, s in full[name].items()}, weights_file=name)
+    config, weights, labels, _ = convert(source)
+    enc = config.encoder
+    assert enc.size == "base" and (enc.image_width, enc.image_heads, enc.coattention_width) == (1024, 8, 1024)
+    assert enc.coattention_text_layers == (6, 7, 8, 9, 10, 11) and enc.coattention_image_layers == (0, 1, 2, 3, 4, 5)
+    with torch.device("meta"):
+        own = VLModel(config).state_dict()
+    assert {k: tuple(v.shape) for k, v in weights.items()} == {k: tuple(v.shape) for k, v in own.items()}
+    ignored = source.ignored()
+    if name == "pretrained_model.bin":
+        assert ignored == sorted(q_dense(6)) and config.heads["mrc"].num_labels == 1601
+    else:
+        assert set(q_dense(6)) <= set(ignored) and enc.task_tokens == 20
+        assert (config.heads["vqa"].num_labels, config.heads["gqa"].num_labels) == (3129, 1533)
+
+
+# ---- errors: exit code 2, one line naming the file, no traceback --------------------------------------------
+
+
+def rewrite(tmp_path: Path, name: str = "multi_task_model.bin", edit=None, config_edit=None) -> Path:
+    """The fixture's `name` re-saved into tmp_path (after `edit` of its state) with its config as config.json."""
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(FIXTURE / "vocab.txt", src / "vocab.txt")
+    config = json.loads((FIXTURE / CONFIGS[name]).read_text())
+    (src / "config.json").write_text(json.dumps(config_edit(config) if config_edit else config))
+    weights = torch.load(FIXTURE / name, weights_only=True)
+    torch.save(edit(weights) if edit else weights, src / name)
+    return src / name
+
+
+def truncated(tmp_path):
+    src = rewrite(tmp_path)
+    src.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
+    return src
+
+
+def other_format(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(FIXTURE.parent / "lxmert_original" / "BEST.pth", src / "BEST.pth")
+    shutil.copy(FIXTURE / "multi_task_config.json", src / "config.json")
+    return src / "BEST.pth"
+
+
+def without_config(tmp_path):
+    src = rewrite(tmp_path)
+    (src.parent / "config.json").unlink()
+    return src
+
+
+def setting(**fields):
+    return lambda tmp: rewrite(tmp, config_edit=lambda c: {**c, **fields})
+
+
+def drop(key: str):
+    return lambda tmp: rewrite(tmp, edit=lambda sd: {k: v for k, v in sd.items() if k != key})
+
+
+def add(key: str, value: torch.Tensor):
+    return lambda tmp: rewrite(tmp, edit=lambda sd: {**sd, key: value})
+
+
+HINT = "config.json and the weights disagree?"
+ERRORS = {
+    "directory": (lambda tmp: FIXTURE, "a directory; give the .bin file"),
+    "no file": (lambda tmp: tmp / "multi_task_model.bin", "multi_task_model.bin: no such file"),
+    "truncated file": (truncated, "multi_task_model.bin: unreadable weights, truncated or corrupt"),
+    "pickled object": (lambda tmp: rewrite(tmp, edit=lambda sd: {**sd, "args": Path("save")}),
+                       "unreadable weights: the pickle holds pathlib.PosixPath"),
+    "training state": (lambda tmp: rewrite(tmp, edit=lambda sd: {"model_state_dict": sd, "epoch": 3}),
+                       "multi_task_model.bin: not a state dict"),
+    "lxmert checkpoint": (other_format, "BEST.pth: an airsplay/lxmert fine-tuned model: import it with `vlserve import lxmert`"),
+    "another model": (lambda tmp: rewrite(tmp, edit=lambda sd: {"backbone.conv1.weight": torch.zeros(2)}),
+                      "multi_task_model.bin: not a vilbert-multi-task checkpoint"),
+    "no config": (without_config, "no ViLBERT config beside it"),
+    "config wider than the weights": (setting(v_hidden_size=1024, v_num_attention_heads=8),
+                                      "tensor bert.v_embeddings.image_embeddings.weight has shape (24, 2048), the model "
+                                      "needs (1024, 2048)", HINT),
+    "config with more layers": (setting(num_hidden_layers=5, t_biattention_id=[5, 5]),
+                                "source checkpoint lacks bert.encoder.layer.4.attention.self.query.weight", HINT),
+    "config with fewer co-attention layers": (setting(v_biattention_id=[0], t_biattention_id=[4]),
+                                              "unexpected tensor bert.encoder.c_layer.1.", HINT),
+    "sum pooling": (setting(fusion_method="sum"), "config.json: fusion_method 'sum' is not supported"),
+    "missing tensor": (drop("bert.encoder.c_layer.1.biattention.key2.bias"),
+                       "source checkpoint lacks bert.encoder.c_layer.1.biattention.key2.bias"),
+    "extra tensor": (add("bert.encoder.adapter.weight", torch.zeros(2)), "unexpected tensor bert.encoder.adapter.weight"),
+}
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_bad_source_exits_2_with_one_clear_message(case, tmp_path):
+    make, *messages = ERRORS[case]
+    src = make(tmp_path)
+    result = cli(src, tmp_path / "out")
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)  # no traceback
+    assert all(message in result.stderr for message in messages), result.stderr
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_vilbert_file_given_to_the_lxmert_importer_says_which_importer_reads_it(tmp_path):
+    """Both save BERT under `bert.`: the LXMERT importer names this format instead of misreading it."""
+    result = CliRunner().invoke(app, ["import", "lxmert", str(FIXTURE / "pretrained_model.bin"), str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert "pretrained_model.bin: a vilbert-multi-task checkpoint" in result.stderr
+    assert "`vlserve import vilbert`" in result.stderr
+
+
+def test_task_token_is_not_a_word_of_the_outputs(tmp_path, reference):
+    """Text states and attentions (what explain=true shows) have one row per input token: the task token is dropped."""
+    ckpt, _ = imported("multi_task_model.bin", tmp_path / "ours")
+    x = batch(reference, "a")
+    with torch.no_grad():
+        enc = ckpt.model.eval().forward_features(x, output_attentions=True, task_token=1)
+    b, t = x.input_ids.shape
+    assert enc.text.shape[:2] == (b, t)
+    assert all(a.shape[-2:] == (t, t) for a in enc.attentions)
+    assert all(a.shape[-2:] == (t, x.region_features.shape[1]) for a in enc.cross_attentions)
+

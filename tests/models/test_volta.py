@@ -1,0 +1,331 @@
+"""`vlserve import volta`: parity with VOLTA's own models (e-bug/volta), full-size key sets, clear errors.
+
+The fixture (tests/fixtures/volta, see reference.json for the repository and commit) was written by
+scripts/reference_fixtures/volta.py: the reference's BertForVLTasks (VQA, retrieval, RefCOCO+, NLVR2 and visual
+entailment heads) and BertForVLPreTraining at four tiny configs (ViLBERT-style at the top, its controlled LXMERT in
+ctrl_lxmert/, its conversion of the original LXMERT in original_lxmert/, its controlled VisualBERT in ctrl_visualbert/)
+with seeded weights, saved as its code saves them, and their outputs on padded inputs of two shapes. Imported outputs
+must equal them within 1e-5 in fp32.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from models import VLInputs, VLModel
+from models.checkpoint import load_checkpoint
+from models.importers.hf_common import HFSource
+from models.importers.volta import convert
+from service.pipeline import task_specs
+from vlserve.cli import app
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "volta"
+CONFIG = FIXTURE / "vilbert_tiny.json"
+VARIANTS = {  # tiny model -> its folder, whether the whole image leads its regions, its pretraining heads
+    "vilbert": (FIXTURE, True, {"mlm": "", "itm": "", "mrc": "0"}),
+    "ctrl_lxmert": (FIXTURE / "ctrl_lxmert", True, {"mlm": "", "itm": "", "mrc": "0"}),
+    "original_lxmert": (FIXTURE / "original_lxmert", False, {"mlm": "", "itm": "", "mrc": "3", "mrfr": "5", "image_qa": ""}),
+    "ctrl_visualbert": (FIXTURE / "ctrl_visualbert", True, {"mlm": "", "itm": "", "mrc": "0"}),
+}
+PRESETS = {"vilbert": "vilbert", "ctrl_lxmert": "lxmert", "original_lxmert": "lxmert", "ctrl_visualbert": "visualbert"}
+ATOL = 1e-5
+SHAPES = ("", "wide.")  # the generator's two padded input shapes
+TASKS, PRETRAINED = "pytorch_model_best.bin", "pytorch_model_9.bin"
+VE = ["clfs_dict.TASK13.bias", "clfs_dict.TASK13.weight"]  # visual entailment: no vlserve endpoint
+ATTR = ["cls.imagePredictions.decoder_dict.4.bias", "cls.imagePredictions.decoder_dict.4.weight"]  # no attribute head
+
+
+def cli(*args: str | Path):
+    return CliRunner().invoke(app, ["import", "volta", *map(str, args)])
+
+
+def imported(src: Path, out: Path, *options: str | Path):
+    result = cli(src, out, *options)  # the config json beside the weights
+    assert result.exit_code == 0, result.output
+    return load_checkpoint(out)
+
+
+@pytest.fixture(scope="module")
+def fine_tuned(tmp_path_factory):
+    return imported(FIXTURE / TASKS, tmp_path_factory.mktemp("volta") / "tasks", "--answers", FIXTURE / "label2ans.json")
+
+
+def batch(ref: dict[str, torch.Tensor], p: str) -> VLInputs:
+    return VLInputs(input_ids=ref[f"{p}input_ids"], attention_mask=ref[f"{p}attention_mask"],
+                    token_type_ids=ref[f"{p}token_type_ids"], region_features=ref[f"{p}region_features"],
+                    region_boxes=ref[f"{p}region_boxes"], region_mask=ref[f"{p}region_mask"])
+
+
+def pairs(ref: dict[str, torch.Tensor], p: str) -> VLInputs:
+    """NLVR2's inputs: each statement with its left and right image's regions, (B, 2, N, ...)."""
+    x = batch(ref, p)
+    both = lambda name: torch.stack([ref[f"{p}{name}"], ref[f"{p}{name}_right"]], 1)  # noqa: E731
+    return x.replace(region_features=both("region_features"), region_boxes=both("region_boxes"),
+                     region_mask=torch.stack([x.region_mask] * 2, 1))
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item()
+
+
+def record(out: Path) -> dict:
+    return json.loads((out / "manifest.json").read_text())["import"]
+
+
+def served_tasks(ckpt) -> dict:
+    return task_specs({t: h.kind for t, h in ckpt.model.config.heads.items()}, {}, ckpt.labels)
+
+
+# ---- parity -------------------------------------------------------------------------------------------------
+
+
+def test_reference_recorded():
+    ref = json.loads((FIXTURE / "reference.json").read_text())
+    assert ref["repository"] == "e-bug/volta" and len(ref["commit"]) == 40
+    size = sum(f.stat().st_size for f in FIXTURE.rglob("*") if f.is_file())
+    assert size < 5_000_000 and max(f.stat().st_size for f in FIXTURE.rglob("*")) < 1_000_000  # tiny widths
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_task_heads_parity(variant, tmp_path):
+    """BertForVLTasks: VQA (TASK1), retrieval (TASK8), RefCOCO+ (TASK10) and NLVR2 (TASK12) equal the reference's,
+    at both padded shapes."""
+    folder, whole_image, _ = VARIANTS[variant]
+    model = imported(folder / TASKS, tmp_path / "ours").model
+    assert set(model.config.heads) == {"vqa", "rank", "refer", "nlvr2"}
+    assert model.config.encoder.preset == PRESETS[variant]
+    reference = load_file(folder / "reference.safetensors")
+    first = 1 if whole_image else 0  # VOLTA scores the whole image too; vlserve's refer head the detector's regions
+    for p in SHAPES:
+        x = batch(reference, p)
+        regions = x.region_mask.bool()
+        with torch.no_grad():
+            vqa, rank, refer = (model(x, task).logits for task in ("vqa", "rank", "refer"))
+            nlvr2 = model(pairs(reference, p), "nlvr2").logits
+        assert max_diff(vqa, reference[f"{p}tasks.TASK1"]) < ATOL
+        assert max_diff(rank[:, 1] - rank[:, 0], reference[f"{p}tasks.TASK8"][:, 0]) < ATOL  # VOLTA's retrieval score
+        assert max_diff(refer[regions], reference[f"{p}tasks.TASK10"][:, first:, 0][regions]) < ATOL
+        assert max_diff(nlvr2, reference[f"{p}tasks.TASK12"]) < ATOL
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_pretraining_heads_parity(variant, tmp_path):
+    """BertForVLPreTraining: masked LM, ITM (VOLTA's [match, no match] read as [no match, match]), region classes
+    (and, where the model has them, feature regression and image QA), at both padded shapes."""
+    folder, whole_image, heads = VARIANTS[variant]
+    ckpt = imported(folder / PRETRAINED, tmp_path / "ours")
+    model = ckpt.model
+    assert set(model.config.heads) == set(heads)
+    assert record(tmp_path / "ours")["ignored_keys"] == (ATTR if "mrfr" in heads else [])
+    reference = load_file(folder / "reference.safetensors")
+    first = 1 if whole_image else 0
+    for p in SHAPES:
+        x = batch(reference, p)
+        words, regions = x.attention_mask.bool(), x.region_mask.bool()
+        with torch.no_grad():
+            out = {task: model(x, task).logits for task in model.config.heads}
+        assert max_diff(out["mlm"][words], reference[f"{p}pre.mlm"][words]) < ATOL
+        assert max_diff(out["itm"], reference[f"{p}pre.itm"].flip(-1)) < ATOL
+        for task in ("mrc", "mrfr"):
+            if task in heads:
+                theirs = reference[f"{p}pre.visual.{heads[task]}"][:, first:]
+                assert max_diff(out[task][regions], theirs[regions]) < ATOL
+        if "image_qa" in heads:
+            assert max_diff(out["image_qa"], reference[f"{p}pre.image_qa"]) < ATOL
+
+
+def test_import_records_what_it_left_out(fine_tuned, tmp_path):
+    """The visual-entailment head has no endpoint: listed by name, and the CLI says so; the VQA answers are named."""
+    result = cli(FIXTURE / TASKS, tmp_path / "out", "--config", CONFIG)
+    assert result.exit_code == 0, result.output
+    assert "warning: 2 source tensors not imported" in result.stderr and VE[0] in result.stderr
+    info = record(tmp_path / "out")
+    assert info["format"] == "volta" and info["architecture"] == "BertForVLTasks" and info["ignored_keys"] == VE
+    assert fine_tuned.labels["heads"]["vqa"] == json.loads((FIXTURE / "label2ans.json").read_text())
+    specs = served_tasks(fine_tuned)
+    assert {kind: spec.task for kind, spec in specs.items()} == {"vqa": "vqa", "itm": "rank", "refer": "refer",
+                                                                 "nlvr2": "nlvr2"}
+
+
+def test_config_given_from_elsewhere(tmp_path):
+    """The weights alone, the config named with --config (as VOLTA's config/ folder holds it)."""
+    (tmp_path / "src").mkdir()
+    for name in (TASKS, "vocab.txt"):
+        shutil.copy(FIXTURE / name, tmp_path / "src" / name)
+    ckpt = imported(tmp_path / "src" / TASKS, tmp_path / "out", "--config", CONFIG)
+    reference = load_file(FIXTURE / "reference.safetensors")
+    with torch.no_grad():
+        logits = ckpt.model(batch(reference, ""), "vqa").logits
+    assert max_diff(logits, reference["tasks.TASK1"]) < ATOL
+
+
+FULL = {  # VOLTA's published config -> preset, (text, image, cross layers), widths (image, bi-attention, pooled)
+    "ctrl_vilbert_base": ("vilbert", (12, 6, 6), (768, 768, 1024)),
+    "vilbert_base": ("vilbert", (12, 6, 6), (1024, 1024, 1024)),
+    "ctrl_lxmert": ("lxmert", (9, 5, 5), (768, 768, 1024)),
+    "original_lxmert": ("lxmert", (9, 5, 5), (768, 768, 768)),
+    "ctrl_visualbert_base": ("visualbert", (12, 0, 0), (768, 768, 1024)),
+}
+
+
+@pytest.mark.parametrize("name", list(FULL))
+@pytest.mark.parametrize("weights", [TASKS, PRETRAINED])
+def test_full_size_keys_all_accounted_for(name, weights):
+    """A state dict of the reference's full-size key set (zero-stride zeros: no memory) for VOLTA's published config
+    maps onto a full-size model with nothing missing, left over or mis-shaped."""
+    full = json.loads((FIXTURE / "manifest_full.json").read_text())[name]
+    zero = torch.zeros(())
+    source = HFSource(path=FIXTURE / "absent", config=full["config"], weights_file=weights,
+                      state={k: zero.expand(s) for k, s in full[weights].items()}, config_file=f"{name}.json")
+    config, tensors, _, _ = convert(source)
+    enc = config.encoder
+    preset, layers, widths = FULL[name]
+    assert enc.preset == preset and (enc.num_layers, enc.num_image_layers, enc.num_cross_layers) == layers
+    assert (enc.image_width, enc.coattention_width if preset == "vilbert" else enc.hidden_size, enc.pooled_size) == widths
+    if preset == "vilbert":
+        assert enc.coattention_text_layers == (6, 7, 8, 9, 10, 11)
+    with torch.device("meta"):
+        model = VLModel(config)
+    own = model.state_dict()
+    source.check_shapes(own)
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == {k: tuple(v.shape) for k, v in own.items()}
+    if weights == TASKS:
+        assert set(config.heads) == {"vqa", "rank", "refer", "nlvr2"} and config.heads["vqa"].num_labels == 3129
+        assert config.heads["vqa"].classifier_hidden == 1536 and source.ignored() == VE
+    elif name == "original_lxmert":  # object, attribute and feature targets, LXMERT's 9500-way image QA
+        assert set(config.heads) == {"mlm", "itm", "mrc", "mrfr", "image_qa"} and source.ignored() == ATTR
+        assert config.heads["image_qa"].num_labels == 9500 and config.heads["mrc"].num_labels == 1600
+    else:
+        assert set(config.heads) == {"mlm", "itm", "mrc"} and source.ignored() == []
+
+
+# ---- errors: exit code 2, one line naming the file, no traceback --------------------------------------------
+
+
+def state(name: str) -> dict[str, torch.Tensor]:
+    return torch.load(FIXTURE / name, weights_only=True)
+
+
+def rewrite(tmp_path: Path, name: str, edit=None, config: dict | None = None) -> Path:
+    """The fixture's `name` re-saved into tmp_path (after `edit` of its state), with a config beside it."""
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(FIXTURE / "vocab.txt", src / "vocab.txt")
+    tiny = json.loads(CONFIG.read_text())
+    (src / "vilbert_tiny.json").write_text(json.dumps(tiny | (config or {})))
+    weights = state(name)
+    torch.save(edit(weights) if edit else weights, src / name)
+    return src / name
+
+
+def other_config(name: str):
+    """The tiny weights beside one of VOLTA's other published configs."""
+    def make(tmp_path):
+        src = rewrite(tmp_path, TASKS)
+        full = json.loads((FIXTURE / "manifest_full.json").read_text())[name]["config"]
+        (src.parent / "vilbert_tiny.json").write_text(json.dumps(full))
+        return src
+    return make
+
+
+def changed_config(variant: str, change: dict):
+    """A tiny fixture's weights beside its config with `change`."""
+    def make(tmp_path):
+        src = tmp_path / "src"
+        src.mkdir()
+        folder = VARIANTS[variant][0]
+        for name in (TASKS, "vocab.txt"):
+            shutil.copy(folder / name, src / name)
+        config = next(folder.glob("*_tiny.json"))
+        (src / config.name).write_text(json.dumps(json.loads(config.read_text()) | change))
+        return src / TASKS
+    return make
+
+
+def truncated(tmp_path):
+    src = rewrite(tmp_path, TASKS)
+    src.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
+    return src
+
+
+def drop(key: str):
+    return lambda sd: {k: v for k, v in sd.items() if k != key}
+
+
+def add(key: str, value: torch.Tensor):
+    return lambda sd: {**sd, key: value}
+
+
+def lxmert_best(tmp_path):
+    return FIXTURE.parent / "lxmert_original" / "BEST.pth"  # no VOLTA config beside it: the format is told first
+
+
+KEY = "bert.encoder.layer.4.attention_self.v_key.weight"
+ERRORS = {
+    "directory": (lambda tmp: FIXTURE, "a directory; give the weights file"),
+    "no file": (lambda tmp: tmp / TASKS, f"{TASKS}: no such file"),
+    "truncated file": (truncated, f"{TASKS}: unreadable weights, truncated or corrupt"),
+    "vilbert-multi-task checkpoint": (lambda tmp: rewrite(tmp, TASKS, add("bert.encoder.c_layer.0.biattention.query1.weight", torch.zeros(2))),
+                                      f"{TASKS}: a vilbert-multi-task checkpoint: import it with `vlserve import vilbert`"),
+    "airsplay/lxmert checkpoint": (lxmert_best, "BEST.pth: an airsplay/lxmert checkpoint: import it with `vlserve import lxmert`"),
+    "another model": (lambda tmp: rewrite(tmp, TASKS, lambda sd: {"backbone.conv1.weight": torch.zeros(2)}),
+                      f"{TASKS}: not a VOLTA checkpoint"),
+    "config with fewer layers than the weights": (
+        lambda tmp: rewrite(tmp, TASKS, config={"tt_attn_sublayers": [0, 2], "t_ff_sublayers": [1, 3, 5, 9]}),
+        f"{TASKS}: unexpected tensor bert.encoder.layer.6."),
+    "config that is no ViLBERT": (lambda tmp: rewrite(tmp, TASKS, config={"tt_attn_sublayers": [0, 2, 4, 6]}),
+                                  "sublayer 4 mixes attentions (tt, tv, vt)"),
+    "config of other widths than the weights": (lambda tmp: rewrite(tmp, TASKS, config={"intermediate_size": 48}),
+                                               f"{TASKS}: tensor bert.encoder.layer.1.intermediate.dense.weight has shape (40, 16), the model needs (48, 16)"),
+    "missing tensor": (lambda tmp: rewrite(tmp, PRETRAINED, drop("bert.encoder.layer.9.output.v_LayerNorm.bias")),
+                       f"{PRETRAINED}: source checkpoint lacks bert.encoder.layer.9.output.v_LayerNorm.bias"),
+    "extra tensor": (lambda tmp: rewrite(tmp, PRETRAINED, add("bert.encoder.adapter.weight", torch.zeros(2))),
+                     f"{PRETRAINED}: unexpected tensor bert.encoder.adapter.weight"),
+    "wrong shape": (lambda tmp: rewrite(tmp, TASKS, add(KEY, torch.zeros(6, 12))),
+                    f"{TASKS}: tensor {KEY} has shape (6, 12), the model needs (12, 12)"),
+    "no config": (lambda tmp: (rewrite(tmp, TASKS), (tmp / "src" / "vilbert_tiny.json").unlink())[0],
+                  f"{TASKS}: give the VOLTA config it was trained with"),
+    "VL-BERT-style config": (other_config("ctrl_vl-bert_base"), "image_embeddings 'vl-bert' (VL-BERT-style): vlserve imports VOLTA's ViLBERT-, LXMERT- and VisualBERT-style configs"),
+    "UNITER-style config": (other_config("ctrl_uniter_base"), "image_embeddings 'uniter' (UNITER-style)"),
+    "sum fusion": (lambda tmp: rewrite(tmp, TASKS, config={"fusion_method": "sum"}),
+                   "fusion_method 'sum': vlserve pools a ViLBERT-style model as the product of its two poolers"),
+    "LXMERT-style config of two feed-forward widths": (changed_config("ctrl_lxmert", {"v_intermediate_size": 48}),
+                                                       "intermediate_size 40 but v_intermediate_size 48; vlserve's lxmert has one size"),
+    "LXMERT-style config with unshared cross-attention": (changed_config("ctrl_lxmert", {"shared_sublayers": []}),
+                                                          "sublayers 4-6 are not an LXMERT cross-modality layer"),
+    "VisualBERT-style config of two LayerNorms": (changed_config("ctrl_visualbert", {"single_ln_sublayers": []}),
+                                                  "a VisualBERT-style config whose sublayers are not one shared stack"),
+    "answers of another size": (lambda tmp: (tmp.joinpath("answers.json").write_text('["yes", "no"]'), rewrite(tmp, TASKS))[1],
+                                "answers.json: 2 answers, but the checkpoint's vqa head has 7"),
+}
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_bad_source_exits_2_with_one_clear_message(case, tmp_path):
+    make, message = ERRORS[case]
+    src = make(tmp_path)
+    options = ["--answers", tmp_path / "answers.json"] if (tmp_path / "answers.json").exists() else []
+    result = cli(src, tmp_path / "out", *options)
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)  # no traceback
+    assert message in result.stderr
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_lxmert_fields_belong_to_lxmert():
+    from models.config import EncoderConfig
+
+    with pytest.raises(ValueError, match="lxmert's and visualbert's"):
+        EncoderConfig(preset="vilbert", whole_image_region=True)
+    with pytest.raises(ValueError, match="needs whole_image_region"):
+        EncoderConfig(preset="lxmert", pooler_style="relu_mul")
+    with pytest.raises(ValueError, match="box_dims 4 or 5"):
+        EncoderConfig(preset="lxmert", box_dims=6)
