@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install test isa faults serve zoo zoo-pretrained zoo-full bench gpu results image deploy-test screenshots clean
+.PHONY: install test isa faults serve zoo zoo-pretrained zoo-full bench bench-butd gpu results image deploy-test screenshots clean
 
 # torch first (pins read from pyproject.toml), so no dependency pulls another torch build.
 # redis-server comes from Debian: the tests start their own on a free loopback port. kubectl too where none is
@@ -37,6 +37,8 @@ zoo-pretrained: install
 zoo-full: install
 	vlserve zoo build --profile full
 
+# The encoder and detector sections of docs/BENCHMARKS.md; every other benchmark's command is in the section it
+# writes (docs/BENCHMARKS.md, docs/RELIABILITY.md, docs/RESULTS.md). tests/test_benchmarks_start.py checks they start.
 bench: install
 	$(PYTHON) benchmarks/encoder.py
 	$(PYTHON) benchmarks/detector.py
@@ -46,6 +48,13 @@ bench: install
 gpu: install
 	$(PYTHON) -m pytest -q -ra -m gpu
 	$(PYTHON) benchmarks/gpu.py
+	@if [ -d "$(BUTD_REFERENCE)" ]; then $(PYTHON) benchmarks/butd.py --device cuda --reference "$(BUTD_REFERENCE)"; \
+	else echo "benchmarks/butd.py --device cuda: skipped, BUTD_REFERENCE names no folder (the frcnn-vg reference's lxmert/, never in the repository: docs/BENCHMARKS.md)"; fi
+
+# The real-size bottom-up-attention detector against its reference (REFERENCE: the lxmert/ folder of
+# huggingface/transformers-research-projects at the commit scripts/reference_fixtures/frcnn_vg.py names). ~15 min.
+bench-butd: install
+	$(PYTHON) benchmarks/butd.py --reference "$(REFERENCE)"
 
 # The presets table of docs/RESULTS.md (benchmarks/results/presets.json): needs the demo detector (`make zoo`).
 results: install

@@ -78,7 +78,7 @@ def main() -> None:
     det_dir, enc_dir = zoo / "detector", zoo / "encoder"
     if not (enc_dir / "manifest.json").is_file():
         sys.exit(f"no trained encoder in {zoo}: run `vlserve zoo build --profile {args.profile}` first")
-    p = PROFILES[args.profile]
+    p = PROFILES[args.profile]["finetune"]
     data = prepare_task_data(det_dir, p.train_scenes, p.eval_scenes, True, progress=False,
                              easy_vqa_images=p.easy_vqa_images)
     checkpoint = load_checkpoint(enc_dir)

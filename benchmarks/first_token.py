@@ -29,7 +29,7 @@ from models.query_bank import QueryBank  # noqa: E402
 from training.finetune import gemm_precision, run_data  # noqa: E402
 from training.retrieval import retrieval_head, score_grid, text_scorer  # noqa: E402
 from training.vl_data import tagged  # noqa: E402
-from training.zoo import DEMO, MULTITASK, finetune_config, retrieval_config, zoo_dir  # noqa: E402
+from training.zoo import PROFILES, placed, zoo_dir  # noqa: E402
 
 HEADING = "## Pair scoring: the last layer for the first token alone"
 
@@ -44,7 +44,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     root = zoo_dir("demo")
-    stage = retrieval_config(DEMO, finetune_config(DEMO, root / "detector", root / MULTITASK), root / "encoder")
+    stage = placed(PROFILES["demo"], root)["retrieval"]
     checkpoint = load_checkpoint(root / "encoder")
     model, tokenizer = checkpoint.model.eval(), checkpoint.tokenizer
     data = tagged(run_data(stage, False), model, tokenizer)

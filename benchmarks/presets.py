@@ -46,7 +46,7 @@ VARIANTS = {"scratch": "no pretraining", "pretrained": "pretrained"}
 BATCH_SIZE = 32
 NEVER = 10**9  # eval_every / checkpoint_every: no periodic evaluation or resumable state inside a stage
 BEGIN, END = "<!-- presets:begin -->", "<!-- presets:end -->"
-HEADING = "## Presets with and without pretraining (issue 4)"
+HEADING = "## Pretraining"
 INTRO = (
     "The five encoder presets at the same small size (text side from MiniLM-L6), on the same data (the demo model "
     "set's detector and cached regions: shapes-world train scenes and easy-VQA train images) with the same seed "

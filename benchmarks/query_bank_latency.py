@@ -1,7 +1,7 @@
 """What a query bank costs /retrieve: text -> images over N registered shapes-world test images with the demo
 model, in process (FastAPI TestClient, the service's batchers and torch runtime), side by side: raw scores
 (`query_bank: false`); bank-normalised with every image's prior computed in the request (the first time the
-images are ranked), with the bank's rows in caption order (session 20) and shortest first (now); bank-normalised
+images are ranked), with the bank's rows in caption order and shortest first (what the service does); bank-normalised
 with the priors kept (every later request); and with the priors computed at registration (POST /images schedules
 them in the background, `query_bank_on_register`): how long until they are all known, and the first /retrieve
 after that. Each repeat starts fresh apps, so cold requests are cold; medians over the repeats. Run it on an

@@ -3,7 +3,7 @@
 Each shapes-world object is matched to the extracted region that overlaps it most (IoU >= 0.5); a softmax
 regression per attribute is fitted on the regions of the training scenes and scored on those of the val scenes. A
 listing caption of n objects is verifiable only where all n objects read right, so the probe's whole-object accuracy
-to the n-th power bounds text -> image retrieval of such listings (docs/RESULTS.md, session 22).
+to the n-th power bounds text -> image retrieval of such listings (docs/RESULTS.md, "Detector").
 
     python benchmarks/region_attributes.py --detector-dir ~/.cache/vlserve/zoo/demo/detector [--train 3000 --val 500]
 """

@@ -1,5 +1,5 @@
 """Training-step time of the demo's recipe on its real batches, with each batch's region slots cut to the most any
-of its images holds (training.data.vl_tasks.collate since session 17) against the same batches padded to the
+of its images holds (training.data.vl_tasks.collate) against the same batches padded to the
 detector's 8 slots. The demo keeps the regions with confidence >= 0.3, 1 to 8 per image (3.4 on average), so most
 slots of a fully padded batch are padding. The same batches, contenders taking turns, median seconds per step per
 task, and the mix's mean step weighted by the stage's task weights.
@@ -30,13 +30,13 @@ from training.finetune import (  # noqa: E402
     autocast, batch_loss, build_model, collate_kind, head_of, init_from_checkpoint, pairs_per_example, param_groups,
     run_data,
 )
-from training.zoo import DEMO, MULTITASK, finetune_config, retrieval_config, zoo_dir  # noqa: E402
+from training.zoo import MULTITASK, PROFILES, placed, zoo_dir  # noqa: E402
 
 HEADING = "## Training step: region slots cut to the batch"
 
 
 class Padded(RegionTable):
-    """The same table, batched with all of the detector's region slots (the behaviour before session 17)."""
+    """The same table, batched with all of the detector's region slots (what collate did before it cut them)."""
 
     def width(self, rows) -> int:
         return self.mask.shape[1]
@@ -57,7 +57,7 @@ def demo_stage(weights: bool = False):
     """(config, data, model in training mode with its word table frozen) of the demo's retrieval stage, from the built
     demo's multi-task checkpoint: its weights too where `weights` (real losses and gradients), else a fresh model."""
     multitask = zoo_dir("demo") / MULTITASK
-    stage = retrieval_config(DEMO, finetune_config(DEMO, zoo_dir("demo") / "detector", multitask), Path("/tmp/unused"))
+    stage = placed(PROFILES["demo"], zoo_dir("demo"))["retrieval"]
     data = run_data(stage, False)
     model = build_model(stage, data.feature_dim, len(data.answers)).train()
     if weights:

@@ -1,12 +1,7 @@
-"""Export: checkpoint directory -> model repository (ONNX graphs per task, detector graph, manifest, parity report).
+"""Export: checkpoint directory -> model repository (ONNX graphs per task, detector graph, TensorRT engines,
+manifest, parity report). Imports models/ only.
 
-Imports models/ only. Entry points: export_repository (what `vlserve export` runs) and load_repository.
+Entry point: export.repository.export_repository (what `vlserve export` runs). Reading a repository is
+models.repository's (the service reads repositories and never imports the writer). This package module imports
+none of its submodules, so importing one (export.engines) does not load the writer and the ONNX export code.
 """
-from .encoder import DEFAULT_OPSET, EXPORTED_KINDS, GraphSpec, export_task, graph_feed, graph_spec, synthetic_batch
-from .repository import (ExportError, ParityError, Repository, RepositoryError, export_repository, is_repository,
-                         load_repository)
-
-__all__ = [
-    "DEFAULT_OPSET", "EXPORTED_KINDS", "ExportError", "GraphSpec", "ParityError", "Repository", "RepositoryError",
-    "export_repository", "export_task", "graph_feed", "graph_spec", "is_repository", "load_repository", "synthetic_batch",
-]

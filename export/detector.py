@@ -6,8 +6,8 @@ families export through the detector's own _heads and _decode.
 Input: the resized, normalised image (1, 3, h, w) from models.detector.preprocess (not yet padded; the graph
 pads it to the canvas as prepare_image does). Outputs, in resized-image pixels: boxes (k, 4), features (k, D),
 obj_ids / obj_scores (k,), attr_ids / attr_scores (k,), image_feature (D,) when the config pools one.
-`OnnxDetector.extract` maps them back to original pixels and pads them into RegionFeatures, as
-RegionDetector.extract does. Batch 1 per run: images of different sizes never share a canvas anyway.
+`OnnxDetector.extract` (models/detector/onnx.py) maps them back to original pixels and pads them into RegionFeatures,
+as RegionDetector.extract does. Batch 1 per run: images of different sizes never share a canvas anyway.
 """
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ from torch import nn
 from torchvision.ops import nms
 
 from models.detector import RegionDetector
+from models.detector.onnx import OnnxDetector
 from models.detector.preprocess import prepare_image
 from models.region_features import RegionFeatures
-
-from .encoder import DEFAULT_OPSET
+from models.repository import DEFAULT_OPSET
 
 OUTPUTS = ("boxes", "features", "obj_ids", "obj_scores", "attr_ids", "attr_scores")
 
@@ -131,37 +131,6 @@ def export_detector(detector: RegionDetector, path: str | Path, opset: int = DEF
         torch.onnx.export(DetectorGraph(detector).eval(), (image,), str(path), dynamo=False, opset_version=opset,
                           input_names=["image"], output_names=names, dynamic_axes=dynamic, do_constant_folding=True)
     return names
-
-
-class OnnxDetector:
-    """RegionDetector.extract on an onnxruntime session of the exported graph."""
-
-    def __init__(self, session, config):
-        self.session = session
-        self.config = config
-
-    @classmethod
-    def load(cls, path: str | Path, config, threads: int = 1, providers: list | None = None, spin: bool = True) -> OnnxDetector:
-        from .repository import session
-
-        return cls(session(Path(path), threads, providers, spin), config)
-
-    def extract(self, images: list[np.ndarray], batch_size: int = 1) -> list[RegionFeatures]:
-        """Region features per image, padded to config.max_regions (one run per image; batch_size is ignored)."""
-        results = []
-        for image in images:
-            prepared = prepare_image(image, self.config)
-            rh, rw = prepared.resized_hw
-            x = prepared.tensor[None, :, :rh, :rw].contiguous().numpy()
-            out = dict(zip([o.name for o in self.session.get_outputs()], self.session.run(None, {"image": x})))
-            h, w = prepared.original_hw
-            boxes = prepared.to_original(torch.from_numpy(out["boxes"])).numpy()  # original pixels, clipped
-            results.append(RegionFeatures(
-                boxes=boxes, features=out["features"], obj_ids=out["obj_ids"], obj_scores=out["obj_scores"],
-                attr_ids=out["attr_ids"], attr_scores=out["attr_scores"], image_hw=(h, w),
-                num_boxes=int(boxes.shape[0]), image_feature=out.get("image_feature"),
-            ).pad_to(self.config.max_regions))
-        return results
 
 
 def canonical(rf: RegionFeatures) -> dict[str, np.ndarray]:

@@ -16,7 +16,7 @@ graph, however exported, must pass the parity check (export/parity.py).
 from __future__ import annotations
 
 import warnings
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -24,44 +24,13 @@ import torch
 from torch import nn
 
 from models import ModelConfig, VLInputs, VLModel
+from models.repository import DEFAULT_OPSET, GraphSpec, InputSpec, graph_feed
 
 EXPORTED_KINDS = ("vqa", "image_qa", "nlvr2", "refer", "itm", "multiple_choice", "grounding")  # task heads
 IMAGE_FEATURE_PRESETS = ("vl-bert", "vilbert")  # presets whose encoder reads image_feature
-DEFAULT_OPSET = 17  # LayerNormalization is an operator from 17 on (the optimizer's fusions look for it)
 EXPORTERS = ("torchscript", "dynamo")
 INT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "region_mask", "tag_ids", "phrase_index")
 MAX_TEXT = 512  # upper bound of the symbolic text length given to the dynamo exporter
-
-
-@dataclass(frozen=True)
-class InputSpec:
-    name: str
-    dtype: str  # "int64" or "float32"
-    shape: tuple[str | int, ...]  # symbolic names for dynamic axes
-
-
-@dataclass(frozen=True)
-class GraphSpec:
-    """What one exported graph takes and gives; stored in the repository manifest."""
-
-    task: str
-    kind: str
-    inputs: tuple[InputSpec, ...]
-    outputs: tuple[InputSpec, ...]
-
-    @property
-    def input_names(self) -> list[str]:
-        return [i.name for i in self.inputs]
-
-    def to_dict(self) -> dict:
-        return {"task": self.task, "kind": self.kind, "inputs": [asdict(i) for i in self.inputs],
-                "outputs": [asdict(o) for o in self.outputs]}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> GraphSpec:
-        def specs(rows):
-            return tuple(InputSpec(r["name"], r["dtype"], tuple(r["shape"])) for r in rows)
-        return cls(data["task"], data["kind"], specs(data["inputs"]), specs(data["outputs"]))
 
 
 def exportable_tasks(config: ModelConfig) -> dict[str, str]:
@@ -113,32 +82,6 @@ class TaskGraph(nn.Module):
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
         inputs = VLInputs(**dict(zip(self.spec.input_names, tensors)))
         return self.model(inputs, self.spec.task).logits
-
-
-def masked_mean(region_features: np.ndarray, region_mask: np.ndarray) -> np.ndarray:
-    """Mean of the real regions' features: the whole-image feature the encoder uses when none is given."""
-    m = region_mask.astype(np.float32)[..., None]
-    return (region_features * m).sum(-2) / np.maximum(m.sum(-2), 1.0)
-
-
-def graph_feed(spec: GraphSpec, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The arrays `spec`'s graph takes, from a runtime batch (keys it does not read are dropped).
-
-    Optional inputs the batch lacks get what the torch model does without them: image_feature = mean of the
-    real regions, tag_ids = -1 (no tag), phrase_index = -1.
-    """
-    feed = {}
-    for inp in spec.inputs:
-        value = batch.get(inp.name)
-        if value is None:
-            if inp.name == "image_feature":
-                value = masked_mean(np.asarray(batch["region_features"], np.float32), np.asarray(batch["region_mask"]))
-            elif inp.name in ("tag_ids", "phrase_index"):
-                value = np.full(np.shape(batch["region_mask"]) + (1,) * (len(inp.shape) - np.ndim(batch["region_mask"])), -1, np.int64)
-            else:
-                raise ValueError(f"graph {spec.task!r} needs input {inp.name!r}")
-        feed[inp.name] = np.ascontiguousarray(value, dtype=np.int64 if inp.dtype == "int64" else np.float32)
-    return feed
 
 
 def to_torch(feed: dict[str, np.ndarray]) -> VLInputs:

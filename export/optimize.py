@@ -28,7 +28,7 @@ def optimize_graph(src: Path, dst: Path, enc: EncoderConfig) -> dict[str, int]:
     Residual adds stay Add + LayerNormalization, not SkipLayerNormalization: onnxruntime's CPU kernel for the
     fused op took 3.4 ms where Add + LayerNormalization took 0.7-0.8 ms (batch 32 x 56 tokens x 768), so the
     fusion made visualbert-base's int8 graph 12% slower at batch 32 (docs/BENCHMARKS.md). CPU sessions keep it
-    unfused (CPU_DISABLED_FUSIONS); GPU sessions fuse it again when they load the graph.
+    unfused (models.repository.CPU_DISABLED_FUSIONS); GPU sessions fuse it again when they load the graph.
     """
     from onnxruntime.transformers.fusion_options import FusionOptions
     from onnxruntime.transformers.optimizer import optimize_model
@@ -43,7 +43,6 @@ def optimize_graph(src: Path, dst: Path, enc: EncoderConfig) -> dict[str, int]:
         return {op: n for op, n in (model.get_fused_operator_statistics() or {}).items() if n}
 
 
-CPU_DISABLED_FUSIONS = ("SkipLayerNormFusion",)  # session-time fusions CPU sessions skip (see optimize_graph)
 INT8_OPS = ("MatMul", "Gemm", "Attention")  # operator types int8 quantization rewrites
 INT8_PER_CHANNEL = True  # one weight scale per output column instead of per tensor
 

@@ -12,8 +12,9 @@ import numpy as np
 import torch
 
 from models import VLModel
+from models.repository import GraphSpec, graph_feed
 
-from .encoder import GraphSpec, graph_feed, synthetic_batch, to_torch
+from .encoder import synthetic_batch, to_torch
 
 MAX_ABS_DIFF = 1e-4  # fp32 logits: an exported graph further from torch than this fails the export
 MIN_AGREEMENT = 0.995  # share of examples whose top-1 (answer, box, match, choice) equals torch's

@@ -1,11 +1,6 @@
-"""Model repository: a checkpoint directory exported to ONNX, verified by its manifest.
-
-Layout: graphs/<task>.onnx (one graph per task head, the variant to serve on CPU), graphs/<task>.fp16.onnx
-(with fp16: the variant for the CUDA and TensorRT execution providers), engines/<task>.plan (--format tensorrt:
-standalone TensorRT engines), config.json, labels.json and the tokenizer files copied from the checkpoint,
-parity.json (measured against torch), manifest.json (kind "onnx-repository"; sha256 of every file, opset,
-versions, each graph's inputs, outputs and precision, the engines' TensorRT version, GPU and profiles, the
-source checkpoint and the detector it expects). An export whose graphs miss the parity bounds writes nothing.
+"""The writer of model repositories: a checkpoint directory exported to ONNX (graphs, detector, TensorRT engines),
+each graph measured against torch, then a manifest. The layout and its reader are models/repository.py; an export
+whose graphs miss the parity bounds writes nothing.
 """
 from __future__ import annotations
 
@@ -14,35 +9,29 @@ import json
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from functools import cache
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-from models import ModelConfig
-from models.checkpoint import (CONFIG, LABELS, MANIFEST, WEIGHTS, CheckpointError, load_checkpoint, verify_manifest,
-                               write_manifest)
-from models.tokenizer import TOKENIZER_FILES, VLTokenizer
+from models import engines as engine_runner
+from models.checkpoint import CONFIG, LABELS, MANIFEST, WEIGHTS, load_checkpoint, write_manifest
+from models.detector.io import load_detector
+from models.detector.onnx import OnnxDetector
+from models.repository import (DEFAULT_OPSET, DETECTOR_DIR, ENGINES, GRAPHS, KIND, PARITY, GraphSpec, Repository,
+                               graph_files, load_repository, session, supported_opset)
+from models.tokenizer import TOKENIZER_FILES
 
 from . import engines
-from .encoder import DEFAULT_OPSET, GraphSpec, export_task, exportable_tasks, graph_feed
+from .detector import detector_parity, export_detector, parity_images
+from .encoder import export_task, exportable_tasks
 from .fused import fused_attention
-from .optimize import CPU_DISABLED_FUSIONS, float16_graph, optimize_graph, quantize_graph
+from .optimize import float16_graph, optimize_graph, quantize_graph
 from .parity import (FP16_MAX_ABS_DIFF, FP16_MIN_AGREEMENT, MAX_ABS_DIFF, MEASURED_REGIONS, MEASURED_TEXT,
                      MIN_AGREEMENT, MIN_INT8_AGREEMENT, Parity, measure)
 
-KIND = "onnx-repository"
-PARITY = "parity.json"
-GRAPHS = "graphs"
-ENGINES = "engines"
 FORMATS = ("onnx", "tensorrt")
-
-
-class RepositoryError(CheckpointError):
-    """A model repository that cannot be loaded; the message names the file or field at fault."""
 
 
 class ExportError(RuntimeError):
@@ -53,48 +42,6 @@ class ParityError(ExportError):
     """An exported graph misses the parity bounds against torch; nothing was written."""
 
 
-@dataclass
-class Repository:
-    path: Path
-    manifest: dict[str, Any]
-    config: ModelConfig
-    tokenizer: VLTokenizer
-    labels: dict[str, Any]
-    graphs: dict[str, GraphSpec]  # task -> inputs / outputs of its graph
-    parity: dict[str, Any] = field(default_factory=dict)
-
-    def graph_path(self, task: str, fp16: bool = False) -> Path:
-        """`task`'s graph: the one served on CPU (fp32 or int8), or its fp16 variant (KeyError when not exported)."""
-        entry = self.manifest["graphs"][task]
-        if not fp16:
-            return self.path / entry["file"]
-        if "fp16" not in entry:
-            raise KeyError(f"the repository has no fp16 graph of {task!r} (export it with --fp16)")
-        return self.path / entry["fp16"]["file"]
-
-    def has_fp16(self, task: str) -> bool:
-        return "fp16" in self.manifest["graphs"][task]
-
-    @property
-    def engines(self) -> dict[str, Any]:
-        """The standalone TensorRT engines (--format tensorrt): TensorRT version, GPU, ranges, per-task files and
-        profiles; {} when the repository has none."""
-        return self.manifest.get("engines") or {}
-
-    def engine_path(self, task: str) -> Path:
-        return self.path / self.engines["graphs"][task]["file"]
-
-    @property
-    def tasks(self) -> dict[str, str]:
-        return {task: spec.kind for task, spec in self.graphs.items()}
-
-    @property
-    def detector_path(self) -> Path | None:
-        """The exported detector graph, when the export was given the detector (`--detector`)."""
-        graph = (self.manifest.get("detector") or {}).get("graph")
-        return self.path / graph if graph else None
-
-
 def versions() -> dict[str, str]:
     import onnx
     import onnxruntime
@@ -102,47 +49,6 @@ def versions() -> dict[str, str]:
 
     return {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__, "onnxscript": onnxscript.__version__,
             "torch": torch.__version__.split("+")[0]}
-
-
-@cache
-def supported_opset() -> int:
-    """Newest ai.onnx opset this onnxruntime loads (probed with a one-node graph; ORT has no API for it)."""
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
-
-    best = 0
-    for opset in range(DEFAULT_OPSET, 64):
-        value = helper.make_tensor_value_info
-        graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe",
-                                  [value("x", TensorProto.FLOAT, [1])], [value("y", TensorProto.FLOAT, [1])])
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-        model.ir_version = 10  # an IR version every onnxruntime of these opsets reads: only the opset is probed
-        try:
-            ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-        except Exception:  # noqa: BLE001 - any refusal means this opset is past what it supports
-            break
-        best = opset
-    return best
-
-
-def session(path: Path, threads: int = 1, providers: list | None = None, spin: bool = True):
-    """An onnxruntime InferenceSession with all graph optimizations and `threads` intra-op threads.
-
-    spin=False: idle intra-op threads sleep instead of spinning (a service runs several sessions side by side).
-    """
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    if not spin:
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.log_severity_level = 3  # errors only
-    providers = providers or ["CPUExecutionProvider"]
-    cpu_only = all((p[0] if isinstance(p, tuple) else p) == "CPUExecutionProvider" for p in providers)
-    return ort.InferenceSession(str(path), options, providers=providers,
-                                disabled_optimizers=list(CPU_DISABLED_FUSIONS) if cpu_only else None)
 
 
 def runner(sess) -> Callable[[dict[str, np.ndarray]], np.ndarray]:
@@ -162,16 +68,11 @@ def _check(task: str, variant: str, parity, max_diff: float | None, min_agreemen
     return None
 
 
-DETECTOR_DIR = "detector"
 DETECTOR_BOX_PX = 1e-3  # exported detector boxes may differ from torch's by this many pixels
 
 
 def _export_detector(detector_dir: Path, tmp: Path, source: dict, opset: int, threads: int) -> tuple[dict, dict]:
     """Export the detector into tmp/detector/ -> (parity report, manifest fields)."""
-    from models.detector.io import load_detector
-
-    from .detector import OnnxDetector, detector_parity, export_detector, parity_images
-
     detector, fingerprint = load_detector(detector_dir)
     expected = (source.get("detector") or {}).get("fingerprint")
     if expected and expected != fingerprint:
@@ -286,11 +187,11 @@ def _split_rows(run: Callable[[dict[str, np.ndarray]], np.ndarray], max_rows: in
     return split
 
 
-def _build_engines(model, specs: dict[str, GraphSpec], work: Path, out: Path, ranges: engines.Ranges, examples: int,
-                   bounds: Bounds, log: Callable[[str], None]) -> tuple[dict, dict, list]:
+def _build_engines(model, specs: dict[str, GraphSpec], work: Path, out: Path, ranges: engine_runner.Ranges,
+                   examples: int, bounds: Bounds, log: Callable[[str], None]) -> tuple[dict, dict, list]:
     """engines/<task>.plan from each task's plain graph (work/<task>.fp32.onnx: standard operators only), each run
     on this GPU against torch -> (manifest fields, parity report, failures). Needs TensorRT and a CUDA GPU."""
-    env = engines.environment()
+    env = engine_runner.environment()
     (out / ENGINES).mkdir()
     entries, report, failures = {}, {}, []
     for task, spec in specs.items():
@@ -305,7 +206,7 @@ def _build_engines(model, specs: dict[str, GraphSpec], work: Path, out: Path, ra
             plan.write_bytes(engines.build_engine(source, profiles))
         except engines.EngineBuildError as exc:
             raise ExportError(str(exc)) from None
-        engine = engines.TensorrtEngine(plan)
+        engine = engine_runner.TensorrtEngine(plan)
         try:
             parity = measure(model, spec, _split_rows(engine.run, ranges.max_batch), examples)
         finally:
@@ -318,12 +219,12 @@ def _build_engines(model, specs: dict[str, GraphSpec], work: Path, out: Path, ra
     return {**env, "precision": "fp16", "ranges": asdict(ranges), "graphs": entries}, report, failures
 
 
-def _check_options(fmt: str, quantize: str | None, opset: int, ranges: engines.Ranges) -> None:
+def _check_options(fmt: str, quantize: str | None, opset: int, ranges: engine_runner.Ranges) -> None:
     """ExportError for options this export cannot honour here, before any work."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if fmt == "tensorrt":
-        reason = engines.unavailable("cuda")
+        reason = engine_runner.unavailable("cuda")
         if reason:
             raise ExportError(f"--format tensorrt builds TensorRT engines on a CUDA GPU, but {reason}; "
                               "export --format onnx here (VLSERVE_RUNTIME=tensorrt then builds engines at start-up "
@@ -354,7 +255,7 @@ def export_repository(
     int8_min_agreement: float = MIN_INT8_AGREEMENT,
     fp16_max_abs_diff: float = FP16_MAX_ABS_DIFF,
     fp16_min_agreement: float = FP16_MIN_AGREEMENT,
-    engine_ranges: engines.Ranges = engines.Ranges(),
+    engine_ranges: engine_runner.Ranges = engine_runner.Ranges(),
     detector_dir: str | Path | None = None,
     log: Callable[[str], None] = lambda message: None,
 ) -> Repository:
@@ -456,57 +357,3 @@ def export_repository(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return load_repository(out)
-
-
-def graph_files(graphs: dict[str, dict], engine_fields: dict) -> list[str]:
-    """Every graph and engine file a manifest's "graphs" and "engines" entries name."""
-    files = [g["file"] for g in graphs.values()] + [g["fp16"]["file"] for g in graphs.values() if "fp16" in g]
-    return files + [e["file"] for e in (engine_fields.get("graphs") or {}).values()]
-
-
-# ---- loading -------------------------------------------------------------------------------------------
-
-def is_repository(path: str | Path) -> bool:
-    """Whether `path` holds a model repository (manifest kind "onnx-repository"), without verifying it."""
-    try:
-        return json.loads((Path(path) / MANIFEST).read_text()).get("kind") == KIND
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def load_repository(path: str | Path) -> Repository:
-    """Verify a repository's manifest (every file present with its sha256, every graph and engine among them, an
-    opset onnxruntime runs) and read its config, tokenizer, labels and graph specs. RepositoryError names the
-    file or field at fault."""
-    path = Path(path)
-    try:
-        manifest = verify_manifest(path)
-    except CheckpointError as exc:
-        raise RepositoryError(str(exc)) from None
-    if manifest.get("kind") != KIND:
-        raise RepositoryError(f"{path}: not a model repository (manifest kind {manifest.get('kind')!r}); "
-                              f"`vlserve export` makes one from a checkpoint directory")
-    opset, limit = manifest.get("opset"), supported_opset()
-    if not isinstance(opset, int) or opset > limit:
-        raise RepositoryError(f"{path / MANIFEST}: the graphs use ONNX opset {opset!r} but onnxruntime "
-                              f"{versions()['onnxruntime']} supports opsets up to {limit}; upgrade onnxruntime "
-                              f"or export again with --opset {limit}")
-    try:
-        config = ModelConfig.from_dict(json.loads((path / CONFIG).read_text()))
-        labels = json.loads((path / LABELS).read_text())
-        graphs = {task: GraphSpec.from_dict(g) for task, g in manifest["graphs"].items()}
-        parity = json.loads((path / PARITY).read_text())
-    except (ValueError, KeyError, TypeError) as exc:
-        raise RepositoryError(f"{path}: invalid repository metadata ({exc})") from None
-    for task, spec in graphs.items():
-        if task not in config.heads:
-            raise RepositoryError(f"{path / MANIFEST}: graph {task!r} has no head in {CONFIG}")
-    try:
-        named = graph_files(manifest["graphs"], manifest.get("engines") or {})
-    except (KeyError, TypeError) as exc:
-        raise RepositoryError(f"{path / MANIFEST}: invalid graph or engine entry ({exc})") from None
-    unverified = [name for name in named if name not in manifest["files"]]
-    if unverified:  # a file the manifest serves but does not hash would escape verification
-        raise RepositoryError(f"{path / MANIFEST}: {unverified[0]} is served but has no sha256 in the manifest")
-    return Repository(path=path, manifest=manifest, config=config, tokenizer=VLTokenizer.from_dir(path),
-                      labels=labels, graphs=graphs, parity=parity)

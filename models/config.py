@@ -12,8 +12,12 @@ TWO_STREAM = ("vilbert", "lxmert")
 BOX_EMBEDDINGS = ("linear", "normalized")  # EncoderConfig.box_embedding (u-visualbert)
 VLBERT_EMBEDDINGS = ("concat", "reference")  # EncoderConfig.vlbert_embedding (vl-bert)
 EMBEDDING_STYLES = ("vlserve", "published")  # EncoderConfig.embedding_style (u-visualbert)
-HEAD_POOLS = ("pooled", "answer_slot", "answer_segment", "regions", "regions_geometry", "regions_count", "regions_film")  # HeadConfig.pool; which heads read each: below
+HEAD_POOLS = ("pooled", "answer_slot", "answer_segment", "regions", "regions_film")  # HeadConfig.pool; which heads read each: below
+REMOVED_POOLS = ("regions_geometry", "regions_count")  # VQA pools no recipe used (regions_film reads both their features)
 ANSWER_POOLS = ("answer_slot", "answer_segment")  # pools that read a [MASK] answer slot: the text layout needs one
+TEXT_LAYOUTS = ("plain", "answer_slot", "answer_segment")  # HeadConfig.text_layout
+ANSWER_SCORES = ("sigmoid", "softmax")  # HeadConfig.score
+ANSWER_KINDS = ("vqa", "image_qa")  # heads that score an answer vocabulary (HeadConfig.score)
 HEAD_KINDS = (
     # task heads
     "vqa", "nlvr2", "refer", "itm", "multiple_choice", "grounding",
@@ -186,9 +190,7 @@ class HeadConfig:
     pool: str = "pooled"  # vqa: "pooled" (CLS / fused), "answer_slot" (the [MASK] before the final [SEP]: text
     #                       `[CLS] q [MASK] [SEP]`), "answer_segment" (the same slot as VL-BERT lays it out: `[CLS] q
     #                       [SEP] [MASK] [SEP]`, the last two in segment 1) or
-    #                       "regions" (pooled + question-guided attention pooling of the regions) or
-    #                       "regions_geometry" (regions + the boxes of question-located regions) or
-    #                       "regions_count" (regions + counts of the regions the question fits) or "regions_film"
+    #                       "regions" (pooled + question-guided attention pooling of the regions) or "regions_film"
     #                       (regions + counts + located boxes, modulated by the question); itm and nlvr2
     #                       (each image): "pooled" or "regions"
     classifier: str = "mlp"  # vqa/nlvr2/image_qa: "mlp" (Linear-GELU-LN-Linear, LXMERT/ViLBERT) or "linear" or
@@ -203,25 +205,42 @@ class HeadConfig:
     mrc_loss: str = "ce"  # mrc: "ce" against the detector's top class or "kl" to its distribution
     vqa_loss: str = "bce"  # vqa: "bce" on soft scores (bottom-up attention, LXMERT) or "ce": softmax cross-entropy
     #                        against the normalised soft scores (learns single-answer datasets much faster)
+    # What a server needs to know, declared so that it never reads training choices; "" = derived in __post_init__
+    # from the fields above (configs written without them load with the semantics they were trained with):
+    score: str = ""  # vqa, image_qa: answer scores from the logits, "sigmoid" per answer (derived from vqa_loss
+    #                  "bce") or "softmax" over the answers (vqa_loss "ce"); other heads: ""
+    text_layout: str = ""  # the text the head reads: "plain" `[CLS] text [SEP]`, "answer_slot" `[CLS] text [MASK]
+    #                        [SEP]` or "answer_segment" `[CLS] text [SEP] [MASK] [SEP]` (derived: pool's slot or plain)
 
     def __post_init__(self) -> None:
         if self.kind not in HEAD_KINDS:
             raise ValueError(f"unknown head kind {self.kind!r}; choose one of {', '.join(HEAD_KINDS)}")
+        if self.pool in REMOVED_POOLS:
+            raise ValueError(f"head {self.kind}: pool={self.pool!r} was removed from vlserve (no recipe used it); "
+                             f"retrain the head with pool 'regions_film', which reads the same features")
+        if not self.score and self.kind in ANSWER_KINDS:
+            self.score = "softmax" if self.vqa_loss == "ce" else "sigmoid"
+        if not self.text_layout:
+            self.text_layout = self.pool if self.pool in ANSWER_POOLS else "plain"
         checks = {
             "pool": (self.pool, HEAD_POOLS),
             "classifier": (self.classifier, ("mlp", "linear", "bert", "dense_gelu")),
             "nlvr2_mode": (self.nlvr2_mode, ("pair", "joint")),
             "mrc_loss": (self.mrc_loss, ("ce", "kl")),
             "vqa_loss": (self.vqa_loss, ("bce", "ce")),
+            "score": (self.score, ANSWER_SCORES if self.kind in ANSWER_KINDS else ("",)),
+            "text_layout": (self.text_layout, TEXT_LAYOUTS),
         }
         for name, (value, allowed) in checks.items():
             if value not in allowed:
                 raise ValueError(f"head {self.kind}: {name}={value!r} is not one of {allowed}")
         readers = {"answer_slot": ("vqa", "image_qa"), "answer_segment": ("vqa", "image_qa"), "regions": ("vqa", "image_qa", "itm", "nlvr2"),
-                   "regions_geometry": ("vqa", "image_qa"), "regions_count": ("vqa", "image_qa"),
                    "regions_film": ("vqa", "image_qa")}
         if self.pool in readers and self.kind not in readers[self.pool]:
             raise ValueError(f"head {self.kind}: pool={self.pool!r} is for {', '.join(readers[self.pool])} heads only")
+        if self.pool in ANSWER_POOLS and self.text_layout != self.pool:
+            raise ValueError(f"head {self.kind}: pool={self.pool!r} reads the answer slot of text_layout "
+                             f"{self.pool!r}, not {self.text_layout!r}")
         classifier_readers = {"bert": ("vqa", "image_qa", "nlvr2"), "dense_gelu": ("refer", "mrc")}
         if self.classifier in classifier_readers and self.kind not in classifier_readers[self.classifier]:
             raise ValueError(f"head {self.kind}: classifier={self.classifier!r} is for "
@@ -230,6 +249,11 @@ class HeadConfig:
             raise ValueError(f"head {self.kind} needs num_labels > 0")
         if self.task_token < -1:
             raise ValueError(f"head {self.kind}: task_token={self.task_token} is neither a task id (>= 0) nor -1 (none)")
+
+    @property
+    def answer_slot(self) -> bool | str:
+        """The tokenizer's answer_slot argument for this head's text layout: False for plain text."""
+        return False if self.text_layout == "plain" else self.text_layout
 
 
 @dataclass

@@ -64,21 +64,7 @@ def with_attended_regions(region_query: nn.Linear, enc: EncoderOutput, region_ma
     return torch.cat([enc.pooled, pooled_regions], dim=-1)
 
 
-GEOMETRY_QUERIES = 4  # pool="regions_geometry": how many regions a question may locate at once
-
-
-def with_located_regions(region_query: nn.Linear, where_query: nn.Linear, enc: EncoderOutput, region_mask: torch.Tensor,
-                         boxes: torch.Tensor) -> torch.Tensor:
-    """with_attended_regions joined with where the question's objects are (B, P + Hv + 4K): K pooled-vector-guided
-    attentions over the real regions, each reading out its expected box (normalised x1, y1, x2, y2).
-
-    The contextual regions carry their boxes only mixed into Hv features; relation questions ("is the red object
-    left of the triangle?") compare two objects' coordinates, which the classifier can do in its first layer once
-    the coordinates of the attended objects are among its inputs.
-    """
-    attended = with_attended_regions(region_query, enc, region_mask)
-    where = located_boxes(where_query, enc, region_mask, boxes).flatten(1)  # (B, 4K)
-    return torch.cat([attended, where.to(attended.dtype)], dim=-1)
+GEOMETRY_QUERIES = 4  # pool="regions_film": how many regions a question may locate at once
 
 
 def located_boxes(where_query: nn.Linear, enc: EncoderOutput, region_mask: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
@@ -90,26 +76,14 @@ def located_boxes(where_query: nn.Linear, enc: EncoderOutput, region_mask: torch
     return torch.einsum("bkn,bnc->bkc", weights, boxes.float())
 
 
-COUNT_QUERIES = 4  # pool="regions_count": how many region counts a question may take at once
+COUNT_QUERIES = 4  # pool="regions_film": how many region counts a question may take at once
 COUNT_BINS = 16  # each count is also read as its closeness to 0, 1, ..., COUNT_BINS - 1
 
 
-def with_counted_regions(region_query: nn.Linear, count_query: nn.Linear, enc: EncoderOutput,
-                         region_mask: torch.Tensor) -> torch.Tensor:
-    """with_attended_regions joined with how many regions the question's descriptions fit (B, P + Hv + K (1 + bins)):
-    K pooled-vector-guided sigmoid gates over the real regions, each summed to a count, read as its value and as
-    Gaussian bumps at 0, 1, ..., COUNT_BINS - 1 (width 0.5), so that the classifier can tell 2 from 3.
-
-    A softmax attention averages: two red circles pool to the same vector as one, and the classifier cannot count
-    them (Zhang et al., "Learning to Count Objects in Natural Images for VQA", 2018). Sigmoid gates add up instead.
-    """
-    attended = with_attended_regions(region_query, enc, region_mask)
-    counts = region_counts(count_query, enc, region_mask)
-    return torch.cat([attended, counts.to(attended.dtype), count_bumps(counts).to(attended.dtype)], dim=-1)
-
-
 def region_counts(count_query: nn.Linear, enc: EncoderOutput, region_mask: torch.Tensor) -> torch.Tensor:
-    """(B, K) float32: K pooled-vector-guided sigmoid gates over the real regions, each summed."""
+    """(B, K) float32: K pooled-vector-guided sigmoid gates over the real regions, each summed. A softmax attention
+    averages: two red circles pool to the same vector as one, and a classifier cannot count them (Zhang et al.,
+    "Learning to Count Objects in Natural Images for VQA", 2018); sigmoid gates add up instead."""
     b, n, hv = enc.image.shape
     query = count_query(enc.pooled)  # (B, K * Hv + K): K queries and K gate biases
     queries, bias = query[:, : COUNT_QUERIES * hv].reshape(b, COUNT_QUERIES, hv), query[:, COUNT_QUERIES * hv:]
@@ -146,7 +120,7 @@ def with_modulated_regions(region_query: nn.Linear, count_query: nn.Linear, wher
 
     "Is A left of B?", "is A on the left?" and "is there not a circle?" are exclusive-ors of a word and a measured
     quantity: neither alone tells the answer, and an MLP over the concatenated inputs sat at chance on them for
-    thousands of steps (docs/RESULTS.md, sessions 9 and 16). The product puts the word's sign on the quantity before the
+    thousands of steps (docs/RESULTS.md, "Heads"). The product puts the word's sign on the quantity before the
     classifier sees it, as FiLM's question-conditioned feature modulation does (Perez et al., 2018).
     """
     attended = with_attended_regions(region_query, enc, region_mask)
@@ -157,12 +131,9 @@ def with_modulated_regions(region_query: nn.Linear, count_query: nn.Linear, wher
 
 
 def pooled_width(head: HeadConfig, enc: EncoderConfig) -> int:
-    """Width of what a head reads: the pooled vector, with pool="regions" also the attended regions, with
-    pool="regions_geometry" also the boxes of the located regions, with pool="regions_count" also the counts, and
-    with pool="regions_film" also the explicit features and their question-modulated projection."""
-    extra = {"regions": enc.image_width, "regions_geometry": enc.image_width + 4 * GEOMETRY_QUERIES,
-             "regions_count": enc.image_width + COUNT_QUERIES * (1 + COUNT_BINS),
-             "regions_film": enc.image_width + EXPLICIT + MODULATED}
+    """Width of what a head reads: the pooled vector, with pool="regions" also the attended regions, and with
+    pool="regions_film" also the explicit features and their question-modulated projection."""
+    extra = {"regions": enc.image_width, "regions_film": enc.image_width + EXPLICIT + MODULATED}
     return enc.pooled_size + extra.get(head.pool, 0)
 
 
@@ -195,21 +166,17 @@ class Head(nn.Module):
 class VQAHead(Head):
     """Answer scores (B, A) from the pooled vector, from the [MASK] answer slot before the final [SEP], or
     ("regions") from the pooled vector joined with a question-guided attention pooling of the contextual regions
-    (the top-down attention of bottom-up/top-down VQA): a direct path from the answer to the regions;
-    ("regions_geometry") with the boxes of question-located regions as well (with_located_regions); and
-    ("regions_count") with counts of the regions the question's descriptions fit (with_counted_regions);
+    (the top-down attention of bottom-up/top-down VQA): a direct path from the answer to the regions; or
     ("regions_film") with counts, located boxes and their question-modulated projection (with_modulated_regions)."""
 
     def __init__(self, head: HeadConfig, enc: EncoderConfig):
         super().__init__(head, enc)
         width = enc.hidden_size if head.pool in ANSWER_POOLS else pooled_width(head, enc)
-        if head.pool in ("regions", "regions_geometry", "regions_count", "regions_film"):
+        if head.pool in ("regions", "regions_film"):
             self.region_query = nn.Linear(enc.pooled_size, enc.image_width)
-        if head.pool in ("regions_geometry", "regions_film"):
-            self.where_query = nn.Linear(enc.pooled_size, GEOMETRY_QUERIES * enc.image_width)
-        if head.pool in ("regions_count", "regions_film"):
-            self.count_query = nn.Linear(enc.pooled_size, COUNT_QUERIES * (enc.image_width + 1))
         if head.pool == "regions_film":
+            self.where_query = nn.Linear(enc.pooled_size, GEOMETRY_QUERIES * enc.image_width)
+            self.count_query = nn.Linear(enc.pooled_size, COUNT_QUERIES * (enc.image_width + 1))
             self.film = nn.ModuleDict({"question": nn.Linear(enc.pooled_size, MODULATED),
                                        "features": nn.Linear(EXPLICIT, MODULATED)})
         self.dropout = nn.Dropout(enc.dropout)
@@ -224,10 +191,6 @@ class VQAHead(Head):
             h = enc.pooled  # (B, P)
         elif self.head.pool == "regions":
             h = with_attended_regions(self.region_query, enc, inputs.region_mask)  # (B, P + Hv)
-        elif self.head.pool == "regions_geometry":
-            h = with_located_regions(self.region_query, self.where_query, enc, inputs.region_mask, inputs.region_boxes)
-        elif self.head.pool == "regions_count":
-            h = with_counted_regions(self.region_query, self.count_query, enc, inputs.region_mask)
         elif self.head.pool == "regions_film":
             h = with_modulated_regions(self.region_query, self.count_query, self.where_query, self.film, enc,
                                        inputs.region_mask, inputs.region_boxes)

@@ -146,7 +146,7 @@ def attend(
     Inference runs torch's fused kernel. Training on the CPU runs the plain matmul-softmax-matmul: at these
     sequence lengths the fused kernel's forward + backward was about 4x slower (batch 32, 28 tokens, bf16
     autocast), the demo's no-dropout training step went from 268 to 196 ms (benchmarks/train_step.py), and the
-    plain path trained to far better accuracy in the same steps (docs/RESULTS.md, session 4)."""
+    plain path trained to far better accuracy in the same steps (docs/RESULTS.md, "Recipe levers")."""
     if mask is not None and mask.dtype != q.dtype:  # bfloat16 q/k/v from a bf16 GEMM (inference)
         mask = mask.to(q.dtype)
     if not need_probs and not (torch.is_grad_enabled() and q.device.type == "cpu"):

@@ -23,14 +23,14 @@ import numpy as np
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from export.detector import OnnxDetector
-from export.repository import Repository, is_repository, load_repository
 from models import ModelConfig
 from models.attention import layer_kind
 from models.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from models.query_bank import QueryBank
 from models.detector import RegionDetector
 from models.detector.io import load_detector
+from models.detector.onnx import OnnxDetector
+from models.repository import Repository, is_repository, load_repository
 
 from .admission import AdmissionMiddleware
 from .batcher import Batcher, BatcherConfig, InFlight
@@ -210,7 +210,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             settings.max_pixels, inference, on_batch=metrics.on_batch("detector"),
             max_pixels_in_flight=settings.decode_max_pixels_in_flight, reduced_decoding=settings.decode_reduced)
         config = model_config(loaded.checkpoint)
-        specs = task_specs(runtime.tasks, {t: {"pool": h.pool, "vqa_loss": h.vqa_loss} for t, h in config.heads.items()}, loaded.checkpoint.labels)
+        specs = task_specs(runtime.tasks, config.heads, loaded.checkpoint.labels)
         model = model_info(loaded, runtime.name, runtime.precision)
         streams = stream_cache(settings, runtime, specs, model)
         encoder_batching = BatcherConfig(settings.max_batch_size, settings.max_wait_ms, settings.max_queue,

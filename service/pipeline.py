@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from models import RANK_HEAD
-from models.config import ANSWER_POOLS
+from models.config import HeadConfig
 from models.region_features import RegionFeatures, region_tag_ids, stack
 from models.tokenizer import VLTokenizer
 
@@ -51,11 +51,11 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(-1, keepdims=True)
 
 
-def top_answers(logits: np.ndarray, names: Sequence[str], k: int, softmax_scores: bool = False) -> list[tuple[str, float]]:
-    """(answer, score) of the k best answers, best first: a sigmoid per answer for a soft-score (BCE) VQA head,
-    the softmax over the answers for a head trained with cross-entropy (vqa_loss "ce")."""
+def top_answers(logits: np.ndarray, names: Sequence[str], k: int, score: str = "sigmoid") -> list[tuple[str, float]]:
+    """(answer, score) of the k best answers, best first; `score` is the head's (HeadConfig.score): "sigmoid" per
+    answer or "softmax" over the answers."""
     order = np.argsort(-logits, kind="stable")[:k]
-    scores = (softmax if softmax_scores else sigmoid)(logits.astype(np.float64))
+    scores = {"sigmoid": sigmoid, "softmax": softmax}[score](logits.astype(np.float64))
     return [(names[i], float(scores[i])) for i in order]
 
 
@@ -129,9 +129,9 @@ class Scored:
 class TaskSpec:
     task: str  # head name in the checkpoint
     kind: str  # head kind (vqa, refer, itm, nlvr2)
-    answer_slot: bool | str = False  # VQA read from the [MASK] slot: the text layout needs one (its pool, ANSWER_POOLS)
+    answer_slot: bool | str = False  # the tokenizer's answer_slot for the head's text layout (HeadConfig.answer_slot)
     labels: tuple[str, ...] = ()  # VQA answer names
-    softmax_scores: bool = False  # VQA head trained with cross-entropy: answer scores are a softmax, not sigmoids
+    score: str = "sigmoid"  # VQA answer scores from the logits (HeadConfig.score)
 
 
 @dataclass(frozen=True)
@@ -142,19 +142,20 @@ class Limits:
     max_candidates: int
 
 
-def task_specs(tasks: dict[str, str], head_options: dict[str, dict[str, Any]], labels: dict[str, Any]) -> dict[str, TaskSpec]:
+def task_specs(tasks: dict[str, str], heads: Mapping[str, HeadConfig], labels: dict[str, Any]) -> dict[str, TaskSpec]:
     """kind -> TaskSpec for every served kind the model has: the first head of a kind answers its endpoint, except
-    that /retrieve ranks with the ranking head (RANK_HEAD) where the model has one beside its ITM classifier."""
+    that /retrieve ranks with the ranking head (RANK_HEAD) where the model has one beside its ITM classifier. Text
+    layout and answer scores are what `heads` (the model's HeadConfigs) declare; a task without one is plain text
+    scored by sigmoids."""
     specs: dict[str, TaskSpec] = {}
     ranked = sorted(tasks.items(), key=lambda item: item[0] != RANK_HEAD or item[1] != "itm")  # stable: RANK_HEAD first
     for task, kind in ranked:
         if kind not in SERVED_KINDS or kind in specs:
             continue
         names = tuple((labels.get("heads") or {}).get(task) or ())
-        options = head_options.get(task, {})
-        slot = options.get("pool") if options.get("pool") in ANSWER_POOLS else False
-        specs[kind] = TaskSpec(task, kind, answer_slot=slot, labels=names,
-                               softmax_scores=options.get("vqa_loss") == "ce")
+        head = heads.get(task)
+        specs[kind] = TaskSpec(task, kind, answer_slot=head.answer_slot if head else False, labels=names,
+                               score=(head.score if head else "") or "sigmoid")
     return specs
 
 
@@ -335,7 +336,7 @@ class Pipeline:
         item = {**text, **region_arrays([rf], self.tag_words)}
         logits, explained = await self.answer(spec, item, timer, explain, question, [(image_id, rf)])
         names = spec.labels or tuple(f"answer_{i}" for i in range(logits.shape[-1]))
-        answers = top_answers(logits, names, top_k, spec.softmax_scores)
+        answers = top_answers(logits, names, top_k, spec.score)
         return {"image_id": image_id, "answers": [{"answer": a, "score": s} for a, s in answers], **explained}
 
     async def refer(self, data: bytes | None, image_id: str | None, expression: str, timer: Timer,

@@ -6,7 +6,7 @@ import json
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +24,7 @@ from .data.vl_tasks import RANK_GROUP, collate
 from .device import autocast, model_device, resolve_device, rng_state, set_rng_state, to_device
 from .evaluate import evaluate_tasks
 from .objectives import group_ranking_loss
+from .run_config import FinetuneConfig
 from .retrieval import card_metrics, evaluate_retrieval, training_bank
 from .vl_data import EXPRESSION_SETS, QUESTION_SETS, TaskData, prepare_task_data, tagged
 
@@ -46,78 +47,6 @@ def head_of(task: str, rank_pool: str | None = None) -> str:
     if task in RANK_TASKS and rank_pool:
         return RANK_HEAD
     return TRAINING_SETS.get(task, task)
-
-
-@dataclass
-class FinetuneConfig:
-    out: Path = Path("encoder")  # checkpoint directory
-    detector_dir: Path = Path("detector")  # region features come from this detector
-    preset: str = "visualbert"  # encoder preset
-    size: str = "small"  # encoder size (small: text side from MiniLM)
-    num_layers: int | None = None  # encoder (text) layers; None = the size's (small: MiniLM's 6); fewer start from
-    # MiniLM's first layers
-    vqa_pool: str = "pooled"  # "pooled" (CLS), "answer_slot" ([MASK] before the last [SEP]), "answer_segment" (VL-BERT's
-    #                        `[SEP] [MASK] [SEP]`) or "regions" (pooled + attention over regions)
-    #                        or "regions_geometry" (regions + the boxes of question-located regions)
-    #                        or "regions_count" (regions + counts of the regions the question fits)
-    #                        or "regions_film" (regions + counts + located boxes, modulated by the question)
-    vqa_loss: str = "bce"  # "bce" (soft scores, the VQA standard) or "ce" (softmax; single-answer data learns faster)
-    itm_pool: str = "pooled"  # "pooled" (CLS) or "regions" (pooled + attention over regions), as vqa_pool
-    nlvr2_pool: str = "pooled"  # the same choice for the NLVR2 head (each image of the pair)
-    rank_pool: str | None = None  # None: the ranking sets train the itm head; "pooled" or "regions": a head of their
-    # own (models.config.RANK_HEAD, an itm-kind head that /retrieve and retrieval R@K read) beside the ITM classifier
-    freeze_word_embeddings: bool = False  # keep the (pretrained) word table fixed: no dense AdamW update of 30522 x H per step
-    bf16: bool = False  # bfloat16 autocast for forward and backward where the CPU has native bf16 (about 1.5x faster
-    # with AVX512-BF16); float32 on CPUs without it, where emulated bf16 is several times slower (train_precision)
-    dropout: float | None = None  # hidden and attention dropout; None = the preset's (0.1)
-    feature_norm: bool = True  # standardise region features with statistics of the training regions (models.layers.FeatureNorm)
-    box_embedding: str = "linear"  # u-visualbert's region boxes: "linear" or "normalized" (models.config.EncoderConfig.box_embedding)
-    region_tags: bool = False  # u-visualbert: each region also carries its detector class word (EncoderConfig.region_tags)
-    init_text: bool = True  # start the text side from the pretrained MiniLM-L6 (unless init_from is set)
-    init_from: Path | None = None  # start the encoder (and same-named, same-shaped heads) from this checkpoint directory
-    tasks: dict[str, float] = field(default_factory=lambda: {"vqa": 1.0, "refer": 1.0, "itm": 1.0, "nlvr2": 1.0})  # task -> sampling weight (itm_rank, itm_rank_text: ranking groups, train the itm head)
-    lead_tasks: tuple[str, ...] = ()  # tasks trained alone for the first lead_steps steps (a grounding curriculum: refer
-    lead_steps: int = 0  # learns word-region binding alone in ~200 steps, but not while four fresh heads share the encoder)
-    curriculum: tuple[tuple[int, tuple[str, ...]], ...] = ()  # phases after the lead phase, in order: (steps, tasks
-    # trained alone), e.g. ((200, ("positions_one_side",)), (200, ("positions",))); a phase's tasks need not be in
-    # `tasks` (then they are not part of the mix after it)
-    easy_vqa: bool = True  # add easy-VQA's training questions to the vqa task
-    easy_vqa_images: int | None = None  # use only the first N easy-VQA training images (None = all 4,000)
-    train_scenes: int = 20_000  # shapes-world training scenes used
-    eval_scenes: int = 1_000  # shapes-world val scenes evaluated
-    steps: int = 2000  # optimizer steps (each on one task's batch)
-    batch_size: int = 32
-    lr: float = 1e-4  # encoder peak learning rate
-    head_lr: float = 1e-3  # task heads' peak learning rate
-    warmup: int = 100  # linear warm-up steps, then linear decay to 0
-    weight_decay: float = 0.01
-    clip: float = 1.0  # gradient norm clip
-    eval_every: int = 500
-    eval_examples: int = 500  # per task, periodic evaluation
-    final_eval_examples: int | None = None  # per eval set, the final evaluation (None = every example)
-    retrieval_queries: int = 0  # with an itm head, the final metrics add text -> image R@K of this many listing captions
-    # over the eval pool (retrieval.card_metrics; 0 = none; queries x pool pairs are scored)
-    retrieval_pool: int | None = None  # the first this many eval scenes are the pool (None = all eval_scenes); with a
-    # query bank each pool image is also scored with every bank caption, so the pool sets the final evaluation's cost
-    query_bank: int = 0  # listing captions of the itm_rank training groups kept in the checkpoint as its query bank:
-    # /retrieve and retrieval R@K normalise each image's text -> image scores by its scores with them
-    # (models.query_bank; 0 = none, raw scores rank)
-    query_bank_temperature: float = 1.0
-    # the itm_rank groups' negatives besides the caption's own image (vl_tasks.ranking_examples): rank_hard of the
-    # scenes that share most of its objects, rank_partial of the scenes made of a part of them, the rest random
-    rank_hard: int = 5
-    rank_partial: int = 0
-    # The lead phase exists to get its tasks off their plateau (refer: docs/RESULTS.md session 7), and when they leave
-    # it depends on rounding (session 21: from step 60 to past 200 over seeds and AdamW kernels). A lead whose mean
-    # loss over its last LEAD_WINDOW steps is not below lead_takeoff x its first LEAD_WINDOW steps' is stalled: the
-    # run starts again from its start with the next seed, at most lead_retries times (then it goes on, warned).
-    lead_retries: int = 0
-    lead_takeoff: float = 0.8
-    checkpoint_every: int = 250  # steps between resumable-state saves
-    seed: int = 0
-    threads: int = 2
-    device: str = "cpu"  # "cpu", "cuda" or "cuda:N" (training.device): batches are collated on the CPU and moved there
-    max_length: int = 40  # text tokens
 
 
 def build_model(cfg: FinetuneConfig, feature_dim: int, num_answers: int) -> VLModel:
@@ -228,7 +157,7 @@ def param_groups(model: VLModel, cfg: FinetuneConfig) -> list[dict]:
 def adamw(groups: list[dict], lr: float) -> torch.optim.AdamW:
     """AdamW, one fused update over all parameters: 1.11x per demo step against foreach (docs/BENCHMARKS.md,
     "Training step: the levers of the demo's time budget"), equal to rounding. That rounding once moved the demo's
-    refer lead onto its plateau (docs/RESULTS.md session 21): a stalled lead now starts the run again
+    refer lead onto its plateau (docs/RESULTS.md, "Recipe levers"): a stalled lead starts the run again
     (FinetuneConfig.lead_retries)."""
     return torch.optim.AdamW(groups, lr=lr, fused=True)
 

@@ -36,6 +36,7 @@ from .data.region_table import tags_of
 from .evaluate import evaluate_tasks
 from .device import autocast, model_device, resolve_device, to_device
 from .finetune import STATE, _jsonable, adamw, fit_feature_norm, load_state, lr_scale, param_groups, save_state, train_precision
+from .run_config import DEFAULT_OBJECTIVES, MLM_WORDS, PretrainConfig  # noqa: F401 (DEFAULT_OBJECTIVES: read from here)
 from .objectives import (
     IGNORE, TokenIds, grounded_token_ids, image_only_batch, image_qa_labels, itm_pairs, mask_regions, mask_tokens, pretraining_losses,
     region_class_labels, text_only_batch, with_images,
@@ -45,63 +46,12 @@ from .vl_data import TaskData, prepare_task_data
 log = logging.getLogger(__name__)
 
 OBJECTIVES = ("mlm", "mrfr", "mrc", "mrc_kl", "itm", "image_qa", "tag", "weak")
-DEFAULT_OBJECTIVES = {  # each paper's pretraining tasks
-    "visualbert": ("mlm", "itm"),  # masked LM with the image + sentence-image prediction
-    "vl-bert": ("mlm", "mrc"),  # masked LM + masked RoI classification with linguistic clues; no ITM (it hurt)
-    "vilbert": ("mlm", "mrc_kl", "itm"),  # masked multi-modal modelling (KL) + multi-modal alignment
-    "lxmert": ("mlm", "mrfr", "mrc", "itm", "image_qa"),
-    "u-visualbert": ("weak",),  # unpaired text and images, detector tags as anchors
-}
 ONLY_FOR = {"tag": "u-visualbert", "weak": "u-visualbert"}  # objectives that read detector tags as input
 WEAK_HEADS = ("mlm", "mrc", "tag")  # text-only batches train mlm, image-only batches mrc and tag
-MLM_WORDS = ("all", "grounded")  # PretrainConfig.mlm_words
 
 
 class PretrainConfigError(ValueError):
     """A configuration or data set pretraining cannot run with; raised before the first step."""
-
-
-@dataclass
-class PretrainConfig:
-    out: Path = Path("pretrained")  # checkpoint directory (resumed if it holds train_state.pt)
-    detector_dir: Path = Path("detector")  # region features come from this detector (cached per fingerprint)
-    preset: str = "visualbert"  # encoder preset
-    size: str = "small"  # encoder size (small: text side from MiniLM)
-    num_layers: int | None = None  # encoder (text) layers; None = the size's (small: MiniLM's 6); fewer start from
-    # MiniLM's first layers (as FinetuneConfig.num_layers)
-    bf16: bool = False  # bfloat16 autocast where the CPU has native bf16 (about 1.5x faster with AVX512-BF16), else float32
-    feature_norm: bool = True  # standardise region features with statistics of the training regions (models.layers.FeatureNorm)
-    box_embedding: str = "linear"  # u-visualbert's region boxes: "linear" or "normalized" (models.config.EncoderConfig.box_embedding)
-    init_text: bool = True  # start the text side from the pretrained MiniLM-L6
-    objectives: tuple[str, ...] = ()  # empty = the preset's paper objectives (DEFAULT_OBJECTIVES)
-    visual_feat_dim: int | None = None  # encoder region-feature width; None = the detector's (anything else is an error)
-    easy_vqa: bool = True  # add easy-VQA's training images and questions (image QA)
-    easy_vqa_images: int | None = None  # use only the first N easy-VQA training images (None = all 4,000)
-    train_scenes: int = 20_000  # shapes-world training scenes (captions, questions, images)
-    eval_scenes: int = 500  # shapes-world val scenes: zero-shot ITM accuracy at the end
-    steps: int = 2000  # optimizer steps
-    batch_size: int = 32
-    lr: float = 1e-4  # encoder peak learning rate
-    head_lr: float = 1e-4  # pretraining heads' peak learning rate
-    warmup: int = 100  # linear warm-up steps, then linear decay to 0
-    weight_decay: float = 0.01
-    clip: float = 1.0  # gradient norm clip
-    mask_prob: float = 0.15  # text tokens masked (BERT's 80/10/10)
-    mlm_words: str = "all"  # masked LM targets: "all" words, or "grounded": only the detector's class and attribute names
-    mlm_matched_only: bool = False  # with itm: no masked LM target in a mismatched pair (UNITER's conditional masking)
-    region_mask_prob: float = 0.15  # regions masked (LXMERT, ViLBERT)
-    mismatch_prob: float = 0.5  # itm: pairs whose image is swapped for another one
-    image_qa_batches: float = 0.5  # image_qa: share of steps whose sentences are questions (the rest captions)
-    log_every: int = 50  # steps per logged loss average
-    checkpoint_every: int = 250  # steps between resumable-state saves
-    eval_examples: int | None = 2000  # held-out ITM examples evaluated at the end (None = all)
-    seed: int = 0
-    threads: int = 2
-    device: str = "cpu"  # "cpu", "cuda" or "cuda:N" (training.device)
-    max_length: int = 40  # text tokens
-
-    def __post_init__(self) -> None:
-        self.objectives = tuple(self.objectives) or DEFAULT_OBJECTIVES.get(self.preset, ())
 
 
 def validate_config(cfg: PretrainConfig) -> DetectorConfig:

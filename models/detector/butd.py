@@ -226,8 +226,14 @@ class ButdRoIHeads(nn.Module):
         self.box_coder = BoxCoder(c.box_weights, bbox_xform_clip=BOX_CLAMP)
 
     def features(self, res4: torch.Tensor, boxes: list[torch.Tensor]) -> torch.Tensor:
-        """(R, D) float32 features of boxes (per image, resized-image pixels); res5 runs in its weights' dtype."""
-        rois = torch.cat([torch.cat([torch.full_like(b[:, :1], i), b], dim=1) for i, b in enumerate(boxes)])
+        """(R, D) float32 features of boxes (per image, resized-image pixels), res5 in its weights' dtype, one image
+        at a time: a photo's 300 proposals already fill the GEMMs, a batch's at once would hold GBs of activations
+        (each (R, 2048, 14, 14) float32 tensor is 3.9 GB at 8 photos), and each image's regions come out exactly as
+        when it is alone."""
+        return torch.cat([self._image_features(res4[i : i + 1], b) for i, b in enumerate(boxes)])
+
+    def _image_features(self, res4: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+        rois = torch.cat([torch.zeros_like(boxes[:, :1]), boxes], dim=1)
         if self.res5_layout == torch.channels_last:  # the serving form: the same pooling, in res5's dtype and layout
             res4 = res4.to(dtype=self.res5[0].conv1.weight.dtype, memory_format=torch.channels_last)
             pooled = roi_pool_channels_last(res4, rois, self.config.roi_size, 1.0 / STRIDE)

@@ -196,6 +196,17 @@ def read_source(src: str | Path, model_type: str) -> HFSource:
     return HFSource(path=src, config=config, state=state, weights_file=weights_file)
 
 
+def tensor_shape(source: HFSource, key: str) -> tuple[int, ...]:
+    source.rows(key)  # fails naming a missing tensor
+    return tuple(source.state[key].shape)
+
+
+def layer_count(source: HFSource, stack: str) -> int:
+    """Layers of a ModuleList from its keys (`{stack}.{i}.`): the highest index + 1, so a gap is a missing tensor."""
+    pattern = re.compile(re.escape(stack) + r"\.(\d+)\.")
+    return max((int(m.group(1)) + 1 for key in source.state if (m := pattern.match(key))), default=0)
+
+
 def bert_fields(source: HFSource, layer_norm_eps: float | None = None) -> dict[str, Any]:
     """EncoderConfig fields of a BERT-style transformers config (sizes, dropout, LayerNorm eps)."""
     act = source.get("hidden_act", str, default="gelu")

@@ -19,7 +19,7 @@ config, which the reference always builds from. The tokenizer: a vocab.txt besid
 """
 from __future__ import annotations
 
-import re
+from functools import partial
 from pathlib import Path
 
 from ..config import HeadConfig, ModelConfig
@@ -28,10 +28,12 @@ from .hf_common import (
     HFSource,
     bert_fields,
     build_encoder_config,
+    layer_count,
     load_weight_file,
     name_answers,
     pretraining_heads,
     read_config,
+    tensor_shape,
     write_checkpoint,
 )
 from .hf_lxmert import LAYER_NORM_EPS, answer_head, encoder_keymap, object_heads
@@ -87,25 +89,22 @@ def encoder_prefix(source: HFSource) -> str:
     )
 
 
-def layer_count(source: HFSource, stack: str) -> int:
-    """Layers of a ModuleList from its keys (`{stack}.{i}.`): the highest index + 1, so a gap is a missing tensor."""
-    pattern = re.compile(re.escape(stack) + r"\.(\d+)\.")
-    return max((int(m.group(1)) + 1 for key in source.state if (m := pattern.match(key))), default=0)
-
-
-def encoder_fields(source: HFSource, p: str) -> dict:
-    """EncoderConfig fields: widths and layer counts from the tensors, heads and dropout from the BERT config."""
-
-    def shape(key: str) -> tuple[int, ...]:
-        source.rows(key)  # fails naming a missing tensor
-        return tuple(source.state[key].shape)
-
-    vocab_size, hidden = shape(f"{p}embeddings.word_embeddings.weight")
+def word_embedding_size(source: HFSource, p: str) -> tuple[int, int]:
+    """Vocabulary and hidden size of the word embeddings under `p`; a width other than bert-base-uncased's needs the
+    BERT config beside the weights (no tensor shows the number of attention heads)."""
+    vocab_size, hidden = tensor_shape(source, f"{p}embeddings.word_embeddings.weight")
     if not source.config_path.is_file() and hidden != BERT_BASE_UNCASED["hidden_size"]:
         raise HFImportError(
             f"{source.weights_path}: hidden size {hidden}, not bert-base-uncased's 768: put the {BERT_CONFIG} the model "
             "was built with beside it (no tensor shows the number of attention heads)"
         )
+    return vocab_size, hidden
+
+
+def encoder_fields(source: HFSource, p: str) -> dict:
+    """EncoderConfig fields: widths and layer counts from the tensors, heads and dropout from the BERT config."""
+    shape = partial(tensor_shape, source)
+    vocab_size, hidden = word_embedding_size(source, p)
     ffn = (f"{p}encoder.layer.0.intermediate.dense.weight", f"{p}encoder.x_layers.0.lang_inter.dense.weight")
     intermediate = next((shape(k)[0] for k in ffn if source.has(k)), source.get("intermediate_size"))
     feat_dim = shape(f"{p}encoder.visn_fc.visn_fc.weight")[1]

@@ -37,6 +37,7 @@ beside the weights, else bert-base-uncased's.
 """
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 from ..config import HeadConfig, ModelConfig
@@ -45,13 +46,15 @@ from .hf_common import (
     HFSource,
     bert_fields,
     build_encoder_config,
+    layer_count,
     name_answers,
     pretraining_heads,
+    tensor_shape,
     write_checkpoint,
 )
 from .hf_lxmert import LAYER_NORM_EPS, answer_head, object_heads
 from .keymap import KeyMap, bert_embeddings, bert_layer, linear
-from .lxmert_original import BERT_BASE_UNCASED, BERT_CONFIG, layer_count, read_original
+from .lxmert_original import read_original, word_embedding_size
 
 FORMAT = "u-visualbert"
 # where LXRTModel's tensors sit -> where the pretraining heads sit, None for a fine-tuned VQA model (head: logit_fc)
@@ -106,16 +109,8 @@ def encoder_fields(source: HFSource, p: str) -> dict:
     """EncoderConfig fields: widths and the layer count from the tensors, heads and dropout from the BERT config,
     whose sizes must agree with the tensors'."""
 
-    def shape(key: str) -> tuple[int, ...]:
-        source.rows(key)  # fails naming a missing tensor
-        return tuple(source.state[key].shape)
-
-    vocab_size, hidden = shape(f"{p}embeddings.word_embeddings.weight")
-    if not source.config_path.is_file() and hidden != BERT_BASE_UNCASED["hidden_size"]:
-        raise HFImportError(
-            f"{source.weights_path}: hidden size {hidden}, not bert-base-uncased's 768: put the {BERT_CONFIG} the model "
-            "was built with beside it (no tensor shows the number of attention heads)"
-        )
+    shape = partial(tensor_shape, source)
+    vocab_size, hidden = word_embedding_size(source, p)
     for sub in ("x_layers", "r_layers"):
         if layer_count(source, f"{p}encoder.{sub}"):
             raise HFImportError(f"{source.weights_path}: has {p}encoder.{sub}: a two-stream LXMERT, not the single "

@@ -45,7 +45,15 @@ import torch
 import yaml
 
 from ..config import EncoderConfig, HeadConfig, ModelConfig
-from .hf_common import HFImportError, HFSource, build_encoder_config, read_answers, write_checkpoint
+from .hf_common import (
+    HFImportError,
+    HFSource,
+    build_encoder_config,
+    layer_count,
+    read_answers,
+    tensor_shape as shape,
+    write_checkpoint,
+)
 from .keymap import KeyMap, bert_layer, linear
 
 FORMAT = "vl-bert"
@@ -129,16 +137,6 @@ def layout_prefix(source: HFSource) -> str:
             raise HFImportError(f"{source.weights_path}: {what}")
     raise HFImportError(f"{source.weights_path}: not a VL-BERT checkpoint (no vlbert.word_embeddings.weight at the "
                         f"top or under module.; first tensor: {first or 'none'})")
-
-
-def shape(source: HFSource, key: str) -> tuple[int, ...]:
-    source.rows(key)  # fails naming a missing tensor
-    return tuple(source.state[key].shape)
-
-
-def layer_count(source: HFSource, stack: str) -> int:
-    pattern = re.compile(re.escape(stack) + r"\.(\d+)\.")
-    return max((int(m.group(1)) + 1 for key in source.state if (m := pattern.match(key))), default=0)
 
 
 def refuse_unsupported(source: HFSource, p: str) -> None:

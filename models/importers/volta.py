@@ -65,6 +65,7 @@ from ..config import HeadConfig, ModelConfig
 from .hf_common import (
     HFImportError,
     HFSource,
+    bert_fields,
     build_encoder_config,
     load_weight_file,
     name_answers,
@@ -563,16 +564,8 @@ def visualbert_fields(source: HFSource, lay: Layout) -> dict:
     for k in ("hidden_size", "num_attention_heads", "intermediate_size"):
         if source.get(k) != source.get(f"v_{k}", default=source.get(k)):
             raise HFImportError(f"{where}: {k} differs from v_{k}; one stack has one size")
-    return pooling_fields(source, source.get("hidden_size")) | dict(
-        vocab_size=source.get("vocab_size"),
-        hidden_size=source.get("hidden_size"),
-        num_heads=source.get("num_attention_heads"),
-        intermediate_size=source.get("intermediate_size"),
-        max_position_embeddings=source.get("max_position_embeddings", default=512),
-        type_vocab_size=source.get("type_vocab_size", default=2),
-        layer_norm_eps=source.get("layer_norm_eps", float, default=1e-12),
-        dropout=source.get("hidden_dropout_prob", float, default=0.1),
-        attention_dropout=source.get("attention_probs_dropout_prob", float, default=0.1),
+    # style() has refused activations other than GELU, the one thing bert_fields checks
+    return pooling_fields(source, source.get("hidden_size")) | bert_fields(source) | dict(
         visual_feat_dim=source.get("v_feature_size", default=2048),
         num_layers=len(lay.text),
     )

@@ -21,20 +21,21 @@ has whatever the features (VisualConfig.visual_loss_config).
 """
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
 import os
-import subprocess
 import sys
-import types
 from pathlib import Path
 
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the reference's DataParallel stays on the CPU (and accepts meta modules)
 
 import torch  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
 from torch import nn  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: reference_fixtures.common
+from reference_fixtures.common import (  # noqa: E402
+    arguments, padded_text_and_boxes, provenance, randomize, save_tensors, shapes, stub_s3, use_bert,
+    write_record, write_vocab,
+)
 
 REPOSITORY = "airsplay/lxmert"
 USED_FILES = (  # the reference files this fixture comes from (hashed into reference.json)
@@ -52,19 +53,7 @@ FULL_VQA_ANSWERS, FULL_QA_ANSWERS = 3129, 9500
 TINY_FEAT_DIM, FEAT_DIM = 16, 2048
 BATCH, TEXT_LEN, REGIONS = 3, 8, 5
 TEXT_LENGTHS, REGION_COUNTS = (8, 6, 4), (5, 4, 3)  # row 0 unpadded, the others padded
-PAD, UNUSED, CLS, SEP = 0, 99, 101, 102
 SEED = 0
-
-
-def provenance(reference: Path, commit: str | None) -> dict:
-    if commit is None:
-        try:
-            commit = subprocess.run(["git", "-C", str(reference), "rev-parse", "HEAD"], check=True,
-                                    capture_output=True, text=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            sys.exit(f"{reference}: not a git checkout; pass --commit with the commit it was taken from")
-    hashes = {name: hashlib.sha256((reference / name).read_bytes()).hexdigest() for name in USED_FILES}
-    return {"repository": REPOSITORY, "commit": commit, "sha256": hashes}
 
 
 def import_reference(reference: Path, layers: dict[str, int]):
@@ -72,9 +61,7 @@ def import_reference(reference: Path, layers: dict[str, int]):
     argument parser reads the pretraining and layer flags of run/lxmert_pretrain.bash, from_pretrained builds the
     chosen BertConfig instead of downloading bert-base-uncased (every weight is replaced by seeded values), and
     LXRTEncoder.dim, which the reference fixes at BERT-base's 768, is that config's width."""
-    for name in ("boto3", "botocore", "botocore.exceptions"):
-        sys.modules.setdefault(name, types.ModuleType(name))
-    sys.modules["botocore.exceptions"].ClientError = type("ClientError", (Exception,), {})
+    stub_s3()
     sys.path.insert(0, str(reference / "src"))
     flags = ["--taskMaskLM", "--taskObjPredict", "--taskMatched", "--taskQA", "--visualLosses", "obj,attr,feat"]
     sys.argv = [sys.argv[0], *flags, *(x for k, v in layers.items() for x in (f"--{k}", str(v)))]
@@ -85,11 +72,6 @@ def import_reference(reference: Path, layers: dict[str, int]):
     # LXRTEncoder.dim is 768 (BERT-base) in the reference; the task heads read it as the encoder's width
     entry.LXRTEncoder.dim = property(lambda self: self.model.config.hidden_size)
     return modeling, vqa_model
-
-
-def use_bert(modeling, **fields) -> None:
-    config = modeling.BertConfig(**fields)
-    modeling.BertPreTrainedModel.from_pretrained = classmethod(lambda cls, name, *a, **k: cls(config, *a, **k))
 
 
 def set_layers(args, layers: dict[str, int]) -> None:
@@ -113,28 +95,12 @@ def build_pretraining(modeling, answers: int) -> nn.Module:
     return nn.DataParallel(model)
 
 
-@torch.no_grad()
-def randomize(model: nn.Module, seed: int) -> nn.Module:
-    """Seeded values in every parameter (LayerNorm weights around 1): no output depends on an initializer."""
-    g = torch.Generator().manual_seed(seed)
-    for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
-            noise = 0.2 * torch.randn(p.shape, generator=g)
-            p.copy_(1 + noise if isinstance(module, nn.LayerNorm) and name == "weight" else noise)
-    return model.eval()
-
-
 def inputs(vocab_size: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(SEED)
-    text_mask = (torch.arange(TEXT_LEN) < torch.tensor(TEXT_LENGTHS)[:, None]).long()
-    region_mask = (torch.arange(REGIONS) < torch.tensor(REGION_COUNTS)[:, None]).long()
-    ids = torch.randint(CLS + 3, vocab_size, (BATCH, TEXT_LEN), generator=g)
-    ids[:, 0] = CLS
-    ids[torch.arange(BATCH), torch.tensor(TEXT_LENGTHS) - 1] = SEP
-    lo = torch.rand(BATCH, REGIONS, 2, generator=g) * 0.5
-    boxes = torch.cat([lo, lo + 0.1 + torch.rand(BATCH, REGIONS, 2, generator=g) * 0.4], -1)  # normalized x1 y1 x2 y2
+    ids, text_mask, region_mask, boxes = padded_text_and_boxes(g, vocab_size, BATCH, TEXT_LEN, REGIONS,
+                                                                TEXT_LENGTHS, REGION_COUNTS)
     return {
-        "input_ids": ids * text_mask + PAD * (1 - text_mask),
+        "input_ids": ids,
         "attention_mask": text_mask,
         "token_type_ids": torch.randint(0, 2, (BATCH, TEXT_LEN), generator=g) * text_mask,
         "region_features": torch.randn(BATCH, REGIONS, TINY_FEAT_DIM, generator=g),
@@ -167,24 +133,10 @@ def pretraining_outputs(wrapped: nn.Module, x: dict[str, torch.Tensor]) -> dict[
             "lxrt.mrc": objects["obj"], "lxrt.mrfr": objects["feat"]}
 
 
-def shapes(model: nn.Module) -> dict[str, list[int]]:
-    return {key: list(t.shape) for key, t in model.state_dict().items()}
-
-
-def write_vocab(path: Path, size: int) -> None:
-    special = ["[PAD]", *(f"[unused{i}]" for i in range(UNUSED)), "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    words = [f"w{i}" for i in range(size - len(special))]
-    path.write_text("\n".join(special + words) + "\n")
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("reference", type=Path, help="airsplay/lxmert checkout or archive")
-    parser.add_argument("--commit", help="the reference's commit (read with git when REFERENCE is a checkout)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[2] / "tests/fixtures/lxmert_original")
-    opts = parser.parse_args()
+    opts = arguments(__doc__, "airsplay/lxmert checkout or archive", "lxmert_original").parse_args()
     reference = opts.reference.resolve()
-    record = provenance(reference, opts.commit)
+    record = provenance(reference, opts.commit, REPOSITORY, USED_FILES)
     modeling, vqa_model = import_reference(reference, TINY_LAYERS)
     args = sys.modules["param"].args
     out = opts.out
@@ -200,7 +152,7 @@ def main() -> None:
     torch.save(pretraining.state_dict(), out / "model_LXRT.pth")
     x = inputs(TINY_BERT["vocab_size_or_config_json_file"])
     tensors = {**x, **vqa_outputs(vqa, x), **pretraining_outputs(pretraining, x)}
-    save_file({k: v.contiguous() for k, v in tensors.items()}, out / "reference.safetensors")
+    save_tensors(tensors, out / "reference.safetensors")
     (out / "bert_config.json").write_text(vqa.lxrt_encoder.model.config.to_json_string())
     write_vocab(out / "vocab.txt", TINY_BERT["vocab_size_or_config_json_file"])
     label2ans = json.loads((reference / "data/vqa/trainval_label2ans.json").read_text())[:VQA_ANSWERS]
@@ -220,9 +172,7 @@ def main() -> None:
                         "qa_answers": QA_ANSWERS, "vqa_feat_dim": TINY_FEAT_DIM},
                "full": {"layers": FULL_LAYERS, "vqa_answers": FULL_VQA_ANSWERS, "qa_answers": FULL_QA_ANSWERS},
                "torch": torch.__version__, "generator": "scripts/reference_fixtures/lxmert_original.py"}
-    (out / "reference.json").write_text(json.dumps(record, indent=2) + "\n")
-    for f in sorted(out.iterdir()):
-        print(f"{f.stat().st_size:>9}  {f}")
+    write_record(out, record)
 
 
 if __name__ == "__main__":

@@ -30,13 +30,10 @@ writes into DIR (default tests/fixtures/u_visualbert):
 """
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import types
@@ -45,8 +42,13 @@ from pathlib import Path
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the reference's DataParallel stays on the CPU (and accepts meta modules)
 
 import torch  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
 from torch import nn  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: reference_fixtures.common
+from reference_fixtures.common import (  # noqa: E402
+    CLS, arguments, padded_text_and_boxes, provenance, randomize, save_tensors, shapes, stub_s3, use_bert,
+    write_record, write_vocab,
+)
 
 REPOSITORY = "uclanlp/visualbert"
 SUBDIR = "unsupervised_visualbert"
@@ -75,21 +77,8 @@ SHAPES = {
     "a": dict(batch=3, text=8, regions=5, subwords=2, text_lengths=(8, 6, 4), region_counts=(5, 4, 2)),
     "b": dict(batch=2, text=11, regions=7, subwords=3, text_lengths=(5, 11), region_counts=(7, 3)),
 }
-PAD, UNUSED, CLS, SEP = 0, 99, 101, 102
 CLASS_WORDS = ["circle", "rect", "##angle", "tri", "yes", "no", "red", "blue"]  # after the special tokens
 SEED = 0
-
-
-def provenance(reference: Path, commit: str | None) -> dict:
-    if commit is None:
-        try:
-            commit = subprocess.run(["git", "-C", str(reference), "rev-parse", "HEAD"], check=True,
-                                    capture_output=True, text=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            sys.exit(f"{reference}: not a git checkout; pass --commit with the commit it was taken from")
-    hashes = {f"{SUBDIR}/{name}": hashlib.sha256((reference / SUBDIR / name).read_bytes()).hexdigest()
-              for name in USED_FILES}
-    return {"repository": REPOSITORY, "commit": commit, "sha256": hashes}
 
 
 def read_commented_json(path: Path) -> dict:
@@ -114,9 +103,7 @@ def import_reference(reference: Path, args: dict, workdir: Path):
     (JSON with comments; a dict with attribute access); its S3 downloader's imports are stubbed (never called);
     from_pretrained builds the chosen BertConfig instead of downloading bert-base-uncased (every weight is replaced
     by seeded values); and LXRTEncoder.dim, which the reference fixes at BERT-base's 768, is that config's width."""
-    for name in ("boto3", "botocore", "botocore.exceptions", "requests"):
-        sys.modules.setdefault(name, types.ModuleType(name))
-    sys.modules["botocore.exceptions"].ClientError = type("ClientError", (Exception,), {})
+    stub_s3("requests")
     commentjson = types.ModuleType("commentjson")
     commentjson.load = lambda f: json.loads(re.sub(r"//[^\n]*", "", f.read()))
     sys.modules["commentjson"] = commentjson
@@ -151,11 +138,6 @@ def import_reference(reference: Path, args: dict, workdir: Path):
     return param.args, modeling, vqa_model
 
 
-def use_bert(modeling, **fields) -> None:
-    config = modeling.BertConfig(**fields)
-    modeling.BertPreTrainedModel.from_pretrained = classmethod(lambda cls, name, *a, **k: cls(config, *a, **k))
-
-
 def build_vqa(modeling, vqa_model, answers: int) -> nn.Module:
     """VQA.__init__ of src/tasks/vqa.py with --multiGPU (the README's command): both DataParallel wrappings."""
     modeling.VISUAL_CONFIG.set_visual_dims(FEAT_DIM, 4)
@@ -185,31 +167,14 @@ def build_pretraining(modeling, args, symbols: list[list[int]] | None, nlvr2: bo
     return nn.DataParallel(model)
 
 
-@torch.no_grad()
-def randomize(model: nn.Module, seed: int) -> nn.Module:
-    """Seeded values in every parameter (LayerNorm weights around 1, biases non-zero): no output depends on an
-    initializer. Tied parameters stay tied (one Parameter, set once per module that holds it)."""
-    g = torch.Generator().manual_seed(seed)
-    for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
-            noise = 0.2 * torch.randn(p.shape, generator=g)
-            p.copy_(1 + noise if isinstance(module, nn.LayerNorm) and name == "weight" else noise)
-    return model.eval()
-
-
 def inputs(shape: dict, vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
     """Padded text, regions and tags. Tags: each real region's class name as 1..K sub-words (ours: tag_ids
     (B, N, K), -1 = none) and as the reference takes them: per example the sub-words region by region, each with
     its region's box, padded with id 0 and mask 0 (lxrt.entry.convert_tags_to_tensorts)."""
     g = torch.Generator().manual_seed(seed)
     b, t, n, k = shape["batch"], shape["text"], shape["regions"], shape["subwords"]
-    text_mask = (torch.arange(t) < torch.tensor(shape["text_lengths"])[:, None]).long()
-    region_mask = (torch.arange(n) < torch.tensor(shape["region_counts"])[:, None]).long()
-    ids = torch.randint(CLS + 3, vocab_size, (b, t), generator=g)
-    ids[:, 0] = CLS
-    ids[torch.arange(b), torch.tensor(shape["text_lengths"]) - 1] = SEP
-    lo = torch.rand(b, n, 2, generator=g) * 0.5
-    boxes = torch.cat([lo, lo + 0.1 + torch.rand(b, n, 2, generator=g) * 0.4], -1)  # normalized x1 y1 x2 y2
+    ids, text_mask, region_mask, boxes = padded_text_and_boxes(g, vocab_size, b, t, n, shape["text_lengths"],
+                                                                shape["region_counts"])
     lengths = torch.randint(1, k + 1, (b, n), generator=g) * region_mask  # sub-words of each region's tag
     words = torch.randint(CLS + 3, vocab_size, (b, n, k), generator=g)
     tag_ids = torch.where(torch.arange(k) < lengths[..., None], words, torch.full_like(words, -1))
@@ -224,7 +189,7 @@ def inputs(shape: dict, vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
         ref_tags_mask[i, : len(flat[i])] = 1
         ref_tags_box[i, : len(flat[i])] = boxes[i, owner[i]]
     return {
-        "input_ids": ids * text_mask + PAD * (1 - text_mask),
+        "input_ids": ids,
         "attention_mask": text_mask,
         "token_type_ids": torch.randint(0, 2, (b, t), generator=g) * text_mask,  # the reference ignores segments
         "region_features": torch.randn(b, n, FEAT_DIM, generator=g),
@@ -285,24 +250,10 @@ def nlvr2_outputs(wrapped: nn.Module, args, x: dict[str, torch.Tensor]) -> dict[
     return {"nlvr2": nlvr2}
 
 
-def shapes(model: nn.Module) -> dict[str, list[int]]:
-    return {key: list(t.shape) for key, t in model.state_dict().items()}
-
-
-def write_vocab(path: Path, size: int) -> None:
-    special = ["[PAD]", *(f"[unused{i}]" for i in range(UNUSED)), "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    words = CLASS_WORDS + [f"w{i}" for i in range(size - len(special) - len(CLASS_WORDS))]
-    path.write_text("\n".join(special + words) + "\n")
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("reference", type=Path, help="uclanlp/visualbert checkout or archive")
-    parser.add_argument("--commit", help="the reference's commit (read with git when REFERENCE is a checkout)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[2] / "tests/fixtures/u_visualbert")
-    opts = parser.parse_args()
+    opts = arguments(__doc__, "uclanlp/visualbert checkout or archive", "u_visualbert").parse_args()
     reference = opts.reference.resolve()
-    record = provenance(reference, opts.commit)
+    record = provenance(reference, opts.commit, REPOSITORY, USED_FILES, SUBDIR)
     workdir = Path(tempfile.mkdtemp(prefix="u_visualbert_reference_"))  # the reference's --output (its run log)
     try:
         args, modeling, vqa_model = import_reference(reference, reference_args(reference), workdir)
@@ -331,9 +282,9 @@ def main() -> None:
         outputs |= {f"pretrained.{k}": v for k, v in pretraining_outputs(pretrained, args, x).items()}
         outputs |= {f"nlvr2.{k}": v for k, v in nlvr2_outputs(nlvr2, args, x).items()}
         tensors |= {f"{name}.{k}": v for k, v in {**x, **outputs}.items()}
-    save_file({k: v.contiguous() for k, v in tensors.items()}, out / "reference.safetensors")
+    save_tensors(tensors, out / "reference.safetensors")
     (out / "bert_config.json").write_text(vqa.lxrt_encoder.model.module.config.to_json_string())
-    write_vocab(out / "vocab.txt", vocab)
+    write_vocab(out / "vocab.txt", vocab, CLASS_WORDS)
     label2ans = json.loads((reference / SUBDIR / "data/vqa/trainval_label2ans.json").read_text())[:VQA_ANSWERS]
     (out / "label2ans.json").write_text(json.dumps(label2ans))
 
@@ -353,9 +304,7 @@ def main() -> None:
                "full": {"layers": FULL_LAYERS, "vqa_answers": FULL_VQA_ANSWERS, "symbolic_words": FULL_SYMBOLS},
                "model_flags": {f: args.get(f) for f in MODEL_FLAGS},
                "torch": torch.__version__, "generator": "scripts/reference_fixtures/u_visualbert.py"}
-    (out / "reference.json").write_text(json.dumps(record, indent=2) + "\n")
-    for f in sorted(out.iterdir()):
-        print(f"{f.stat().st_size:>9}  {f}")
+    write_record(out, record)
 
 
 if __name__ == "__main__":

@@ -25,17 +25,17 @@ image layers interleaved between co-attention layers and those run after the las
 """
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
-import subprocess
 import sys
-import types
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: reference_fixtures.common
+from reference_fixtures.common import (  # noqa: E402
+    arguments, padded_text_and_boxes, provenance, randomize, save_tensors, shapes, stub_s3, write_record, write_vocab,
+)
 
 REPOSITORY = "facebookresearch/vilbert-multi-task"
 USED_FILES = ("vilbert/vilbert.py", "vilbert/utils.py", "vilbert/task_utils.py", "vilbert_tasks.yml",
@@ -57,28 +57,15 @@ SHAPES = {  # batch, words, regions (without [IMG]); per row: real words, real r
     "a": dict(batch=4, words=8, regions=5, text=(8, 6, 4, 7), real=(5, 4, 2, 3)),
     "b": dict(batch=2, words=5, regions=3, text=(3, 5), real=(3, 1)),
 }
-PAD, UNUSED, CLS, SEP = 0, 99, 101, 102
 SEED = 0
-
-
-def provenance(reference: Path, commit: str | None) -> dict:
-    if commit is None:
-        try:
-            commit = subprocess.run(["git", "-C", str(reference), "rev-parse", "HEAD"], check=True,
-                                    capture_output=True, text=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            sys.exit(f"{reference}: not a git checkout; pass --commit with the commit it was taken from")
-    hashes = {name: hashlib.sha256((reference / name).read_bytes()).hexdigest() for name in USED_FILES}
-    return {"repository": REPOSITORY, "commit": commit, "sha256": hashes}
+NORMS = ("BertLayerNorm", "LayerNorm", "FusedLayerNorm")  # the reference's LayerNorm classes (apex's when installed)
 
 
 def import_reference(reference: Path):
     """vilbert/vilbert.py, importable offline: the imports of vilbert/utils.py that only its downloader and training
     logger use (boto3, botocore, tensorboardX) are stubbed, and torch._six (gone from torch 2) gives its `inf`.
     apex is absent, so the reference's own BertLayerNorm (TF-style LayerNorm) runs."""
-    for name in ("boto3", "botocore", "botocore.exceptions", "tensorboardX", "torch._six"):
-        sys.modules.setdefault(name, types.ModuleType(name))
-    sys.modules["botocore.exceptions"].ClientError = type("ClientError", (Exception,), {})
+    stub_s3("tensorboardX", "torch._six")
     sys.modules["tensorboardX"].SummaryWriter = object
     sys.modules["torch._six"].inf = float("inf")
     sys.path.insert(0, str(reference))
@@ -94,33 +81,18 @@ def config_of(vilbert, fields: dict, task_tokens: bool):
     return config
 
 
-@torch.no_grad()
-def randomize(model: nn.Module, seed: int) -> nn.Module:
-    """Seeded values in every parameter (LayerNorm weights around 1, biases non-zero): no output depends on an
-    initializer. The tied MLM decoder shares the word embeddings and keeps sharing them."""
-    g = torch.Generator().manual_seed(seed)
-    for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
-            noise = 0.2 * torch.randn(p.shape, generator=g)
-            is_norm = type(module).__name__ in ("BertLayerNorm", "LayerNorm", "FusedLayerNorm")
-            p.copy_(1 + noise if is_norm and name == "weight" else noise)
-    return model.eval()
+def is_norm(module: nn.Module) -> bool:
+    return type(module).__name__ in NORMS
 
 
 def inputs(shape: dict, vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
     """Our layout: text padded with [PAD], regions (zeros where padded), normalized boxes, masks."""
     g = torch.Generator().manual_seed(seed)
     b, t, n = shape["batch"], shape["words"], shape["regions"]
-    text_mask = (torch.arange(t) < torch.tensor(shape["text"])[:, None]).long()
-    region_mask = (torch.arange(n) < torch.tensor(shape["real"])[:, None]).long()
-    ids = torch.randint(CLS + 3, vocab_size, (b, t), generator=g)
-    ids[:, 0] = CLS
-    ids[torch.arange(b), torch.tensor(shape["text"]) - 1] = SEP
-    lo = torch.rand(b, n, 2, generator=g) * 0.5
-    boxes = torch.cat([lo, lo + 0.1 + torch.rand(b, n, 2, generator=g) * 0.4], -1)  # normalized x1 y1 x2 y2
+    ids, text_mask, region_mask, boxes = padded_text_and_boxes(g, vocab_size, b, t, n, shape["text"], shape["real"])
     features = torch.rand(b, n, TINY_COMMON["v_feature_size"], generator=g) * 2  # non-negative, as pooled ReLU maps
     return {
-        "input_ids": ids * text_mask + PAD * (1 - text_mask),
+        "input_ids": ids,
         "attention_mask": text_mask,
         "token_type_ids": torch.randint(0, 2, (b, t), generator=g) * text_mask,
         "region_features": features * region_mask[..., None],
@@ -174,33 +146,20 @@ def multi_task_outputs(model: nn.Module, x: dict[str, torch.Tensor], tag: str) -
     return out
 
 
-def shapes(model: nn.Module) -> dict[str, list[int]]:
-    return {key: list(t.shape) for key, t in model.state_dict().items()}
-
-
-def write_vocab(path: Path, size: int) -> None:
-    special = ["[PAD]", *(f"[unused{i}]" for i in range(UNUSED)), "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    words = [f"w{i}" for i in range(size - len(special))]
-    path.write_text("\n".join(special + words) + "\n")
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("reference", type=Path, help="facebookresearch/vilbert-multi-task checkout or archive")
-    parser.add_argument("--commit", help="the reference's commit (read with git when REFERENCE is a checkout)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[2] / "tests/fixtures/vilbert")
-    opts = parser.parse_args()
+    opts = arguments(__doc__, "facebookresearch/vilbert-multi-task checkout or archive", "vilbert").parse_args()
     reference = opts.reference.resolve()
-    record = provenance(reference, opts.commit)
+    record = provenance(reference, opts.commit, REPOSITORY, USED_FILES)
     vilbert = import_reference(reference)
     out = opts.out
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
 
     # tiny models: weights in the reference's file format, and its outputs
-    pretrained = randomize(vilbert.BertForMultiModalPreTraining(config_of(vilbert, TINY_PRETRAINED, False)), SEED)
+    pretrained = randomize(vilbert.BertForMultiModalPreTraining(config_of(vilbert, TINY_PRETRAINED, False)), SEED,
+                           is_norm)
     multi_task = randomize(vilbert.VILBertForVLTasks(config_of(vilbert, TINY_MULTI_TASK, True), num_labels=3129),
-                           SEED + 1)
+                           SEED + 1, is_norm)
     torch.save(pretrained.state_dict(), out / "pretrained_model.bin")
     torch.save(multi_task.state_dict(), out / "multi_task_model.bin")
     (out / "pretrained_config.json").write_text(json.dumps(TINY_PRETRAINED, indent=2) + "\n")
@@ -210,7 +169,7 @@ def main() -> None:
         x = inputs(shape, TINY_COMMON["vocab_size"], SEED + i)
         tensors |= {f"{tag}.{k}": v for k, v in x.items()}
         tensors |= pretrained_outputs(pretrained, x, tag) | multi_task_outputs(multi_task, x, tag)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, out / "reference.safetensors")
+    save_tensors(tensors, out / "reference.safetensors")
     write_vocab(out / "vocab.txt", TINY_COMMON["vocab_size"])
 
     # full size: the key and shape of every tensor, from modules built without memory
@@ -225,9 +184,7 @@ def main() -> None:
                         "tasks": TASKS},
                "full": {"config": FULL_CONFIG},
                "torch": torch.__version__, "generator": "scripts/reference_fixtures/vilbert.py"}
-    (out / "reference.json").write_text(json.dumps(record, indent=2) + "\n")
-    for f in sorted(out.iterdir()):
-        print(f"{f.stat().st_size:>9}  {f}")
+    write_record(out, record)
 
 
 if __name__ == "__main__":

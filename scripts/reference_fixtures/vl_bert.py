@@ -30,17 +30,19 @@ Files written into DIR (default tests/fixtures/vl_bert):
 """
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
-import subprocess
 import sys
 import types
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
+
+# scripts/ on the path for reference_fixtures.common (the reference has a `common` package of its own)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from reference_fixtures.common import (  # noqa: E402
+    arguments, provenance, randomize, save_tensors, write_record, write_vocab,
+)
 
 REPOSITORY = "jackroos/VL-BERT"
 USED_FILES = (
@@ -71,17 +73,6 @@ SHAPES = {  # name -> (batch, question/expression length, detector regions, word
 IMAGE_WH = ((640, 480), (500, 375), (320, 320))
 UNUSED = 99
 SEED = 0
-
-
-def provenance(reference: Path, commit: str | None) -> dict:
-    if commit is None:
-        try:
-            commit = subprocess.run(["git", "-C", str(reference), "rev-parse", "HEAD"], check=True,
-                                    capture_output=True, text=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            sys.exit(f"{reference}: not a git checkout; pass --commit with the commit it was taken from")
-    hashes = {name: hashlib.sha256((reference / name).read_bytes()).hexdigest() for name in USED_FILES}
-    return {"repository": REPOSITORY, "commit": commit, "sha256": hashes}
 
 
 class AttrDict(dict):
@@ -166,23 +157,9 @@ def write_bert(bert_dir: Path) -> None:
     (bert_dir / "bert_config.json").write_text(config.to_json_string())
 
 
-def write_vocab(path: Path, size: int) -> None:
-    special = ["[PAD]", *(f"[unused{i}]" for i in range(UNUSED)), "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    words = [f"w{i}" for i in range(size - len(special))]
-    path.write_text("\n".join(special + words) + "\n")
-
-
-@torch.no_grad()
-def randomize(model: nn.Module, seed: int) -> nn.Module:
-    """Seeded values in every parameter (LayerNorm weights around 1): no output depends on an initializer."""
-    g = torch.Generator().manual_seed(seed)
-    for module in model.modules():
-        norm = type(module).__name__.endswith("LayerNorm")
-        for name, p in module.named_parameters(recurse=False):
-            noise = 0.2 * torch.randn(p.shape, generator=g)
-            p.copy_(1 + noise if norm and name == "weight" else noise)
-    model.eval()  # the task modules' train() override returns None
-    return model
+def is_norm(module: nn.Module) -> bool:
+    """The reference's LayerNorms (BertLayerNorm of its BERT, torch's LayerNorm elsewhere)."""
+    return type(module).__name__.endswith("LayerNorm")
 
 
 def released(model: nn.Module) -> dict:
@@ -347,15 +324,12 @@ def dump_yaml(path: Path, reference: Path, name: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("reference", type=Path, help="jackroos/VL-BERT checkout or archive")
-    parser.add_argument("--commit", help="the reference's commit (read with git when REFERENCE is a checkout)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[2] / "tests/fixtures/vl_bert")
+    parser = arguments(__doc__, "jackroos/VL-BERT checkout or archive", "vl_bert")
     parser.add_argument("--work", type=Path, default=Path("/tmp/vl_bert_reference_work"),
                         help="scratch directory for the tiny language model the reference starts from")
     opts = parser.parse_args()
     reference = opts.reference.resolve()
-    record = provenance(reference, opts.commit)
+    record = provenance(reference, opts.commit, REPOSITORY, USED_FILES)
     import_reference(reference)
     out = opts.out
     out.mkdir(parents=True, exist_ok=True)
@@ -363,7 +337,7 @@ def main() -> None:
     bert_dir = opts.work / "bert-tiny"
     write_bert(bert_dir)
 
-    models = {name: randomize(build(reference, name, bert_dir), SEED + i) for i, name in enumerate(TASKS)}
+    models = {name: randomize(build(reference, name, bert_dir), SEED + i, is_norm) for i, name in enumerate(TASKS)}
     for name, model in models.items():
         torch.save(released(model), out / f"{name}.model")
         dump_yaml(out / f"{name}.yaml", reference, name)
@@ -381,15 +355,13 @@ def main() -> None:
             tensors |= {f"{shape}.{name}.{k}": v for k, v in run(models[name], x).items()}
         tensors |= {f"{shape}.pretrain.{k}": v
                     for k, v in run_pretrain(models["pretrain"], x, TINY_VLBERT["vocab_size"]).items()}
-    save_file({k: v.contiguous() for k, v in tensors.items()}, out / "reference.safetensors")
+    save_tensors(tensors, out / "reference.safetensors")
 
     (out / "manifest_full.json").write_text(json.dumps(full_size_manifest(reference, bert_dir), indent=0) + "\n")
     record |= {"tiny": {"vlbert": TINY_VLBERT, "answers": TINY_ANSWERS, "region_classes": TINY_REGION_CLASSES,
                         "shapes": {k: list(map(list, v[3:])) for k, v in SHAPES.items()}},
                "torch": torch.__version__, "generator": "scripts/reference_fixtures/vl_bert.py"}
-    (out / "reference.json").write_text(json.dumps(record, indent=2) + "\n")
-    for f in sorted(out.iterdir()):
-        print(f"{f.stat().st_size:>9}  {f}")
+    write_record(out, record)
 
 
 if __name__ == "__main__":

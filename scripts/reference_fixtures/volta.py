@@ -35,19 +35,19 @@ and at the top:
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import hashlib
 import json
-import subprocess
 import sys
-import types
 from pathlib import Path
 
 import torch
 import yaml
-from safetensors.torch import save_file
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: reference_fixtures.common
+from reference_fixtures.common import (  # noqa: E402
+    arguments, padded_text_and_boxes, provenance, save_tensors, shapes, stub_s3, write_record, write_vocab,
+)
 
 REPOSITORY = "e-bug/volta"
 USED_FILES = (  # the reference files this fixture comes from (hashed into reference.json)
@@ -119,28 +119,14 @@ SHAPES = {  # prefix of the tensors -> text lengths and region counts per row (r
     "": ((8, 6, 4), (5, 4, 2)),
     "wide.": ((11, 5), (7, 3)),  # a second padded shape: other batch, text and region sizes
 }
-PAD, UNUSED, CLS, SEP = 0, 99, 101, 102
 SEED = 0
-
-
-def provenance(reference: Path, commit: str | None) -> dict:
-    if commit is None:
-        try:
-            commit = subprocess.run(["git", "-C", str(reference), "rev-parse", "HEAD"], check=True,
-                                    capture_output=True, text=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            sys.exit(f"{reference}: not a git checkout; pass --commit with the commit it was taken from")
-    hashes = {name: hashlib.sha256((reference / name).read_bytes()).hexdigest() for name in USED_FILES}
-    return {"repository": REPOSITORY, "commit": commit, "sha256": hashes}
 
 
 def import_reference(reference: Path):
     """volta.config and volta.encoders, importable offline and on the CPU: the S3 downloader's imports (volta/utils.py)
     are stubbed, never called (nothing is downloaded: every model is built from a config and filled with seeded
     values)."""
-    for name in ("boto3", "botocore", "botocore.exceptions"):
-        sys.modules.setdefault(name, types.ModuleType(name))
-    sys.modules["botocore.exceptions"].ClientError = type("ClientError", (Exception,), {})
+    stub_s3()
     sys.path.insert(0, str(reference))
     from volta import config, encoders
 
@@ -173,18 +159,13 @@ def inputs(vocab_size: int, feat_dim: int, text_lengths: tuple[int, ...], region
            seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     batch, length, regions = len(text_lengths), text_lengths[0], region_counts[0]
-    text_mask = (torch.arange(length) < torch.tensor(text_lengths)[:, None]).long()
-    region_mask = (torch.arange(regions) < torch.tensor(region_counts)[:, None]).long()
-    ids = torch.randint(CLS + 3, vocab_size, (batch, length), generator=g)
-    ids[:, 0] = CLS
-    ids[torch.arange(batch), torch.tensor(text_lengths) - 1] = SEP
-    lo = torch.rand(batch, regions, 2, generator=g) * 0.5
-    boxes = torch.cat([lo, lo + 0.1 + torch.rand(batch, regions, 2, generator=g) * 0.4], -1)  # normalized x1 y1 x2 y2
+    ids, text_mask, region_mask, boxes = padded_text_and_boxes(g, vocab_size, batch, length, regions, text_lengths,
+                                                                region_counts)
     features = torch.randn(batch, regions, feat_dim, generator=g)
     second = torch.randn(batch, regions, feat_dim, generator=g)  # NLVR2's right-hand images
     second_boxes = boxes.flip(1)
     return {
-        "input_ids": ids * text_mask + PAD * (1 - text_mask),
+        "input_ids": ids,
         "attention_mask": text_mask,
         "token_type_ids": torch.zeros(batch, length, dtype=torch.long),
         "region_features": features * region_mask[..., None],  # padding is zeros, as the feature reader pads
@@ -240,24 +221,10 @@ def pretraining_outputs(model: nn.Module, x: dict[str, torch.Tensor]) -> dict[st
     return out | ({"pre.image_qa": qa} if qa is not None else {})
 
 
-def shapes(model: nn.Module) -> dict[str, list[int]]:
-    return {key: list(t.shape) for key, t in model.state_dict().items()}
-
-
-def write_vocab(path: Path, size: int) -> None:
-    special = ["[PAD]", *(f"[unused{i}]" for i in range(UNUSED)), "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    words = [f"w{i}" for i in range(size - len(special))]
-    path.write_text("\n".join(special + words) + "\n")
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("reference", type=Path, help="e-bug/volta checkout or archive")
-    parser.add_argument("--commit", help="the reference's commit (read with git when REFERENCE is a checkout)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[2] / "tests/fixtures/volta")
-    opts = parser.parse_args()
+    opts = arguments(__doc__, "e-bug/volta checkout or archive", "volta").parse_args()
     reference = opts.reference.resolve()
-    record = provenance(reference, opts.commit)
+    record = provenance(reference, opts.commit, REPOSITORY, USED_FILES)
     vconfig, encoders = import_reference(reference)
     out = opts.out
     out.mkdir(parents=True, exist_ok=True)
@@ -282,7 +249,7 @@ def main() -> None:
             x = inputs(tiny["vocab_size"], tiny["v_feature_size"], text_lengths, region_counts, SEED + i)
             outputs = {**x, **task_outputs(fine_tuned, x), **pretraining_outputs(pretrained, x)}
             tensors |= {prefix + k: v for k, v in outputs.items()}
-        save_file({k: v.contiguous() for k, v in tensors.items()}, where / "reference.safetensors")
+        save_tensors(tensors, where / "reference.safetensors")
     (out / "label2ans.json").write_text(json.dumps([f"answer {i}" for i in range(VQA_ANSWERS)]))
 
     # full size: the key and shape of every tensor, from modules built without memory
@@ -300,9 +267,7 @@ def main() -> None:
 
     record |= {"tiny": {"configs": {name: tiny for name, tiny in TINY_CONFIGS.values()}, "tasks": tasks}, "full": {"configs": list(FULL_CONFIGS), "tasks": full_tasks},
                "torch": torch.__version__, "generator": "scripts/reference_fixtures/volta.py"}
-    (out / "reference.json").write_text(json.dumps(record, indent=2) + "\n")
-    for f in sorted(out.iterdir()):
-        print(f"{f.stat().st_size:>9}  {f}")
+    write_record(out, record)
 
 
 if __name__ == "__main__":

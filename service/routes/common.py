@@ -110,7 +110,7 @@ class Call:
 
 # Task routes take `request: Request, timings: TimingsQuery = False` and call open_call in their body rather
 # than declaring the Call as a dependency: each level of FastAPI dependency solving cost about 40 us per
-# request, a tenth of the service's own per-request work (docs/BENCHMARKS.md, "Service: session 5").
+# request, a tenth of the service's own per-request work (docs/BENCHMARKS.md, "Service: where the time goes").
 TimingsQuery = Annotated[bool, Query(description="add per-stage timings (ms) to the response")]
 ExplainQuery = Annotated[bool, Query(description=(
     "add `explain`: the attention of the text's tokens over the image's regions per layer and head (at most 48 "

@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from export.detector import OnnxDetector
-from export.encoder import graph_feed
-from export.repository import Repository, session
+from models.detector.onnx import OnnxDetector
+from models.repository import Repository, graph_feed, session
 
 from .base import Runtime
 

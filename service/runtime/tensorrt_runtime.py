@@ -1,7 +1,7 @@
 """TensorRT over an exported model repository, one of two ways:
 
 * Standalone engines (`vlserve export --format tensorrt`): the repository's engines/<task>.plan, run by the
-  tensorrt runtime API (export.engines.TensorrtEngine: an execution context per optimisation profile, torch CUDA
+  tensorrt runtime API (models.engines.TensorrtEngine: an execution context per optimisation profile, torch CUDA
   tensors as device buffers, execute_async_v3). An engine runs only on the TensorRT version and the kind of GPU
   that built it, and only over the batch and text ranges of its profiles: start-up checks all three.
 * Otherwise: fp16 engines built and cached at start-up by onnxruntime's TensorRT execution provider (the TensorRT
@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from export.encoder import GraphSpec, graph_feed
-from export.engines import MAX_REGIONS, Ranges, TensorrtEngine, environment, input_shapes, unavailable
-from export.repository import Repository, session
+from models.engines import MAX_REGIONS, Ranges, TensorrtEngine, environment, input_shapes, unavailable
+from models.repository import GraphSpec, Repository, graph_feed, session
 
 from .base import Runtime
 from .onnx_runtime import TENSORRT, OnnxRuntime, choose_graph, choose_providers
@@ -66,7 +65,7 @@ class TensorrtRuntime(OnnxRuntime):
 
 def check_engines(engines: dict[str, Any], here: dict[str, str], max_batch: int, max_text: int) -> None:
     """ValueError naming the mismatch when a repository's engines (manifest "engines") cannot serve on this machine
-    (`here`: export.engines.environment()) at these service limits."""
+    (`here`: models.engines.environment()) at these service limits."""
     again = "export --format tensorrt again on this machine, or serve the ONNX graphs (VLSERVE_RUNTIME=onnxruntime)"
     if engines.get("tensorrt") != here["tensorrt"]:
         raise ValueError(f"the repository's engines were built by TensorRT {engines.get('tensorrt')}, this machine has "
@@ -87,7 +86,7 @@ class EngineRuntime(Runtime):
     """The repository's standalone TensorRT engines, one per task, on one CUDA device."""
 
     name = "tensorrt"
-    precision = "fp16"  # engines are built with the FP16 flag (export.engines)
+    precision = "fp16"  # engines are built in fp16 (export/engines.py)
 
     def __init__(self, repository: Repository, device: str = "cuda", max_batch: int = 32, max_text: int = 64) -> None:
         reason = unavailable(device)

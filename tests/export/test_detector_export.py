@@ -6,8 +6,9 @@ import numpy as np
 import onnx
 import pytest
 
-from export.detector import OnnxDetector, canonical, detector_parity, export_detector, parity_images
-from export.repository import session
+from export.detector import canonical, detector_parity, export_detector, parity_images
+from models.detector.onnx import OnnxDetector
+from models.repository import session
 from tests.service.conftest import build_tiny_detector, shapes_image
 
 IMAGES = [  # (h, w, seed); the graph was traced on 96 x 128

@@ -7,21 +7,20 @@ import onnx
 import pytest
 import torch
 
-from export.encoder import EXPORTED_KINDS, export_task, graph_feed, graph_spec, synthetic_batch, to_torch
+from export.encoder import EXPORTED_KINDS, export_task, graph_spec, synthetic_batch, to_torch
 from export.fused import fused_attention
 from export.parity import MAX_ABS_DIFF, SHAPES, measure, torch_logits
-from export.repository import runner, session
+from export.repository import runner
 from models import PRESETS, HeadConfig, ModelConfig, VLModel
 from models.layers import CrossAttention, SelfAttention
+from models.repository import graph_feed, session
 
 KINDS = ("vqa", "refer", "itm", "nlvr2", "multiple_choice", "grounding")
 # head options the presets use: VL-BERT answers VQA from the [MASK] slot, VisualBERT reads NLVR2 pairs jointly,
-# the demo's U-VisualBERT may read the regions through attention pooling, and locate or count them for VQA
+# the demo's U-VisualBERT reads the regions through attention pooling, and for VQA counts and locates them too
 VARIANTS = {"vl-bert": [("vqa_slot", "vqa", {"pool": "answer_slot"})],
             "visualbert": [("nlvr2_joint", "nlvr2", {"nlvr2_mode": "joint"})],
             "u-visualbert": [*((f"{kind}_regions", kind, {"pool": "regions"}) for kind in ("vqa", "itm", "nlvr2")),
-                             ("vqa_regions_geometry", "vqa", {"pool": "regions_geometry"}),
-                             ("vqa_regions_count", "vqa", {"pool": "regions_count"}),
                              ("vqa_regions_film", "vqa", {"pool": "regions_film"})]}
 
 
@@ -55,7 +54,7 @@ def test_every_head_matches_torch_at_other_sizes(preset, make_model, tmp_path):
 
 
 def test_normalized_box_embedding_matches_torch(make_model, tmp_path):
-    """U-VisualBERT's layer-normalised sin/cos box embedding (the demo's since session 9) exports with parity."""
+    """U-VisualBERT's layer-normalised sin/cos box embedding (the demo's) exports with parity."""
     model = make_model("u-visualbert", "vqa", "refer", box_embedding="normalized").eval()
     for task in model.config.heads:
         spec = export_task(model, task, tmp_path / f"{task}.onnx")

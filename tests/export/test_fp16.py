@@ -16,8 +16,9 @@ from onnx import TensorProto
 
 from export.encoder import synthetic_batch
 from export.parity import FP16_MAX_ABS_DIFF, FP16_MIN_AGREEMENT, torch_logits
-from export.repository import RepositoryError, _measure_fp16, export_repository, load_repository
+from export.repository import _measure_fp16, export_repository
 from models.checkpoint import MANIFEST, load_checkpoint, sha256_file
+from models.repository import RepositoryError, load_repository
 from service.runtime.onnx_runtime import CPU, CUDA, TENSORRT, OnnxRuntime, choose_graph
 from tests.export.test_repository import build_checkpoint, flip_byte
 

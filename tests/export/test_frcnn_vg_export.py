@@ -7,9 +7,10 @@ import numpy as np
 import onnx
 import pytest
 
-from export.detector import OnnxDetector, export_detector
-from export.repository import session
+from export.detector import export_detector
 from models.detector.io import load_detector
+from models.detector.onnx import OnnxDetector
+from models.repository import session
 from tests.models.frcnn_vg_reference import NAMES, check_reference, image, import_fixture
 
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from export.repository import (ExportError, ParityError, RepositoryError, export_repository, load_repository,
-                               supported_opset)
+from export.repository import ExportError, ParityError, export_repository
 from models import create_model
 from models.checkpoint import MANIFEST, save_checkpoint, sha256_file
+from models.repository import RepositoryError, load_repository, supported_opset
 from models.tokenizer import VLTokenizer
 from vlserve.cli import app
 

@@ -24,17 +24,20 @@ from typer.testing import CliRunner
 
 from export import engines
 from export.encoder import synthetic_batch
-from export.engines import Ranges, choose_profile, engine_profiles
+from export.engines import engine_profiles
 from export.parity import MEASURED_REGIONS, MEASURED_TEXT, parity_shapes, torch_logits
-from export.repository import ExportError, ParityError, RepositoryError, export_repository, load_repository
+from export.repository import ExportError, ParityError, export_repository
 from models import create_model
+from models import engines as engine_runner
 from models.checkpoint import MANIFEST, load_checkpoint, save_checkpoint, sha256_file
+from models.engines import Ranges, choose_profile
+from models.repository import RepositoryError, load_repository
 from models.tokenizer import VLTokenizer
 from service.runtime.tensorrt_runtime import EngineRuntime, check_engines, create
 from tests.export.test_repository import flip_byte
 from vlserve.cli import app
 
-GPU_REASON = engines.unavailable()
+GPU_REASON = engine_runner.unavailable()
 HERE = {"tensorrt": "11.4.0.106", "device": "Substitute GPU", "compute_capability": "9.0", "typing": "strong"}
 SETTINGS = dict(device="cuda", threads=1, engine_cache_dir=None, max_batch_size=32, max_text_tokens=64)
 
@@ -54,7 +57,7 @@ def checkpoint(tmp_path_factory):
 
 
 class SourceGraphEngine:
-    """Stands in for export.engines.TensorrtEngine: runs the engine's source graph with onnxruntime on CPU."""
+    """Stands in for models.engines.TensorrtEngine: runs the engine's source graph with onnxruntime on CPU."""
 
     def __init__(self, path, device="cuda"):
         self.session = onnxruntime.InferenceSession(Path(path).read_bytes(), providers=["CPUExecutionProvider"])
@@ -72,10 +75,10 @@ def substituted_tensorrt(monkeypatch, typing: str, built: list) -> None:
         built.append((onnx.load(str(onnx_path)), profiles))
         return Path(onnx_path).read_bytes()
 
-    monkeypatch.setattr(engines, "unavailable", lambda device="cuda": None)
-    monkeypatch.setattr(engines, "environment", lambda device="cuda": {**HERE, "typing": typing})
+    monkeypatch.setattr(engine_runner, "unavailable", lambda device="cuda": None)
+    monkeypatch.setattr(engine_runner, "environment", lambda device="cuda": {**HERE, "typing": typing})
     monkeypatch.setattr(engines, "build_engine", build_engine)
-    monkeypatch.setattr(engines, "TensorrtEngine", SourceGraphEngine)
+    monkeypatch.setattr(engine_runner, "TensorrtEngine", SourceGraphEngine)
 
 
 @pytest.fixture(scope="module", params=["strong", "weak"])
@@ -122,7 +125,7 @@ def test_format_tensorrt_with_the_package_but_no_cuda_device_exits_2(checkpoint,
 
 
 def test_engine_ranges_must_hold_the_parity_batches(checkpoint, tmp_path, monkeypatch):
-    monkeypatch.setattr(engines, "unavailable", lambda device="cuda": None)
+    monkeypatch.setattr(engine_runner, "unavailable", lambda device="cuda": None)
     result = export_cli(checkpoint, tmp_path, "--format", "tensorrt", "--max-text", "16")
     assert result.exit_code == 2 and f"--max-text >= {MEASURED_TEXT}" in result.output
 
@@ -262,7 +265,7 @@ def test_engines_are_checked_against_this_machine_and_the_service_limits(exporte
 
 def test_an_engine_repository_goes_to_the_engine_runtime_which_says_what_it_needs(exported, monkeypatch):
     without_tensorrt(monkeypatch)
-    reason = engines.unavailable()
+    reason = engine_runner.unavailable()
     with pytest.raises(ValueError, match=f"serves this repository's TensorRT engines, but {reason[:30]}"):
         create(types.SimpleNamespace(**SETTINGS), load_repository(exported[0].path))
 
@@ -272,7 +275,7 @@ def test_an_engine_repository_goes_to_the_engine_runtime_which_says_what_it_need
 def test_engines_built_here_serve_as_torch_in_fp16(checkpoint, tmp_path):
     repo = export_repository(checkpoint, tmp_path / "repo", fmt="tensorrt", examples=200,
                              engine_ranges=Ranges(max_batch=16))
-    assert repo.engines["tensorrt"] == engines.environment()["tensorrt"]
+    assert repo.engines["tensorrt"] == engine_runner.environment()["tensorrt"]
     runtime = create(types.SimpleNamespace(**{**SETTINGS, "max_batch_size": 16}), repo)
     assert isinstance(runtime, EngineRuntime)
     model = load_checkpoint(checkpoint).model.eval()

@@ -6,9 +6,10 @@ from pathlib import Path
 
 from export.encoder import export_task
 from export.parity import MAX_ABS_DIFF, SHAPES, measure
-from export.repository import runner, session
+from export.repository import runner
 from models.checkpoint import load_checkpoint
 from models.importers.vilbert import import_vilbert
+from models.repository import session
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "vilbert"
 

@@ -1,5 +1,6 @@
-"""U-VisualBERT's two box embeddings: "linear" (Linear(4, H) summed with the feature projection, every checkpoint
-before session 9) and "normalized" (LN(FC(feature)) + LN(FC(sin/cos box)), as LXMERT's and UNITER's regions)."""
+"""U-VisualBERT's two box embeddings: "linear" (Linear(4, H) summed with the feature projection, the default,
+which older checkpoints hold) and "normalized" (LN(FC(feature)) + LN(FC(sin/cos box)), as LXMERT's and UNITER's
+regions)."""
 from __future__ import annotations
 
 import pytest
@@ -99,7 +100,7 @@ def position_accuracy(box_embedding: str, steps: int = 150) -> float:
 
 
 def test_normalized_boxes_learn_a_position_question():
-    """The demo's failure in miniature (docs/RESULTS.md, sessions 8 and 9): next to 512 standardised feature
+    """The demo's failure in miniature (docs/RESULTS.md, "Recipe levers"): next to 512 standardised feature
     dimensions the linear box embedding stays at chance on a one-hop position question, the normalized one learns it."""
     assert position_accuracy("normalized") > 0.9
     assert position_accuracy("linear") < 0.65

@@ -112,6 +112,14 @@ def test_unknown_preset_and_bad_labels_are_clear(saved):
         load_checkpoint(path)
 
 
+@pytest.mark.parametrize("pool", ["regions_geometry", "regions_count"])
+def test_a_checkpoint_with_a_removed_head_pool_names_it(saved, pool):
+    _, path = saved
+    _rewrite(path, "config.json", lambda c: c["heads"]["vqa"].update(pool=pool))
+    with pytest.raises(CheckpointError, match=f"config.json: head vqa: pool='{pool}' was removed from vlserve"):
+        load_checkpoint(path)
+
+
 def test_not_a_directory(tmp_path):
     with pytest.raises(CheckpointError, match="checkpoint directory not found"):
         load_checkpoint(tmp_path / "nowhere")

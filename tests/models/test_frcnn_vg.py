@@ -254,3 +254,28 @@ def test_bad_source_exits_2_with_one_clear_message(case, tmp_path):
     assert message in result.stderr, result.stderr
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+# ---- on a CUDA device (make gpu) ---------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_serving_form_on_cuda(imported, detector, dtype):
+    """The serving form on the GPU: in fp32 (TF32 off) the reference's regions; in bfloat16 the agreement the CPU's
+    bfloat16 form has with float32 (test_bfloat16_serving_form_agrees_with_float32)."""
+    from models.region_features import agreement
+
+    cuda = load_detector(imported, device="cuda")[0]
+    cuda.for_serving(dtype)
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        for name in NAMES:
+            (rf,) = cuda.extract([image(name)])
+            if dtype == torch.float32:
+                check_reference(rf, name, " (cuda)")
+            elif name in ("coffee", "astronaut", "wide_strip"):
+                found = agreement(detector.extract([image(name)])[0], rf)
+                assert found.matched >= 0.9 and found.min_cosine >= 0.999, (name, found)
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32

@@ -61,10 +61,9 @@ def test_nothing_masked_is_zero_loss_not_nan(kind, make_model, make_batch, make_
     [("vqa", dict(pool="answer_slot")), ("vqa", dict(classifier="linear")), ("nlvr2", dict(nlvr2_mode="joint")),
      ("nlvr2", dict(classifier="linear")), ("mrc", dict(mrc_loss="kl")), ("itm", dict(pool="regions")),
      ("nlvr2", dict(pool="regions")), ("nlvr2", dict(pool="regions", nlvr2_mode="joint")),
-     ("vqa", dict(pool="regions_geometry")), ("vqa", dict(pool="regions_count")), ("vqa", dict(pool="regions_film"))],
+     ("vqa", dict(pool="regions_film"))],
     ids=["vqa-answer-slot", "vqa-linear", "nlvr2-joint", "nlvr2-linear", "mrc-kl", "itm-regions", "nlvr2-regions",
-         "nlvr2-joint-regions", "vqa-regions-geometry", "vqa-regions-count",
-         "vqa-regions-film"],
+         "nlvr2-joint-regions", "vqa-regions-film"],
 )
 @pytest.mark.parametrize("preset", PRESETS)
 def test_head_options_on_every_preset(preset, kind, options, make_model, make_batch, make_labels):
@@ -199,11 +198,11 @@ def test_vqa_region_pooling_reads_real_regions_only(preset):
         HeadConfig(kind="vqa", num_labels=5, pool="mean")
 
 
-def test_located_regions_read_out_the_boxes_of_the_attended_regions():
-    """pool="regions_geometry": each of the K location queries reads out the expected box under its attention over
-    the real regions (a padded region never counts), beside the pooled vector and the attended regions."""
+def test_located_boxes_read_out_the_boxes_of_the_attended_regions():
+    """regions_film's located boxes: each of the K location queries reads out the expected box under its attention
+    over the real regions (a padded region never counts)."""
     from models import HeadConfig
-    from models.heads import GEOMETRY_QUERIES, with_attended_regions, with_located_regions
+    from models.heads import GEOMETRY_QUERIES, located_boxes
     from models.outputs import EncoderOutput
 
     assert GEOMETRY_QUERIES == 4
@@ -211,36 +210,35 @@ def test_located_regions_read_out_the_boxes_of_the_attended_regions():
     regions = torch.eye(hv)[None]  # (1, 4, 4): region n is the unit vector e_n
     boxes = torch.tensor([[[0.0, 0.0, 0.2, 0.2], [0.5, 0.1, 0.7, 0.3], [0.1, 0.6, 0.3, 0.9], [0.6, 0.6, 1.0, 1.0]]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])  # the fourth region is padding
-    region_query, where_query = torch.nn.Linear(p, hv), torch.nn.Linear(p, GEOMETRY_QUERIES * hv)
+    where_query = torch.nn.Linear(p, GEOMETRY_QUERIES * hv)
     with torch.no_grad():
         where_query.weight.zero_()
         where_query.bias.copy_(60.0 * torch.eye(hv).flatten())  # query k = 60 e_k: it attends to region k
     enc = EncoderOutput(text=torch.zeros(1, 2, hv), image=regions, pooled=torch.randn(1, p))
     with torch.no_grad():
-        out = with_located_regions(region_query, where_query, enc, mask, boxes)
-        moved = with_located_regions(region_query, where_query, enc, mask, boxes + torch.tensor([0, 0, 0, 1.0])[None, :, None])
-    assert out.shape == (1, p + hv + 4 * GEOMETRY_QUERIES)
-    torch.testing.assert_close(out[:, : p + hv], with_attended_regions(region_query, enc, mask))
-    where = out[0, p + hv:].reshape(GEOMETRY_QUERIES, 4)
+        out = located_boxes(where_query, enc, mask, boxes)
+        moved = located_boxes(where_query, enc, mask, boxes + torch.tensor([0, 0, 0, 1.0])[None, :, None])
+    assert out.shape == (1, GEOMETRY_QUERIES, 4)
+    where = out[0]
     torch.testing.assert_close(where[:3], boxes[0, :3], atol=1e-6, rtol=0)  # queries 0-2 locate regions 0-2
     torch.testing.assert_close(where[3], boxes[0, :3].mean(0))  # query 3's region is padding: the real ones, evenly
     torch.testing.assert_close(moved, out)  # moving the padded region's box changes nothing
-    with pytest.raises(ValueError, match="pool='regions_geometry' is for vqa, image_qa"):
-        HeadConfig(kind="itm", pool="regions_geometry")
+    with pytest.raises(ValueError, match="pool='regions_geometry' was removed"):
+        HeadConfig(kind="vqa", num_labels=5, pool="regions_geometry")
 
 
-def test_counted_regions_sum_sigmoid_gates_over_the_real_regions():
-    """pool="regions_count": each of the K count queries sums a sigmoid gate over the real regions (a padded region
+def test_region_counts_sum_sigmoid_gates_over_the_real_regions():
+    """regions_film's counts: each of the K count queries sums a sigmoid gate over the real regions (a padded region
     never counts) and is read as its value and as bumps at 0, 1, ..., COUNT_BINS - 1."""
     from models import HeadConfig
-    from models.heads import COUNT_BINS, COUNT_QUERIES, with_attended_regions, with_counted_regions
+    from models.heads import COUNT_BINS, COUNT_QUERIES, count_bumps, region_counts
     from models.outputs import EncoderOutput
 
     assert COUNT_QUERIES == 4
     hv, p = 4, 3
     regions = torch.tensor([[[1.0, 0, 0, 0], [1.0, 0, 0, 0], [0, 1.0, 0, 0], [1.0, 0, 0, 0], [1.0, 0, 0, 0]]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])  # three "e_0" regions and one "e_1" are real, the last is padding
-    region_query, count_query = torch.nn.Linear(p, hv), torch.nn.Linear(p, COUNT_QUERIES * (hv + 1))
+    count_query = torch.nn.Linear(p, COUNT_QUERIES * (hv + 1))
     queries = torch.zeros(COUNT_QUERIES, hv)
     queries[0, 0] = 200.0  # query 0 fires on e_0 regions
     queries[1, 1] = 200.0  # query 1 on e_1 regions
@@ -250,15 +248,13 @@ def test_counted_regions_sum_sigmoid_gates_over_the_real_regions():
         count_query.bias.copy_(torch.cat([queries.flatten(), bias]))
     enc = EncoderOutput(text=torch.zeros(1, 2, hv), image=regions, pooled=torch.randn(1, p))
     with torch.no_grad():
-        out = with_counted_regions(region_query, count_query, enc, mask)
-    assert out.shape == (1, p + hv + COUNT_QUERIES * (1 + COUNT_BINS))
-    torch.testing.assert_close(out[:, : p + hv], with_attended_regions(region_query, enc, mask))
-    counts = out[0, p + hv: p + hv + COUNT_QUERIES]
-    torch.testing.assert_close(counts, torch.tensor([3.0, 1.0, 4.0, 0.0]), atol=1e-4, rtol=0)
-    bumps = out[0, p + hv + COUNT_QUERIES:].reshape(COUNT_QUERIES, COUNT_BINS)
+        counts = region_counts(count_query, enc, mask)
+    assert counts.shape == (1, COUNT_QUERIES)
+    torch.testing.assert_close(counts[0], torch.tensor([3.0, 1.0, 4.0, 0.0]), atol=1e-4, rtol=0)
+    bumps = count_bumps(counts)[0].reshape(COUNT_QUERIES, COUNT_BINS)
     assert bumps.argmax(-1).tolist() == [3, 1, 4, 0]  # each count's bump peaks at its value
     torch.testing.assert_close(bumps[0, [2, 3, 4]], torch.tensor([math.exp(-2.0), 1.0, math.exp(-2.0)]), atol=1e-4, rtol=0)
-    with pytest.raises(ValueError, match="pool='regions_count' is for vqa, image_qa"):
+    with pytest.raises(ValueError, match="pool='regions_count' was removed"):
         HeadConfig(kind="nlvr2", pool="regions_count")
 
 

@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from typer.testing import CliRunner
 
 from models import VLInputs
 from models.checkpoint import load_checkpoint
-from vlserve.cli import app
+from tests.models.reference_checks import import_checkpoint as imported, max_diff, run_import as cli
 
 import transformers  # pinned test dependency
 
@@ -53,21 +52,6 @@ def save_hf(model: nn.Module, path: Path, *, bin_extra: dict[str, torch.Tensor] 
         (path / "model.safetensors").unlink()
         torch.save({**model.state_dict(), **bin_extra}, path / "pytorch_model.bin")
     return path
-
-
-def cli(*args: str | Path):
-    return CliRunner().invoke(app, ["import", *map(str, args)])
-
-
-def imported(fmt: str, src: Path, out: Path, *options: str | Path):
-    result = cli(fmt, src, out, *options)
-    assert result.exit_code == 0, result.output
-    return load_checkpoint(out)
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return (a - b).abs().max().item()
 
 
 def visualbert_kwargs(x: VLInputs) -> dict[str, torch.Tensor]:

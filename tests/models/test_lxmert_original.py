@@ -8,20 +8,19 @@ within 1e-5 in fp32.
 from __future__ import annotations
 
 import json
-import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from typer.testing import CliRunner
 
-from models import VLInputs, VLModel
-from models.checkpoint import load_checkpoint
-from models.importers.hf_common import HFSource
+from models import VLInputs
 from models.importers.lxmert_original import BERT_BASE_UNCASED, convert
-from service.pipeline import task_specs
-from vlserve.cli import app
+from tests.models.reference_checks import (
+    add, assert_accounted_for, assert_bad_source, drop, full_size_source, halved, import_checkpoint, max_diff,
+    record, renamed, resaved, run_import, served_tasks,
+)
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "lxmert_original"
 ATOL = 1e-5
@@ -34,14 +33,8 @@ def reference() -> dict[str, torch.Tensor]:
     return load_file(FIXTURE / "reference.safetensors")
 
 
-def cli(*args: str | Path):
-    return CliRunner().invoke(app, ["import", "lxmert", *map(str, args)])
-
-
-def imported(src: Path, out: Path, *options: str | Path):
-    result = cli(src, out, *options)
-    assert result.exit_code == 0, result.output
-    return load_checkpoint(out)
+cli = partial(run_import, "lxmert")
+imported = partial(import_checkpoint, "lxmert")
 
 
 def batch(ref: dict[str, torch.Tensor], features: str) -> VLInputs:
@@ -50,37 +43,9 @@ def batch(ref: dict[str, torch.Tensor], features: str) -> VLInputs:
                     region_boxes=ref["region_boxes"], region_mask=ref["region_mask"])
 
 
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return (a - b).abs().max().item()
-
-
-def record(out: Path) -> dict:
-    return json.loads((out / "manifest.json").read_text())["import"]
-
-
-def state(name: str) -> dict[str, torch.Tensor]:
-    return torch.load(FIXTURE / name, weights_only=True)
-
-
 def rewrite(tmp_path: Path, name: str, edit=None, save_kwargs: dict | None = None) -> Path:
     """The fixture's `name` re-saved into tmp_path (after `edit` of its state), with the files read beside it."""
-    src = tmp_path / "src"
-    src.mkdir()
-    for f in BESIDE:
-        shutil.copy(FIXTURE / f, src / f)
-    weights = state(name)
-    torch.save(edit(weights) if edit else weights, src / name, **(save_kwargs or {}))
-    return src / name
-
-
-def renamed(old: str, new: str):
-    return lambda sd: {k.replace(old, new, 1): v for k, v in sd.items()}
-
-
-def served_tasks(ckpt) -> dict:
-    cfg = ckpt.model.config
-    return task_specs({t: h.kind for t, h in cfg.heads.items()}, {}, ckpt.labels)
+    return resaved(FIXTURE, tmp_path, name, edit, BESIDE, save_kwargs=save_kwargs)
 
 
 # ---- parity -------------------------------------------------------------------------------------------------
@@ -145,17 +110,10 @@ def test_full_size_keys_all_accounted_for(name):
     """A state dict of the reference's full-size key set (zero-stride zeros: no memory) maps onto BERT-base-sized
     lxmert with nothing missing, left over or mis-shaped."""
     shapes = json.loads((FIXTURE / "manifest_full.json").read_text())[name]
-    zero = torch.zeros(())
-    source = HFSource(path=FIXTURE / "absent", config=dict(BERT_BASE_UNCASED),
-                      state={k: zero.expand(s) for k, s in shapes.items()}, weights_file=name)
+    source = full_size_source(FIXTURE, shapes, name, dict(BERT_BASE_UNCASED))
     config, weights, labels, _ = convert(source)
     assert config.encoder.size == "base"  # 768 wide, 9 language, 5 object-relationship, 5 cross-modality layers
-    with torch.device("meta"):
-        model = VLModel(config)
-    own = model.state_dict()
-    source.check_shapes(own)
-    assert set(weights) == set(own)
-    assert {k: tuple(v.shape) for k, v in weights.items()} == {k: tuple(v.shape) for k, v in own.items()}
+    assert_accounted_for(source, config, weights)
     assert source.ignored() == ([] if name == "BEST.pth" else ATTR)
     answers = {"BEST.pth": ("vqa", 3129), "model_LXRT.pth": ("image_qa", 9500)}[name]
     assert config.heads[answers[0]].num_labels == answers[1]
@@ -164,18 +122,8 @@ def test_full_size_keys_all_accounted_for(name):
 # ---- errors: exit code 2, one line naming the file, no traceback --------------------------------------------
 
 
-def drop(key: str):
-    return lambda sd: {k: v for k, v in sd.items() if k != key}
-
-
-def add(key: str, value: torch.Tensor):
-    return lambda sd: {**sd, key: value}
-
-
 def truncated(tmp_path):
-    src = rewrite(tmp_path, "BEST.pth")
-    src.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
-    return src
+    return halved(rewrite(tmp_path, "BEST.pth"))
 
 
 def pickled_object(tmp_path):
@@ -235,15 +183,7 @@ ERRORS = {
 
 @pytest.mark.parametrize("case", list(ERRORS))
 def test_bad_source_exits_2_with_one_clear_message(case, tmp_path):
-    make, message = ERRORS[case]
-    src = make(tmp_path)
-    options = ["--answers", tmp_path / "answers.json"] if (tmp_path / "answers.json").exists() else []
-    result = cli(src, tmp_path / "out", *options)
-    assert result.exit_code == 2, result.output
-    assert isinstance(result.exception, SystemExit)  # no traceback
-    assert message in result.stderr
-    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
-    assert not (tmp_path / "out").exists()
+    assert_bad_source(cli, tmp_path, *ERRORS[case])
 
 
 def test_ans2label_names_answers_by_index(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -19,11 +20,12 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from models import VLInputs, VLModel
-from models.checkpoint import load_checkpoint
-from models.importers.hf_common import HFSource
 from models.importers.lxmert_original import BERT_BASE_UNCASED
 from models.importers.u_visualbert import convert
-from service.pipeline import task_specs
+from tests.models.reference_checks import (
+    add, assert_accounted_for, assert_one_line_error, drop, full_size_source, halved, import_checkpoint, max_diff,
+    record, renamed, resaved, run_import, served_tasks,
+)
 from vlserve.cli import app
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "u_visualbert"
@@ -53,14 +55,8 @@ def reference() -> dict[str, dict[str, torch.Tensor]]:
     return {s: {k[len(s) + 1:]: v for k, v in tensors.items() if k.startswith(f"{s}.")} for s in SHAPES}
 
 
-def cli(*args: str | Path):
-    return CliRunner().invoke(app, ["import", "u-visualbert", *map(str, args)])
-
-
-def imported(src: Path, out: Path, *options: str | Path):
-    result = cli(src, out, *options)
-    assert result.exit_code == 0, result.output
-    return load_checkpoint(out)
+cli = partial(run_import, "u-visualbert")
+imported = partial(import_checkpoint, "u-visualbert")
 
 
 def batch(ref: dict[str, torch.Tensor], pair: bool = False) -> VLInputs:
@@ -76,11 +72,6 @@ def batch(ref: dict[str, torch.Tensor], pair: bool = False) -> VLInputs:
                      region_mask=both(x.region_mask), tag_ids=both(x.tag_ids))
 
 
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return (a - b).abs().max().item()
-
-
 def tag_diff(ours: torch.Tensor, ref: dict[str, torch.Tensor], want: torch.Tensor) -> float:
     """Tag scores: ours (B, N, K, V) at each real tag slot, the reference's (B, L, V) at its flat list of them
     (region by region, sub-word by sub-word)."""
@@ -89,34 +80,9 @@ def tag_diff(ours: torch.Tensor, ref: dict[str, torch.Tensor], want: torch.Tenso
     return max(max_diff(ours[i][real[i]], want[i, : int(real[i].sum())]) for i in range(ours.shape[0]))
 
 
-def record(out: Path) -> dict:
-    return json.loads((out / "manifest.json").read_text())["import"]
-
-
-def state(name: str) -> dict[str, torch.Tensor]:
-    return torch.load(FIXTURE / name, weights_only=True)
-
-
 def rewrite(tmp_path: Path, name: str, edit=None, beside: dict | None = None) -> Path:
     """The fixture's `name` re-saved into tmp_path (after `edit` of its state), with the files read beside it."""
-    src = tmp_path / "src"
-    src.mkdir()
-    for f in BESIDE:
-        shutil.copy(FIXTURE / f, src / f)
-    for f, text in (beside or {}).items():
-        (src / f).write_text(text)
-    weights = state(name)
-    torch.save(edit(weights) if edit else weights, src / name)
-    return src / name
-
-
-def renamed(old: str, new: str):
-    return lambda sd: {k.replace(old, new, 1): v for k, v in sd.items()}
-
-
-def served_tasks(ckpt) -> dict:
-    cfg = ckpt.model.config
-    return task_specs({t: h.kind for t, h in cfg.heads.items()}, {}, ckpt.labels)
+    return resaved(FIXTURE, tmp_path, name, edit, BESIDE, beside)
 
 
 # ---- parity -------------------------------------------------------------------------------------------------
@@ -213,17 +179,10 @@ def test_full_size_keys_all_accounted_for(name):
     """A state dict of the reference's full-size key set (zero-stride zeros: no memory) maps onto BERT-base-sized
     u-visualbert with nothing missing, left over or mis-shaped; what it leaves is the reference's unused tensors."""
     shapes = json.loads((FIXTURE / "manifest_full.json").read_text())[name]
-    zero = torch.zeros(())
-    source = HFSource(path=FIXTURE / "absent", config=dict(BERT_BASE_UNCASED),
-                      state={k: zero.expand(s) for k, s in shapes.items()}, weights_file=name)
+    source = full_size_source(FIXTURE, shapes, name, dict(BERT_BASE_UNCASED))
     config, weights, labels, _ = convert(source)
     assert config.encoder.size == "base" and config.encoder.visual_feat_dim == 2048  # 768 wide, 12 layers
-    with torch.device("meta"):
-        model = VLModel(config)
-    own = model.state_dict()
-    source.check_shapes(own)
-    assert set(weights) == set(own)
-    assert {k: tuple(v.shape) for k, v in weights.items()} == {k: tuple(v.shape) for k, v in own.items()}
+    assert_accounted_for(source, config, weights)
     p, heads = ("lxrt_encoder.model.module.bert.module.", None) if name == "vqa.pth" else ("module.bert.", "module.")
     itm = "seq_relationship_new" if name == "nlvr2_LXRT.pth" else "seq_relationship"
     assert source.ignored() == sorted(unused(p, heads, itm))
@@ -236,18 +195,8 @@ def test_full_size_keys_all_accounted_for(name):
 # ---- errors: exit code 2, one line naming the file, no traceback --------------------------------------------
 
 
-def drop(key: str):
-    return lambda sd: {k: v for k, v in sd.items() if k != key}
-
-
-def add(key: str, value: torch.Tensor):
-    return lambda sd: {**sd, key: value}
-
-
 def truncated(tmp_path):
-    src = rewrite(tmp_path, "vqa.pth")
-    src.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
-    return src
+    return halved(rewrite(tmp_path, "vqa.pth"))
 
 
 def lxmert_checkpoint(tmp_path):
@@ -291,12 +240,7 @@ ERRORS = {
 @pytest.mark.parametrize("case", list(ERRORS))
 def test_bad_source_exits_2_with_one_clear_message(case, tmp_path):
     make, message = ERRORS[case]
-    result = cli(make(tmp_path), tmp_path / "out")
-    assert result.exit_code == 2, result.output
-    assert isinstance(result.exception, SystemExit)  # no traceback
-    assert message in result.stderr
-    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
-    assert not (tmp_path / "out").exists()
+    assert_one_line_error(cli(make(tmp_path), tmp_path / "out"), tmp_path / "out", message)
 
 
 def test_lxmert_importer_refuses_it(tmp_path):

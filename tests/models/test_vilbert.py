@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,11 @@ from typer.testing import CliRunner
 
 from models import VLInputs, VLModel
 from models.checkpoint import load_checkpoint
-from models.importers.hf_common import HFSource
 from models.importers.vilbert import TASK_TOKENS, convert
 from service.pipeline import task_specs
+from tests.models.reference_checks import (
+    assert_one_line_error, full_size_source, halved, max_diff, record, resaved, run_import,
+)
 from vlserve.cli import app
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "vilbert"
@@ -35,8 +38,7 @@ def reference() -> dict[str, torch.Tensor]:
     return load_file(FIXTURE / "reference.safetensors")
 
 
-def cli(*args: str | Path):
-    return CliRunner().invoke(app, ["import", "vilbert", *map(str, args)])
+cli = partial(run_import, "vilbert")
 
 
 def imported(name: str, out: Path, *options: str | Path):
@@ -52,15 +54,6 @@ def batch(ref: dict[str, torch.Tensor], shape: str, pairs: bool = False) -> VLIn
         x |= {k: x[k][0::2] for k in INPUTS[:3]}
         x |= {k: x[k].reshape(x[k].shape[0] // 2, 2, *x[k].shape[1:]) for k in INPUTS[3:]}
     return VLInputs(**x)
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return (a - b).abs().max().item()
-
-
-def record(out: Path) -> dict:
-    return json.loads((out / "manifest.json").read_text())["import"]
 
 
 def q_dense(layers: int) -> list[str]:
@@ -152,9 +145,7 @@ def test_full_size_keys_all_accounted_for(name):
     """A state dict of the reference's full-size key set (zero-stride zeros: no memory) with
     bert_base_6layer_6conect.json maps onto BERT-base-sized vilbert with nothing missing, left over or mis-shaped."""
     full = json.loads((FIXTURE / "manifest_full.json").read_text())
-    zero = torch.zeros(())
-    source = HFSource(path=FIXTURE / "absent", config=full["config"],
-                      state={k: zero.expand(s) for k, s in full[name].items()}, weights_file=name)
+    source = full_size_source(FIXTURE, full[name], name, full["config"])
     config, weights, labels, _ = convert(source)
     enc = config.encoder
     assert enc.size == "base" and (enc.image_width, enc.image_heads, enc.coattention_width) == (1024, 8, 1024)
@@ -175,20 +166,13 @@ def test_full_size_keys_all_accounted_for(name):
 
 def rewrite(tmp_path: Path, name: str = "multi_task_model.bin", edit=None, config_edit=None) -> Path:
     """The fixture's `name` re-saved into tmp_path (after `edit` of its state) with its config as config.json."""
-    src = tmp_path / "src"
-    src.mkdir()
-    shutil.copy(FIXTURE / "vocab.txt", src / "vocab.txt")
     config = json.loads((FIXTURE / CONFIGS[name]).read_text())
-    (src / "config.json").write_text(json.dumps(config_edit(config) if config_edit else config))
-    weights = torch.load(FIXTURE / name, weights_only=True)
-    torch.save(edit(weights) if edit else weights, src / name)
-    return src / name
+    written = {"config.json": json.dumps(config_edit(config) if config_edit else config)}
+    return resaved(FIXTURE, tmp_path, name, edit, ("vocab.txt",), written)
 
 
 def truncated(tmp_path):
-    src = rewrite(tmp_path)
-    src.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
-    return src
+    return halved(rewrite(tmp_path))
 
 
 def other_format(tmp_path):
@@ -248,12 +232,7 @@ ERRORS = {
 def test_bad_source_exits_2_with_one_clear_message(case, tmp_path):
     make, *messages = ERRORS[case]
     src = make(tmp_path)
-    result = cli(src, tmp_path / "out")
-    assert result.exit_code == 2, result.output
-    assert isinstance(result.exception, SystemExit)  # no traceback
-    assert all(message in result.stderr for message in messages), result.stderr
-    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
-    assert not (tmp_path / "out").exists()
+    assert_one_line_error(cli(src, tmp_path / "out"), tmp_path / "out", *messages)
 
 
 def test_vilbert_file_given_to_the_lxmert_importer_says_which_importer_reads_it(tmp_path):

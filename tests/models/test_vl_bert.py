@@ -12,21 +12,22 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from typer.testing import CliRunner
 
 from models import EncoderConfig, HeadConfig, ModelConfig, VLInputs, VLModel, encoder_config
 from models.checkpoint import load_checkpoint
-from models.importers.hf_common import HFSource
 from models.importers.vl_bert import UNUSED, convert
 from models.tokenizer import VLTokenizer
 from service.pipeline import task_specs
-from vlserve.cli import app
+from tests.models.reference_checks import (
+    assert_accounted_for, assert_bad_source, full_size_source, halved, max_diff, resaved, run_import,
+)
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "vl_bert"
 ATOL = 1e-5
@@ -39,8 +40,7 @@ def reference() -> dict[str, torch.Tensor]:
     return load_file(FIXTURE / "reference.safetensors")
 
 
-def cli(*args: str | Path):
-    return CliRunner().invoke(app, ["import", "vl-bert", *map(str, args)])
+cli = partial(run_import, "vl-bert")
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +65,6 @@ def batch(ref: dict[str, torch.Tensor], shape: str, name: str) -> VLInputs:
                     token_type_ids=g(f"{name}.text_token_type_ids"), region_features=g("region_features"),
                     region_boxes=g("boxes") / wh, region_mask=g("region_mask"),
                     image_feature=g("image_feature") if shape == "a" else None)
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return (a - b).abs().max().item()
 
 
 def packed(sequence: torch.Tensor, x: VLInputs) -> list[torch.Tensor]:
@@ -146,7 +141,7 @@ def test_the_tokenizer_lays_out_the_vqa_text_as_the_reference(imported, referenc
     """What the service sends for a question is the text the reference's VQA module builds: [CLS] q [SEP] [MASK] [SEP]
     with the last two in segment 1."""
     ckpt = imported["vqa"]
-    spec = task_specs({"vqa": "vqa"}, {"vqa": {"pool": "answer_segment"}}, ckpt.labels)["vqa"]
+    spec = task_specs({"vqa": "vqa"}, ckpt.model.config.heads, ckpt.labels)["vqa"]  # the layout the head declares
     tok: VLTokenizer = ckpt.tokenizer
     names = {i: w for w, i in tok.vocab.items()}
     for shape in SHAPES:
@@ -160,7 +155,7 @@ def test_the_tokenizer_lays_out_the_vqa_text_as_the_reference(imported, referenc
 def test_served_heads(imported):
     vqa, refer, pretrain = (imported[n] for n in MODELS)
     answers = (FIXTURE / "answers_vqa.txt").read_text().split()
-    specs = task_specs({"vqa": "vqa"}, {"vqa": {"pool": "answer_segment"}}, vqa.labels)
+    specs = task_specs({"vqa": "vqa"}, vqa.model.config.heads, vqa.labels)
     assert specs["vqa"].labels == tuple(answers) and specs["vqa"].answer_slot == "answer_segment"
     assert set(task_specs({"refer": "refer"}, {}, refer.labels)) == {"refer"}
     assert not task_specs({t: h.kind for t, h in pretrain.model.config.heads.items()}, {}, pretrain.labels)
@@ -175,20 +170,12 @@ def test_released_configs_have_no_pooler(imported):
 # ---- layouts ------------------------------------------------------------------------------------------------
 
 
-def state(name: str) -> dict:
-    return torch.load(FIXTURE / name, weights_only=True)
-
-
 def rewrite(tmp_path: Path, name: str, edit=None, save_kwargs: dict | None = None, yaml_edit=None) -> Path:
     """The fixture's `name` re-saved into tmp_path (after `edit` of the whole file), with its yaml and vocab.txt."""
-    src = tmp_path / "src"
-    src.mkdir(exist_ok=True)
-    shutil.copy(FIXTURE / "vocab.txt", src / "vocab.txt")
-    config = yaml.safe_load((FIXTURE / name).with_suffix(".yaml").read_text())
-    (src / name).with_suffix(".yaml").write_text(yaml.safe_dump(yaml_edit(config) if yaml_edit else config))
-    data = state(name)
-    torch.save(edit(data) if edit else data, src / name, **(save_kwargs or {}))
-    return src / name
+    config_file = Path(name).with_suffix(".yaml").name
+    config = yaml.safe_load((FIXTURE / config_file).read_text())
+    written = {config_file: yaml.safe_dump(yaml_edit(config) if yaml_edit else config)}
+    return resaved(FIXTURE, tmp_path, name, edit, ("vocab.txt",), written, save_kwargs)
 
 
 def in_state(fn):
@@ -222,17 +209,11 @@ def test_full_size_keys_all_accounted_for(name):
     """A state dict of the reference's full-size key set (zero-stride zeros: no memory) maps onto BERT-base-sized
     vl-bert with nothing missing, left over or mis-shaped; what is not imported is only what UNUSED names."""
     shapes = json.loads((FIXTURE / "manifest_full.json").read_text())[name]
-    zero = torch.zeros(())
-    source = HFSource(path=FIXTURE / "absent", config={}, state={k: zero.expand(s) for k, s in shapes.items()},
-                      weights_file=name)
+    source = full_size_source(FIXTURE, shapes, name, {})
     config, weights, labels, _ = convert(source)
     assert config.encoder.size == "base" and config.encoder.visual_feat_dim == 2048 and not config.encoder.pooler
     assert config.encoder == encoder_config("vl-bert", "base")  # the preset builds the reference's model
-    with torch.device("meta"):
-        model = VLModel(config)
-    own = model.state_dict()
-    source.check_shapes(own)
-    assert {k: tuple(v.shape) for k, v in weights.items()} == {k: tuple(v.shape) for k, v in own.items()}
+    assert_accounted_for(source, config, weights)
     assert all(key.startswith(tuple(f"module.{p}" for p in UNUSED)) for key in source.ignored())
     heads = {"vl-bert-base-e2e.model": {"mlm", "mrc"}, "vl-bert-base-prec.model": {"mlm", "mrc"},
              "vqa-base.model": {"vqa"}, "refcoco+-base.model": {"refer"}}[name]
@@ -268,9 +249,7 @@ def test_vl_bert_classifiers_belong_to_their_heads(kind, classifier):
 
 
 def truncated(tmp_path):
-    src = rewrite(tmp_path, "vqa.model")
-    src.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
-    return src
+    return halved(rewrite(tmp_path, "vqa.model"))
 
 
 def pickled_object(tmp_path):
@@ -338,12 +317,4 @@ ERRORS = {
 
 @pytest.mark.parametrize("case", list(ERRORS))
 def test_bad_source_exits_2_with_one_clear_message(case, tmp_path):
-    make, message = ERRORS[case]
-    src = make(tmp_path)
-    options = ["--answers", tmp_path / "answers.txt"] if (tmp_path / "answers.txt").exists() else []
-    result = cli(src, tmp_path / "out", *options)
-    assert result.exit_code == 2, result.output
-    assert isinstance(result.exception, SystemExit)  # no traceback
-    assert message in result.stderr
-    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
-    assert not (tmp_path / "out").exists()
+    assert_bad_source(cli, tmp_path, *ERRORS[case], answers="answers.txt")

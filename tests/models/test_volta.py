@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from typer.testing import CliRunner
 
-from models import VLInputs, VLModel
-from models.checkpoint import load_checkpoint
-from models.importers.hf_common import HFSource
+from models import VLInputs
 from models.importers.volta import convert
-from service.pipeline import task_specs
-from vlserve.cli import app
+from tests.models.reference_checks import (
+    add, assert_accounted_for, assert_bad_source, drop, full_size_source, halved, import_checkpoint, max_diff,
+    record, resaved, run_import, served_tasks,
+)
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "volta"
 CONFIG = FIXTURE / "vilbert_tiny.json"
@@ -41,14 +41,8 @@ VE = ["clfs_dict.TASK13.bias", "clfs_dict.TASK13.weight"]  # visual entailment: 
 ATTR = ["cls.imagePredictions.decoder_dict.4.bias", "cls.imagePredictions.decoder_dict.4.weight"]  # no attribute head
 
 
-def cli(*args: str | Path):
-    return CliRunner().invoke(app, ["import", "volta", *map(str, args)])
-
-
-def imported(src: Path, out: Path, *options: str | Path):
-    result = cli(src, out, *options)  # the config json beside the weights
-    assert result.exit_code == 0, result.output
-    return load_checkpoint(out)
+cli = partial(run_import, "volta")
+imported = partial(import_checkpoint, "volta")  # the config json beside the weights
 
 
 @pytest.fixture(scope="module")
@@ -68,19 +62,6 @@ def pairs(ref: dict[str, torch.Tensor], p: str) -> VLInputs:
     both = lambda name: torch.stack([ref[f"{p}{name}"], ref[f"{p}{name}_right"]], 1)  # noqa: E731
     return x.replace(region_features=both("region_features"), region_boxes=both("region_boxes"),
                      region_mask=torch.stack([x.region_mask] * 2, 1))
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return (a - b).abs().max().item()
-
-
-def record(out: Path) -> dict:
-    return json.loads((out / "manifest.json").read_text())["import"]
-
-
-def served_tasks(ckpt) -> dict:
-    return task_specs({t: h.kind for t, h in ckpt.model.config.heads.items()}, {}, ckpt.labels)
 
 
 # ---- parity -------------------------------------------------------------------------------------------------
@@ -181,9 +162,7 @@ def test_full_size_keys_all_accounted_for(name, weights):
     """A state dict of the reference's full-size key set (zero-stride zeros: no memory) for VOLTA's published config
     maps onto a full-size model with nothing missing, left over or mis-shaped."""
     full = json.loads((FIXTURE / "manifest_full.json").read_text())[name]
-    zero = torch.zeros(())
-    source = HFSource(path=FIXTURE / "absent", config=full["config"], weights_file=weights,
-                      state={k: zero.expand(s) for k, s in full[weights].items()}, config_file=f"{name}.json")
+    source = full_size_source(FIXTURE, full[weights], weights, full["config"], config_file=f"{name}.json")
     config, tensors, _, _ = convert(source)
     enc = config.encoder
     preset, layers, widths = FULL[name]
@@ -191,11 +170,7 @@ def test_full_size_keys_all_accounted_for(name, weights):
     assert (enc.image_width, enc.coattention_width if preset == "vilbert" else enc.hidden_size, enc.pooled_size) == widths
     if preset == "vilbert":
         assert enc.coattention_text_layers == (6, 7, 8, 9, 10, 11)
-    with torch.device("meta"):
-        model = VLModel(config)
-    own = model.state_dict()
-    source.check_shapes(own)
-    assert {k: tuple(v.shape) for k, v in tensors.items()} == {k: tuple(v.shape) for k, v in own.items()}
+    assert_accounted_for(source, config, tensors)
     if weights == TASKS:
         assert set(config.heads) == {"vqa", "rank", "refer", "nlvr2"} and config.heads["vqa"].num_labels == 3129
         assert config.heads["vqa"].classifier_hidden == 1536 and source.ignored() == VE
@@ -209,20 +184,11 @@ def test_full_size_keys_all_accounted_for(name, weights):
 # ---- errors: exit code 2, one line naming the file, no traceback --------------------------------------------
 
 
-def state(name: str) -> dict[str, torch.Tensor]:
-    return torch.load(FIXTURE / name, weights_only=True)
-
-
 def rewrite(tmp_path: Path, name: str, edit=None, config: dict | None = None) -> Path:
     """The fixture's `name` re-saved into tmp_path (after `edit` of its state), with a config beside it."""
-    src = tmp_path / "src"
-    src.mkdir()
-    shutil.copy(FIXTURE / "vocab.txt", src / "vocab.txt")
     tiny = json.loads(CONFIG.read_text())
-    (src / "vilbert_tiny.json").write_text(json.dumps(tiny | (config or {})))
-    weights = state(name)
-    torch.save(edit(weights) if edit else weights, src / name)
-    return src / name
+    written = {"vilbert_tiny.json": json.dumps(tiny | (config or {}))}
+    return resaved(FIXTURE, tmp_path, name, edit, ("vocab.txt",), written)
 
 
 def other_config(name: str):
@@ -250,17 +216,7 @@ def changed_config(variant: str, change: dict):
 
 
 def truncated(tmp_path):
-    src = rewrite(tmp_path, TASKS)
-    src.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
-    return src
-
-
-def drop(key: str):
-    return lambda sd: {k: v for k, v in sd.items() if k != key}
-
-
-def add(key: str, value: torch.Tensor):
-    return lambda sd: {**sd, key: value}
+    return halved(rewrite(tmp_path, TASKS))
 
 
 def lxmert_best(tmp_path):
@@ -309,15 +265,7 @@ ERRORS = {
 
 @pytest.mark.parametrize("case", list(ERRORS))
 def test_bad_source_exits_2_with_one_clear_message(case, tmp_path):
-    make, message = ERRORS[case]
-    src = make(tmp_path)
-    options = ["--answers", tmp_path / "answers.json"] if (tmp_path / "answers.json").exists() else []
-    result = cli(src, tmp_path / "out", *options)
-    assert result.exit_code == 2, result.output
-    assert isinstance(result.exception, SystemExit)  # no traceback
-    assert message in result.stderr
-    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
-    assert not (tmp_path / "out").exists()
+    assert_bad_source(cli, tmp_path, *ERRORS[case])
 
 
 def test_lxmert_fields_belong_to_lxmert():

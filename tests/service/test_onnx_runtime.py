@@ -11,9 +11,10 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from export.detector import OnnxDetector
 from export.encoder import synthetic_batch
-from export.repository import export_repository, load_repository
+from export.repository import export_repository
+from models.detector.onnx import OnnxDetector
+from models.repository import load_repository
 from service.app import StartupError, create_app
 from service.runtime.onnx_runtime import CPU, CUDA, TENSORRT, OnnxRuntime, choose_providers, create
 from service.runtime.tensorrt_runtime import profile_shapes

@@ -6,7 +6,9 @@ import base64
 import numpy as np
 import pytest
 
-from service.pipeline import match_scores, rank, ranked_regions, region_arrays, task_specs, top_answers, true_probability
+from models import HeadConfig, ModelConfig
+from service.pipeline import (TaskSpec, match_scores, rank, ranked_regions, region_arrays, task_specs, top_answers,
+                              true_probability)
 from service.schemas import decode_base64
 from tests.service.conftest import random_regions
 
@@ -20,7 +22,7 @@ def test_top_answers_are_sigmoid_scores_best_first():
 
 def test_top_answers_of_a_cross_entropy_head_are_softmax_probabilities():
     logits = np.array([0.0, 2.0, -1.0, 1.0], np.float32)
-    got = top_answers(logits, ["a", "b", "c", "d"], 4, softmax_scores=True)
+    got = top_answers(logits, ["a", "b", "c", "d"], 4, score="softmax")
     probs = np.exp(logits) / np.exp(logits).sum()
     assert [a for a, _ in got] == ["b", "d", "a", "c"]
     assert [p for _, p in got] == pytest.approx(sorted(probs, reverse=True)) and sum(p for _, p in got) == pytest.approx(1)
@@ -50,12 +52,49 @@ def test_true_probability_is_softmax_of_the_true_logit():
 
 def test_task_specs_pick_the_first_head_of_each_served_kind():
     tasks = {"mlm": "mlm", "gqa": "vqa", "vqa": "vqa", "itm": "itm", "match": "itm"}
-    specs = task_specs(tasks, {"gqa": {"pool": "answer_slot"}}, {"heads": {"gqa": ["yes", "no"]}})
+    heads = {"gqa": HeadConfig(kind="vqa", num_labels=2, pool="answer_slot"), "itm": HeadConfig(kind="itm")}
+    specs = task_specs(tasks, heads, {"heads": {"gqa": ["yes", "no"]}})
     assert set(specs) == {"vqa", "itm"}
-    assert specs["vqa"].task == "gqa" and specs["vqa"].answer_slot and specs["vqa"].labels == ("yes", "no")
+    assert specs["vqa"].task == "gqa" and specs["vqa"].labels == ("yes", "no")
+    assert specs["vqa"].answer_slot == "answer_slot"
     assert specs["itm"].task == "itm" and not specs["itm"].answer_slot
-    assert not specs["vqa"].softmax_scores
-    assert task_specs({"vqa": "vqa"}, {"vqa": {"vqa_loss": "ce"}}, {})["vqa"].softmax_scores
+    assert specs["vqa"].score == "sigmoid"
+
+
+def test_task_specs_read_the_semantics_the_head_declares_not_its_training_options():
+    declared = HeadConfig(kind="vqa", num_labels=2, vqa_loss="bce", score="softmax", text_layout="answer_segment")
+    spec = task_specs({"vqa": "vqa"}, {"vqa": declared}, {})["vqa"]
+    assert spec.score == "softmax" and spec.answer_slot == "answer_segment"
+    assert task_specs({"vqa": "vqa"}, {}, {})["vqa"] == TaskSpec("vqa", "vqa")  # no config: plain text, sigmoids
+
+
+@pytest.mark.parametrize(("old", "score", "layout"), [
+    ({}, "sigmoid", "plain"),
+    ({"vqa_loss": "ce"}, "softmax", "plain"),
+    ({"pool": "answer_slot"}, "sigmoid", "answer_slot"),
+    ({"pool": "answer_segment", "vqa_loss": "ce"}, "softmax", "answer_segment"),
+])
+def test_a_config_written_before_heads_declared_semantics_serves_as_it_was_trained(old, score, layout):
+    """config.json heads without score / text_layout get them from vqa_loss and pool when loaded."""
+    head = {"kind": "vqa", "num_labels": 3, **old}
+    config = ModelConfig.from_dict({"encoder": {"preset": "visualbert"}, "heads": {"vqa": head}})
+    head = config.heads["vqa"]
+    assert (head.score, head.text_layout) == (score, layout)
+    spec = task_specs({"vqa": "vqa"}, config.heads, {"heads": {"vqa": ["a", "b", "c"]}})["vqa"]
+    logits = np.array([2.0, -1.0, 0.5])
+    expected = (np.exp(logits) / np.exp(logits).sum()) if score == "softmax" else 1 / (1 + np.exp(-logits))
+    assert top_answers(logits, spec.labels, 1, spec.score) == [("a", pytest.approx(expected[0]))]
+    assert spec.answer_slot == (False if layout == "plain" else layout)
+    written = config.to_dict()["heads"]["vqa"]  # a config written now declares them
+    assert (written["score"], written["text_layout"]) == (score, layout)
+    assert ModelConfig.from_dict(config.to_dict()).heads["vqa"] == head
+
+
+def test_a_head_cannot_declare_a_layout_without_the_slot_it_reads():
+    with pytest.raises(ValueError, match="answer slot"):
+        HeadConfig(kind="vqa", num_labels=2, pool="answer_slot", text_layout="plain")
+    with pytest.raises(ValueError, match="score"):
+        HeadConfig(kind="refer", score="softmax")
 
 
 def test_retrieve_ranks_with_the_ranking_head_where_the_model_has_one():

@@ -171,7 +171,8 @@ def test_a_bad_bank_stops_start_up_with_one_line(tmp_path, tiny_detector, make_c
 def test_the_bank_travels_through_export_and_onnxruntime_ranks_the_same(banked, tmp_path, make_settings, make_png):
     """labels.json (and so the bank) is copied into the model repository; the onnxruntime runtime's bank scores
     agree with the torch runtime's."""
-    from export.repository import export_repository, load_repository
+    from export.repository import export_repository
+    from models.repository import load_repository
 
     repo = tmp_path / "repo"
     export_repository(banked, repo, examples=16)

@@ -118,7 +118,8 @@ def test_retrieve_and_nlvr2_served(make_settings, served):
 
 def test_exported_repository_answers_as_torch(make_settings, served, tmp_path):
     """The ONNX graph of the published embeddings takes every sub-word of each region's tag (tag_ids (B, N, K))."""
-    from export.repository import export_repository, load_repository
+    from export.repository import export_repository
+    from models.repository import load_repository
 
     repo = tmp_path / "repo"
     export_repository(served["vqa"], repo, examples=8)

@@ -7,15 +7,19 @@ from typing import Annotated
 
 import typer
 
+from training.run_config import RunConfig, config_command
+
 app = typer.Typer(help="Evaluate detectors and encoders.", no_args_is_help=True)
 
 
 @app.command("detector")
+@config_command(RunConfig, only=("threads",), build=False)
 def detector(
     path: Annotated[Path, typer.Argument(help="detector checkpoint directory")],
     scenes: Annotated[int, typer.Option(min=1, help="shapes-world test scenes")] = 2_000,
     easy_vqa_images: Annotated[int, typer.Option(min=0, help="easy-VQA test images (0 = skip)")] = 1_000,
-    threads: Annotated[int, typer.Option(min=1)] = 2,
+    *,
+    threads: int,  # RunConfig's option
 ) -> None:
     """mAP@0.5 on the shapes-world test split and single-shape recall on easy-VQA test images."""
     import torch
@@ -41,6 +45,7 @@ def detector(
 
 
 @app.command("encoder")
+@config_command(RunConfig, only=("threads", "device"), build=False)
 def encoder(
     path: Annotated[Path, typer.Argument(help="encoder checkpoint directory (fine-tuned or pretraining)")],
     detector_dir: Annotated[Path, typer.Option(help="detector checkpoint directory the encoder was trained with")],
@@ -52,11 +57,12 @@ def encoder(
     retrieval_directions: Annotated[str, typer.Option(
         help="both, text-to-image or image-to-text: one direction scores half the pairs")] = "both",
     shapes_dir: Annotated[Path | None, typer.Option(help="a built shapes-world dataset directory (default: the standard one)")] = None,
-    threads: Annotated[int, typer.Option(min=1)] = 2,
     precision: Annotated[str, typer.Option(help="fp32, or bf16: bfloat16 GEMMs as the service serves by default where "
                                                 "the CPU has native bfloat16 (as the model card's metrics; about 2x faster), "
                                                 "bfloat16 autocast on a GPU")] = "fp32",
-    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N: where the model runs")] = "cpu",
+    *,
+    threads: int,  # RunConfig's options
+    device: str,
 ) -> None:
     """Every metric the checkpoint's heads support, as JSON: vqa/refer/itm/nlvr2/mc/easy_vqa accuracy and
     retrieval R@1/5/10 both ways (zero-shot from a pretraining checkpoint's ITM head)."""

@@ -97,7 +97,7 @@ def serve(
 
 def zoo_model_dirs(profile: str = "demo") -> dict[str, Path]:
     """The embedded default: a profile's model set in the cache (the demo's unless asked), built first if absent
-    (the demo 9.3 min on 2 cores with native bf16, the pretrained set 13.7, the full set 27.6: docs/RESULTS.md sessions 23 and 24)."""
+    (the demo 9.3 min on 2 cores with native bf16, the pretrained set 13.7, the full set 27.6: docs/RESULTS.md)."""
     from training.zoo import PROFILES, build_zoo, is_built, zoo_dir
 
     if profile not in PROFILES:

@@ -7,19 +7,22 @@ from typing import Annotated
 
 import typer
 
+from training.run_config import RunConfig, config_command
+
 app = typer.Typer(help="Build the model sets the service runs on.", no_args_is_help=True)
 
 
 @app.command("build")
+@config_command(RunConfig, only=("threads", "device"), build=False)
 def build(
     profile: Annotated[str, typer.Option(help="demo (CPU, minutes), pretrained (the demo after a grounded pretraining, about twice as long) or full (up to an hour)")] = "demo",
     root: Annotated[Path | None, typer.Option(help="cache root of everything the build writes: shapes-world data, "
                                               "region features, the model set (default $VLSERVE_CACHE or "
                                               "~/.cache/vlserve)")] = None,
     force: Annotated[bool, typer.Option(help="rebuild even if it exists")] = False,
-    threads: Annotated[int, typer.Option(min=1)] = 2,
-    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N: where the detector and the encoder train (the "
-                                             "profiles' times and figures are the CPU's)")] = "cpu",
+    *,
+    threads: int,  # RunConfig's options
+    device: str,
 ) -> None:
     """Train the detector, extract regions once, fine-tune the encoder and write MODEL_CARD.md."""
     from training.device import resolve_device
