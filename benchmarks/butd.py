@@ -46,10 +46,10 @@ from torch.utils.flop_counter import FlopCounterMode
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.detector import write_section  # noqa: E402
+from benchmarks.detector import time_it, write_section  # noqa: E402
 from benchmarks.encoder import cpu_name  # noqa: E402
 from models.layers import cpu_has_native_bf16  # noqa: E402
-from models.region_features import agreement  # noqa: E402
+from models.detector.agreement import agreement  # noqa: E402
 
 SECTION = "## Bottom-up-attention detector (real size) against its reference"
 GPU_SECTION = "## Bottom-up-attention detector (real size) against its reference, on a GPU"
@@ -65,16 +65,6 @@ def photo(name: str, hw: tuple[int, int] = HW) -> np.ndarray:
     if image.ndim == 2:
         image = np.stack([image] * 3, -1)
     return np.asarray(Image.fromarray(image[..., :3]).resize((hw[1], hw[0]), Image.BILINEAR))
-
-
-def median_time(fn, runs: int) -> float:
-    fn()  # warm-up: oneDNN primitives, allocations
-    samples = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def sync(device: torch.device) -> None:
@@ -93,9 +83,9 @@ def gemm_peaks(device: torch.device) -> dict[str, float]:
         w3 = (0.02 * torch.randn(512, 512, 3, 3, device=device)).to(dtype).contiguous(memory_format=torch.channels_last)
         conv = torch.nn.functional.conv2d
         with torch.inference_mode():
-            rates = [2 * 4096**3 / median_time(lambda: (a @ a, sync(device)), 3),
-                     2 * 100 * 196 * 512 * 2048 / median_time(lambda: (conv(x, w1), sync(device)), 3),
-                     2 * 100 * 196 * 9 * 512 * 512 / median_time(lambda: (conv(x, w3, None, 1, 2, 2), sync(device)), 3)]
+            rates = [2 * 4096**3 / time_it(lambda: (a @ a, sync(device)), 3),
+                     2 * 100 * 196 * 512 * 2048 / time_it(lambda: (conv(x, w1), sync(device)), 3),
+                     2 * 100 * 196 * 9 * 512 * 512 / time_it(lambda: (conv(x, w3, None, 1, 2, 2), sync(device)), 3)]
         peaks[name] = max(rates) / 1e9
     return peaks
 
@@ -255,15 +245,25 @@ def main() -> None:
             sys.exit("--device cuda: torch sees no CUDA GPU")
         torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
         args.skip_service = True
-    from export.detector import OnnxDetector, detector_parity, export_detector
-    from models.detector.io import load_detector
-
     if args.agreement:
         return agreement_only(args)
     work = Path(tempfile.mkdtemp(prefix="butd-bench-"))
     paths = build_models(work, with_encoder=not args.skip_service)
     peaks = gemm_peaks(device)
     print("GEMM peaks GFLOP/s:", {k: round(v) for k, v in peaks.items()}, flush=True)
+    found = measure_detectors(args, paths, device, work)  # returns before the service starts: its detectors freed
+    gc.collect()
+    service = None if args.skip_service else first_vqa(paths, args.threads, list(PHOTOS[:5]))
+    body = section(args, peaks, found, service, device)
+    print(body)
+    if not args.no_write:
+        write_section(ROOT / "docs" / "BENCHMARKS.md", SECTION if device.type == "cpu" else GPU_SECTION, body)
+
+
+def measure_detectors(args, paths: dict[str, Path], device: torch.device, work: Path) -> dict:
+    """FLOPs, the timings of every contender, their agreement and the ONNX graph's parity."""
+    from export.detector import OnnxDetector, detector_parity, export_detector
+    from models.detector.io import load_detector
 
     reference = reference_runner(args.reference.resolve(), paths["source"], device)
     imported = load_detector(paths["detector"], device=args.device)[0]
@@ -271,8 +271,8 @@ def main() -> None:
     serving32.for_serving(torch.float32)
     contenders = {"reference": reference, "imported fp32": lambda ims: imported.extract(ims, batch_size=8),
                   "serving fp32": lambda ims: serving32.extract(ims, batch_size=8)}
-    bf16 = torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_native_bf16()
-    if bf16:
+    serving16 = None
+    if torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_native_bf16():
         serving16 = load_detector(paths["detector"], device=args.device)[0]
         serving16.for_serving(torch.bfloat16)
         contenders["serving bf16"] = lambda ims: serving16.extract(ims, batch_size=8)
@@ -289,33 +289,27 @@ def main() -> None:
     with torch.inference_mode():
         for batch, runs in ((1, args.runs), (8, args.batch_runs)) if args.batch_runs else ((1, args.runs),):
             for name, run in contenders.items():
-                per_photo = median_time(lambda: run(photos[:batch]), runs) / batch
+                per_photo = time_it(lambda: run(photos[:batch]), runs) / batch
                 timings.setdefault(name, {})[batch] = per_photo
                 print(f"batch {batch} {name}: {per_photo:.2f} s/photo", flush=True)
             gc.collect()
-
-        # agreement: serving fp32 with the reference (each photo alone), bf16 with fp32
-        agree_ref, matched, all36, cosine = 0, [], 0, 1.0
         sized = [photo(n, hw) for n in PHOTOS for hw in AGREEMENT_SIZES][: args.photos]
-        for image in sized:
-            want = serving32.extract([image])[0]
-            agree_ref += reference_agrees(reference([image]), want)
-            if bf16:
-                found = agreement(want, serving16.extract([image])[0])
-                matched.append(found.matched)
-                all36 += found.matched == 1.0
-                cosine = min(cosine, found.min_cosine)
+        agree = agreement_figures(reference, serving32, serving16, sized)
         parity = detector_parity(imported, onnx, sized[:4]) if onnx is not None else None
-    del imported, serving32, onnx
-    if bf16:
-        del serving16
-    gc.collect()
-    service = None if args.skip_service else first_vqa(paths, args.threads, list(PHOTOS[:5]))
-    body = section(args, peaks, gflop, res5_share, timings, len(sized), agree_ref, matched, all36, cosine, parity,
-                   service, device)
-    print(body)
-    if not args.no_write:
-        write_section(ROOT / "docs" / "BENCHMARKS.md", SECTION if device.type == "cpu" else GPU_SECTION, body)
+    return {"gflop": gflop, "res5_share": res5_share, "timings": timings, "agreement": agree, "parity": parity}
+
+
+def agreement_figures(reference, fp32, bf16, images: list[np.ndarray]) -> dict:
+    """fp32 against the reference (the fixture's bounds, each photo alone); bf16 against fp32 when given."""
+    with_reference, found = 0, []
+    for image in images:
+        want = fp32.extract([image])[0]
+        with_reference += reference_agrees(reference([image]), want)
+        if bf16 is not None:
+            found.append(agreement(want, bf16.extract([image])[0]))
+    matched = [f.matched for f in found]
+    return {"photos": len(images), "with_reference": with_reference, "matched": matched,
+            "all36": sum(m == 1.0 for m in matched), "min_cosine": min((f.min_cosine for f in found), default=1.0)}
 
 
 def agreement_only(args) -> None:
@@ -329,33 +323,30 @@ def agreement_only(args) -> None:
     serving32.for_serving(torch.float32)
     serving16 = load_detector(paths["detector"])[0]
     serving16.for_serving(torch.bfloat16)  # emulated where the CPU has no native bfloat16: same numbers, slower
-    agree_ref, found = 0, []
     sized = [photo(n, hw) for n in PHOTOS for hw in AGREEMENT_SIZES][: args.photos]
     with torch.inference_mode():
-        for image in sized:
-            want = serving32.extract([image])[0]
-            agree_ref += reference_agrees(reference([image]), want)
-            found.append(agreement(want, serving16.extract([image])[0]))
-            print(found[-1], flush=True)
+        agree = agreement_figures(reference, serving32, serving16, sized)
     command = " ".join(["python", "benchmarks/butd.py", *map(shlex.quote, sys.argv[1:])])
-    matched = [f.matched for f in found]
+    n, matched = agree["photos"], agree["matched"]
     body = "\n".join([
         AGREEMENT_SECTION, "",
         f"Command: `{command}` ({datetime.date.today()}, {cpu_name()}, torch {torch.__version__.split('+')[0]}). "
         "The full-size detector with seeded random weights calibrated as the detector fixture's are (batch-norm "
         "statistics from photos, standardised RPN and predictor outputs: regions differ and confidences spread as "
-        f"a trained detector's), {len(sized)} photos ({len(AGREEMENT_SIZES)} sizes, one capped at 1000 px).", "",
-        f"- serving fp32 equals the reference within the fixture's bounds on {agree_ref} of {len(sized)} photos.",
+        f"a trained detector's), {n} photos ({len(AGREEMENT_SIZES)} sizes, one capped at 1000 px).", "",
+        f"- serving fp32 equals the reference within the fixture's bounds on {agree['with_reference']} of {n} photos.",
         f"- serving bf16 against serving fp32: {np.mean(matched):.1%} of regions matched (IoU >= 0.9, same class), "
-        f"all 36 on {sum(m == 1.0 for m in matched)} of {len(sized)} photos ({np.mean([m == 1.0 for m in matched]):.0%}), "
-        f"the lowest photo {min(matched):.1%}; features' cosine >= {min(f.min_cosine for f in found):.6f}.", ""])
+        f"all 36 on {agree['all36']} of {n} photos ({agree['all36'] / n:.0%}), the lowest photo {min(matched):.1%}; "
+        f"features' cosine >= {agree['min_cosine']:.6f}.", ""])
     print(body)
     if not args.no_write:
         write_section(ROOT / "docs" / "BENCHMARKS.md", AGREEMENT_SECTION, body)
 
 
-def section(args, peaks, gflop, res5_share, timings, photos, agree_ref, matched, all36, cosine, parity, service,
-            device) -> str:
+def section(args, peaks: dict, found: dict, service: dict | None, device: torch.device) -> str:
+    gflop, res5_share, timings, parity = found["gflop"], found["res5_share"], found["timings"], found["parity"]
+    agree = found["agreement"]
+    photos, matched = agree["photos"], agree["matched"]
     command = " ".join(["python", "benchmarks/butd.py", *map(shlex.quote, sys.argv[1:])])
     ref = timings["reference"]
     peak_for = {"serving bf16": peaks["bf16"]}
@@ -377,13 +368,13 @@ def section(args, peaks, gflop, res5_share, timings, photos, agree_ref, matched,
         "|---|---|---|---|---|---|",
         *rows, "",
         f"- serving fp32 equals the reference within the fixture's bounds (same regions in order, boxes 0.5 px, "
-        f"features 1e-3) on {agree_ref} of {photos} photos ({len(AGREEMENT_SIZES)} sizes, one capped at 1000 px).",
+        f"features 1e-3) on {agree['with_reference']} of {photos} photos ({len(AGREEMENT_SIZES)} sizes, one capped at 1000 px).",
     ]
     if matched:
         lines.append(
             f"- serving bf16 against serving fp32 on the same {photos} photos: {np.mean(matched):.1%} of regions "
-            f"matched (IoU >= 0.9, same class), all 36 on {all36} of {photos} photos, features' cosine >= "
-            f"{cosine:.6f}. The proposals are fp32's; regions differ only where two confidences are closer than "
+            f"matched (IoU >= 0.9, same class), all 36 on {agree['all36']} of {photos} photos, features' cosine >= "
+            f"{agree['min_cosine']:.6f}. The proposals are fp32's; regions differ only where two confidences are closer than "
             "bfloat16's rounding, which random weights make common (their confidences cluster).")
     else:
         lines.append("- serving bf16: not run, this CPU has no native bfloat16 (AVX512-BF16 or AMX).")

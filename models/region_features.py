@@ -248,36 +248,6 @@ def _checksum(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> str:
     return f"{crc:08x}"
 
 
-@dataclass(frozen=True)
-class Agreement:
-    """How closely one extraction of an image reproduces another (e.g. bfloat16 against float32)."""
-
-    matched: float  # share of the first's regions that the second has too: a box at IoU >= iou, the same class
-    min_cosine: float  # lowest cosine between the features of matched regions (1.0 when none matched)
-
-
-def agreement(first: RegionFeatures, second: RegionFeatures, iou: float = 0.9) -> Agreement:
-    """Match each region of `first` to the best-overlapping unmatched region of `second` with the same class."""
-    n, m = first.num_boxes, second.num_boxes
-    if n == 0:
-        return Agreement(1.0 if m == 0 else 0.0, 1.0)
-    a, b = first.boxes[:n].astype(np.float64), second.boxes[:m].astype(np.float64)
-    lt, rb = np.maximum(a[:, None, :2], b[None, :, :2]), np.minimum(a[:, None, 2:], b[None, :, 2:])
-    inter = np.clip(rb - lt, 0, None).prod(-1)
-    area = lambda x: np.clip(x[:, 2:] - x[:, :2], 0, None).prod(-1)  # noqa: E731
-    overlap = inter / np.maximum(area(a)[:, None] + area(b)[None, :] - inter, 1e-9)
-    overlap[first.obj_ids[:n, None] != second.obj_ids[None, :m]] = 0.0
-    taken, cosines = np.zeros(m, bool), []
-    for i in range(n):
-        row = np.where(taken, -1.0, overlap[i])
-        j = int(row.argmax()) if m else -1
-        if j >= 0 and row[j] >= iou:
-            taken[j] = True
-            fa, fb = first.features[i].astype(np.float64), second.features[j].astype(np.float64)
-            cosines.append(float(fa @ fb / max(np.linalg.norm(fa) * np.linalg.norm(fb), 1e-12)))
-    return Agreement(len(cosines) / n, min(cosines, default=1.0))
-
-
 def normalize_boxes(boxes: np.ndarray, image_hw: Sequence[int]) -> np.ndarray:
     """Pixel x1,y1,x2,y2 (..., 4) -> divided by (w, h, w, h), clipped to [0, 1], float32."""
     h, w = image_hw

@@ -249,6 +249,20 @@ def layout(source: HFSource) -> Layout:
     return out
 
 
+def shared_fields(source: HFSource) -> dict:
+    """The EncoderConfig fields every VOLTA config states the same way (vocabulary, positions, norms, dropout, region
+    feature width), with BERT's and VOLTA's defaults."""
+    return dict(
+        vocab_size=source.get("vocab_size"),
+        max_position_embeddings=source.get("max_position_embeddings", default=512),
+        type_vocab_size=source.get("type_vocab_size", default=2),
+        layer_norm_eps=source.get("layer_norm_eps", float, default=1e-12),
+        dropout=source.get("hidden_dropout_prob", float, default=0.1),
+        attention_dropout=source.get("attention_probs_dropout_prob", float, default=0.1),
+        visual_feat_dim=source.get("v_feature_size", default=2048),
+    )
+
+
 def encoder_fields(source: HFSource, lay: Layout) -> dict:
     """EncoderConfig fields of the config (the tensors' shapes are checked against them when the model is built)."""
     where = source.config_path
@@ -265,17 +279,10 @@ def encoder_fields(source: HFSource, lay: Layout) -> dict:
     if (co_width, co_heads) != (co_v_width, co_v_heads) or co_v_width != v_hidden:
         raise HFImportError(f"{where}: co-attention width {co_width} / {co_v_width} with {co_heads} / {co_v_heads} "
                             f"heads; VOLTA itself needs both equal and the image stream's width {v_hidden}")
-    return dict(
-        vocab_size=source.get("vocab_size"),
+    return shared_fields(source) | dict(
         hidden_size=hidden,
         num_heads=heads,
         intermediate_size=source.get("intermediate_size"),
-        max_position_embeddings=source.get("max_position_embeddings", default=512),
-        type_vocab_size=source.get("type_vocab_size", default=2),
-        layer_norm_eps=source.get("layer_norm_eps", float, default=1e-12),
-        dropout=source.get("hidden_dropout_prob", float, default=0.1),
-        attention_dropout=source.get("attention_probs_dropout_prob", float, default=0.1),
-        visual_feat_dim=source.get("v_feature_size", default=2048),
         image_hidden_size=v_hidden,
         image_num_heads=v_heads,
         image_intermediate_size=source.get("v_intermediate_size", default=3072),
@@ -486,17 +493,10 @@ def lxmert_fields(source: HFSource, lay: Layout) -> dict:
     if any(_overrides(source, f"sublayer2{k}") for k in ("attn_hidden_size", "num_attention_heads",
                                                          "v_attn_hidden_size", "v_num_attention_heads")):
         raise HFImportError(f"{where}: per-sublayer attention sizes; vlserve's lxmert has one size for all layers")
-    return pooling_fields(source, sizes["hidden_size"][0]) | dict(
-        vocab_size=source.get("vocab_size"),
+    return pooling_fields(source, sizes["hidden_size"][0]) | shared_fields(source) | dict(
         hidden_size=sizes["hidden_size"][0],
         num_heads=sizes["num_attention_heads"][0],
         intermediate_size=sizes["intermediate_size"][0],
-        max_position_embeddings=source.get("max_position_embeddings", default=512),
-        type_vocab_size=source.get("type_vocab_size", default=2),
-        layer_norm_eps=source.get("layer_norm_eps", float, default=1e-12),
-        dropout=source.get("hidden_dropout_prob", float, default=0.1),
-        attention_dropout=source.get("attention_probs_dropout_prob", float, default=0.1),
-        visual_feat_dim=source.get("v_feature_size", default=2048),
         num_layers=len(lay.text),
         num_image_layers=len(lay.image),
         num_cross_layers=len(lay.co),

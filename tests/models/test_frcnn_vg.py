@@ -77,7 +77,7 @@ def test_bfloat16_serving_form_agrees_with_float32(imported, detector):
     IoU >= 0.9, same class; the fixture's random detector has runs of confidences closer than bfloat16's rounding).
     benchmarks/butd.py states the full-size agreement."""
     from models.detector.preprocess import prepare_image
-    from models.region_features import agreement
+    from models.detector.agreement import agreement
 
     fast = load_detector(imported)[0]
     fast.for_serving(torch.bfloat16)
@@ -263,7 +263,7 @@ def test_bad_source_exits_2_with_one_clear_message(case, tmp_path):
 def test_serving_form_on_cuda(imported, detector, dtype):
     """The serving form on the GPU: in fp32 (TF32 off) the reference's regions; in bfloat16 the agreement the CPU's
     bfloat16 form has with float32 (test_bfloat16_serving_form_agrees_with_float32)."""
-    from models.region_features import agreement
+    from models.detector.agreement import agreement
 
     cuda = load_detector(imported, device="cuda")[0]
     cuda.for_serving(dtype)

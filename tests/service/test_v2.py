@@ -13,13 +13,12 @@ import sys
 import httpx
 import numpy as np
 import pytest
+import tritonclient.http as tritonclient_http  # tritonclient[http]: a test dependency (pyproject.toml)
 from fastapi.testclient import TestClient
+from tritonclient.utils import InferenceServerException
 
 from service.app import create_app
 from tests.service.conftest import free_port, wait_until_ready, while_the_encoder_is_held
-
-tritonclient_http = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is a test dependency")
-from tritonclient.utils import InferenceServerException  # noqa: E402
 
 MODELS = ("vlserve-vqa", "vlserve-refer", "vlserve-retrieve", "vlserve-nlvr2")
 TOL = 1e-5  # the tiny model runs in fp32: the same example gives the same score whichever route ran it
