@@ -222,6 +222,25 @@ def summary(outcomes: list[Outcome], seconds: float) -> dict:
             "p90": percentile(ok, 0.9), "p99": percentile(ok, 0.99), "kinds": dict(Counter(o.kind for o in outcomes))}
 
 
+def encoder_batches(url: str) -> tuple[float, float, float]:
+    """(batches, rows, seconds) the server's /vqa encoder batches have run so far, from its /metrics."""
+    import httpx
+
+    text, found = httpx.get(f"{url}/metrics", timeout=10).text, {}
+    for name in ("vlserve_batch_size_count", "vlserve_batch_size_sum", "vlserve_encoder_seconds_sum"):
+        m = re.search(rf'^{name}{{task="vqa"}} (\S+)$', text, re.MULTILINE)
+        found[name] = float(m.group(1)) if m else 0.0
+    return (found["vlserve_batch_size_count"], found["vlserve_batch_size_sum"], found["vlserve_encoder_seconds_sum"])
+
+
+def with_batches(url: str, run) -> dict:
+    """summary() of `run`'s outcomes (a coroutine's) plus its encoder batches' mean rows and mean milliseconds."""
+    before = encoder_batches(url)
+    figures = run()
+    batches, rows, seconds = (b - a for a, b in zip(before, encoder_batches(url)))
+    return {**figures, "batch_rows": rows / max(batches, 1), "batch_ms": 1000 * seconds / max(batches, 1)}
+
+
 # ---- checks ----------------------------------------------------------------------------------------------------
 
 def expect(condition: bool, what: str, failures: list[str]) -> None:
@@ -386,8 +405,9 @@ def check_overload(model_dir: Path, detector_dir: Path, logs: Path, seconds: flo
         try:
             requests = vqa_requests(server.url, register(server.url, images(8)))
             asyncio.run(closed_loop(server.url, requests, 8, 2.0))  # warm
-            base = summary(asyncio.run(closed_loop(server.url, requests, 8, seconds)), seconds)
-            over = summary(asyncio.run(open_loop(server.url, requests, 4 * base["goodput"], seconds)), seconds)
+            base = with_batches(server.url, lambda: summary(asyncio.run(closed_loop(server.url, requests, 8, seconds)), seconds))
+            over = with_batches(server.url, lambda: summary(
+                asyncio.run(open_loop(server.url, requests, 4 * base["goodput"], seconds)), seconds))
         finally:
             server.stop()
             if redis is not None:
@@ -503,11 +523,13 @@ def section(results: dict[str, dict], failures: list[str], command: str, model: 
                   f"`Connection: close`), /readyz 503 from {s['readyz_503_from_s']:.2f} s, {s['refused_after_close']} "
                   f"connections refused once the listener closed, exit code {s['exit_code']}.", ""]
     if "overload" in results:
-        lines += ["| store | load | goodput (req/s) | p50 (ms) | p99 (ms) | answers |", "|---|---|---|---|---|---|"]
+        lines += ["| store | load | goodput (req/s) | p50 (ms) | p99 (ms) | encoder batch: rows, ms | answers |",
+                  "|---|---|---|---|---|---|---|"]
         for r in results["overload"]["stores"]:
             for name, cell in (("8 clients (sustainable)", r["sustainable"]), ("4x that rate, open loop", r["overload"])):
                 kinds = ", ".join(f"{k} {v}" for k, v in sorted(cell["kinds"].items()))
-                lines.append(f"| {r['store']} | {name} | {cell['goodput']:.0f} | {cell['p50']:.0f} | {cell['p99']:.0f} | {kinds} |")
+                lines.append(f"| {r['store']} | {name} | {cell['goodput']:.0f} | {cell['p50']:.0f} | {cell['p99']:.0f} | "
+                             f"{cell['batch_rows']:.1f}, {cell['batch_ms']:.1f} | {kinds} |")
         lines.append("")
     if "cold" in results:
         lines += ["| 50 /vqa (8 clients) | p50 (ms) | p90 (ms) | p99 (ms) |", "|---|---|---|---|"]

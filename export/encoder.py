@@ -57,8 +57,11 @@ def graph_spec(config: ModelConfig, task: str) -> GraphSpec:
     joint = kind == "nlvr2" and head.nlvr2_mode == "joint"  # joint NLVR2 drops the whole-image feature
     if enc.preset in IMAGE_FEATURE_PRESETS and not joint:
         inputs.append(InputSpec("image_feature", "float32", (*lead, enc.visual_feat_dim)))
-    if enc.preset == "u-visualbert":  # the published embeddings read every sub-word of a region's tag: (..., N, K)
-        inputs.append(InputSpec("tag_ids", "int64", (*regions, "subwords") if enc.embedding_style == "published" else regions))
+    # the published embeddings read every sub-word of a region's tag, (..., N, K), each a token of its own: a model
+    # trained without region tags (the service then sends none) is exported without them, not with N*K masked tokens
+    published = enc.embedding_style == "published"
+    if enc.preset == "u-visualbert" and (enc.region_tags or not published):
+        inputs.append(InputSpec("tag_ids", "int64", (*regions, "subwords") if published else regions))
     if kind == "grounding":
         inputs.append(InputSpec("phrase_index", "int64", ("batch", "phrases")))
     out = {

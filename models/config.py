@@ -10,7 +10,7 @@ FORMAT_VERSION = 1  # bump when config.json or the weight layout changes incompa
 PRESETS = ("visualbert", "vl-bert", "vilbert", "lxmert", "u-visualbert")
 TWO_STREAM = ("vilbert", "lxmert")
 BOX_EMBEDDINGS = ("linear", "normalized")  # EncoderConfig.box_embedding (u-visualbert)
-VLBERT_EMBEDDINGS = ("concat", "reference")  # EncoderConfig.vlbert_embedding (vl-bert)
+VLBERT_EMBEDDINGS = ("concat", "reference", "volta")  # EncoderConfig.vlbert_embedding (vl-bert)
 EMBEDDING_STYLES = ("vlserve", "published")  # EncoderConfig.embedding_style (u-visualbert)
 HEAD_POOLS = ("pooled", "answer_slot", "answer_segment", "regions", "regions_film")  # HeadConfig.pool; which heads read each: below
 REMOVED_POOLS = ("regions_geometry", "regions_count")  # VQA pools no recipe used (regions_film reads both their features)
@@ -73,12 +73,14 @@ class EncoderConfig:
     # text tokens and to the regions (its visual_ln_text / visual_ln_object, 0 in its configs): the image enters the
     # language model gradually instead of swamping its word embeddings at the first step
     vlbert_embedding: str = "concat"  # vl-bert visual embedding (VLBERT_EMBEDDINGS): "reference" = jackroos/VL-BERT's
-    # (its released checkpoints and new builds); "concat" = vlserve's first version, which its trained checkpoints keep
+    # (its released checkpoints and new builds); "concat" = vlserve's first version, which its trained checkpoints keep;
+    # "volta" = e-bug/volta's VL-BERT-style one (its last region slot is [END] and lends the text its visual feature)
     pooler: bool = True  # a tanh pooler over the first token; without one (VL-BERT's released configs) `pooled` is the
     # first token's hidden state itself
     box_embedding: str = "linear"  # u-visualbert: "linear" = Linear(4, H)(box) summed with the feature projection;
     # "normalized" = LN(FC(feature)) + LN(FC(sin/cos box)), each half layer-normalised so the box is not drowned
-    # by the features (as LXMERT's and UNITER's region embeddings)
+    # by the features (as LXMERT's and UNITER's region embeddings); the published embedding_style takes "linear" only:
+    # its box is Linear(4, H) of the 4 coordinates, then layer-normalised (the reference's), never sin/cos geometry
     region_tags: bool = False  # u-visualbert fine-tuned with tags: every region also carries its detector class word
     # (tag_ids), in fine-tuning and at inference alike, as its pretraining does
     embedding_style: str = "vlserve"  # u-visualbert: "vlserve" = VisualBERT's embeddings (one LayerNorm over text and
@@ -111,8 +113,10 @@ class EncoderConfig:
         if self.region_tags and self.preset != "u-visualbert":
             raise ValueError(f"region_tags is u-visualbert's; {self.preset} has no detector-tag embedding")
         if (self.pooler_style, self.whole_image_region, self.box_dims) != ("tanh", False, 4):
-            if self.preset not in ("lxmert", "visualbert") or (self.box_dims != 4 and self.preset != "lxmert"):
-                raise ValueError("pooler_style and whole_image_region are lxmert's and visualbert's, box_dims lxmert's")
+            volta_vlbert = self.preset == "vl-bert" and self.vlbert_embedding == "volta"
+            if (self.preset not in ("lxmert", "visualbert") and not volta_vlbert) or (self.box_dims != 4 and self.preset != "lxmert"):
+                raise ValueError("pooler_style and whole_image_region are lxmert's, visualbert's and vl-bert's with "
+                                 "vlbert_embedding 'volta'; box_dims lxmert's")
             if self.pooler_style not in ("tanh", "relu", "relu_mul") or self.box_dims not in (4, 5):
                 raise ValueError("pooler_style is one of tanh, relu, relu_mul; box_dims 4 or 5")
             if self.pooler_style == "relu_mul" and not self.whole_image_region:
@@ -122,8 +126,9 @@ class EncoderConfig:
         if self.embedding_style != "vlserve" and self.preset != "u-visualbert":
             raise ValueError(f"embedding_style {self.embedding_style!r} is u-visualbert's")
         if self.embedding_style == "published" and self.box_embedding != "linear":
-            raise ValueError("box_embedding applies to the vlserve embedding style; the published one embeds the 4-d box "
-                             "as its authors' code does")
+            raise ValueError("box_embedding applies to the vlserve embedding style (embedding_style 'vlserve'): the "
+                             "published one embeds the 4-d box as its authors' code does, LN(Linear(4, H)), and takes "
+                             f"box_embedding 'linear', not {self.box_embedding!r}")
         for name, width, heads in (
             ("hidden_size", self.hidden_size, self.num_heads),
             ("image_hidden_size", self.image_width, self.image_heads),
@@ -174,7 +179,7 @@ class EncoderConfig:
         """Width of the fused pooled vector the classification heads read."""
         if self.preset == "vilbert":
             return self.pooler_size or self.coattention_width
-        if self.preset in ("lxmert", "visualbert") and self.pooler_style != "tanh":
+        if self.preset in ("lxmert", "visualbert", "vl-bert") and self.pooler_style != "tanh":
             return self.pooler_size or self.hidden_size
         return self.hidden_size
 

@@ -45,6 +45,11 @@ def encoder_config(preset: str, size: str = "small", **overrides: Any) -> Encode
         fields["type_vocab_size"] = 3  # segments A, B and C (image)
         # its authors' embeddings (2048-d sin/cos box geometry, as jackroos/VL-BERT) and no pooler, as its released configs
         fields.update(vlbert_embedding="reference", geometry_dim=2048, pooler=False)
+    if preset == "u-visualbert":
+        # its authors' embeddings (uclanlp/visualbert's unsupervised_visualbert: regions LN(FC(feature)) + LN(FC(box)),
+        # tags as sub-word tokens after them); "vlserve" (the dataclass default, which its trained checkpoints keep)
+        # is VisualBERT's embedding with the tags summed into the regions
+        fields["embedding_style"] = "published"
     fields.update(overrides)
     return EncoderConfig(preset=preset, size=size, **fields)
 

@@ -2,7 +2,7 @@
 
 They differ only in how text and regions become one embedded sequence; each preset has its embeddings class.
 Sequence layout: [text (T)] [regions (N)] (+ [END] for VL-BERT; + the whole-image token, then [END], for its
-reference embeddings).
+reference embeddings; none for VOLTA's, whose last region slot is its [END]).
 """
 from __future__ import annotations
 
@@ -230,9 +230,54 @@ class ReferenceVLBertEmbeddings(TextEmbeddings):
         return x, torch.cat([attention_mask, region_mask.to(attention_mask.dtype), ones], dim=1)
 
 
+class VoltaVLBertEmbeddings(ReferenceVLBertEmbeddings):
+    """VL-BERT as e-bug/volta embeds its input (image_embeddings "vl-bert", v_hidden_size = hidden_size):
+
+      visual(f, box) = ReLU(FC([sin/cos of the box's centre and size; f])), as the reference's; a slot whose feature is
+                       all zeros (padding, or a region VOLTA masks) reads the learned mask_visual_embedding instead
+      text    word + position + segment + LN_text(visual(the last region slot))
+      region  object + position(text length) + segment C + LN_object(visual(region))
+      last    end + position(text length + 1) + segment C + LN_object(visual(its region))
+
+    VOLTA adds no tokens: the last slot of the padded region tensor is its [END], and its visual feature is the one
+    every text token gets. VOLTA pads each image to max_region_num + 1 slots, which its published features (36
+    regions and the whole image) fill, so there [END] is the last region; where an image has fewer regions than the
+    batch, [END] is a padding slot (masked; the text then gets the mask embedding's visual feature), as in VOLTA.
+    With whole_image_region the encoder appends the whole image after the regions where VOLTA puts it first: the
+    region before it is VOLTA's last slot. Padding slots are zeroed first, as VOLTA's datasets pad them. Text
+    positions are each example's own (VOLTA's batched call moves them from the batch's shortest text on, an in-place
+    add through a batch-shared view: these are its outputs at batch size 1).
+    """
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__(config)
+        self.mask_visual_embedding = nn.Embedding(1, config.visual_feat_dim)
+        self.end_slot = -2 if config.whole_image_region else -1
+
+    def forward(self, input_ids, attention_mask, token_type_ids, region_features, region_boxes, region_mask, image_feature=None, tag_ids=None):
+        n = region_features.shape[1]
+        real = region_mask.bool().unsqueeze(-1)  # (B, N, 1)
+        features = torch.where(real, region_features, torch.zeros_like(region_features))
+        boxes = torch.where(real, region_boxes, torch.zeros_like(region_boxes))
+        blank = (features == 0).all(-1, keepdim=True)  # (B, N, 1)
+        features = torch.where(blank, self.mask_visual_embedding.weight[0].to(features.dtype), features)
+        visual = self.visual(features, boxes)  # (B, N, H)
+        end = n + self.end_slot
+        text = TextEmbeddings.forward(self, input_ids, token_type_ids) + self.visual_ln_text(visual[:, end : end + 1])
+
+        is_end = (torch.arange(n, device=input_ids.device) == end).unsqueeze(0)  # (1, N)
+        text_len = attention_mask.sum(1, keepdim=True).long()  # (B, 1): the regions sit right after the real text
+        place = self.position_embeddings(text_len + is_end.long()) + self.token_type_embeddings.weight[2]  # (B, N, H)
+        token = torch.where(is_end.unsqueeze(-1), self.end_embedding.weight, self.object_embedding.weight)  # (1, N, H)
+        regions = place + token + self.visual_ln_object(visual)  # (B, N, H)
+        x = self.dropout(self.LayerNorm(torch.cat([text, regions], dim=1)))  # (B, T+N, H)
+        return x, torch.cat([attention_mask, region_mask.to(attention_mask.dtype)], dim=1)
+
+
 def vl_bert_embeddings(config: EncoderConfig) -> nn.Module:
     """The vl-bert embeddings its config names (EncoderConfig.vlbert_embedding)."""
-    return ReferenceVLBertEmbeddings(config) if config.vlbert_embedding == "reference" else VLBertEmbeddings(config)
+    kinds = {"reference": ReferenceVLBertEmbeddings, "volta": VoltaVLBertEmbeddings}
+    return kinds.get(config.vlbert_embedding, VLBertEmbeddings)(config)
 
 
 EMBEDDINGS = {"visualbert": VisualBertEmbeddings, "vl-bert": vl_bert_embeddings, "u-visualbert": UVisualBertEmbeddings}

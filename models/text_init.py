@@ -41,8 +41,9 @@ def init_text_from_minilm(model: VLModel, path: str | Path | None = None) -> lis
         rows = new[segments]
         extra = rows[:1].expand(own[segments].shape[0] - rows.shape[0], -1)
         new[segments] = torch.cat([rows, extra], dim=0)
-    if enc.preset in ("visualbert", "u-visualbert"):
-        # VisualBERT's visual segment/position tables start as copies of the text ones (special_visual_initialize)
+    if enc.preset in ("visualbert", "u-visualbert") and enc.embedding_style == "vlserve":
+        # VisualBERT's visual segment/position tables start as copies of the text ones (special_visual_initialize);
+        # u-visualbert's published embeddings give regions and tags neither
         new["encoder.embeddings.visual_token_type_embeddings.weight"] = new[segments].clone()
         new["encoder.embeddings.visual_position_embeddings.weight"] = new["encoder.embeddings.position_embeddings.weight"].clone()
     for key, value in new.items():

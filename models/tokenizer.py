@@ -96,6 +96,11 @@ class VLTokenizer:
             row[: len(words)] = words
         return table
 
+    def tag_table(self, classes: list[str], embedding_style: str) -> np.ndarray:
+        """Detector class id -> the tag word ids a u-visualbert encoder of this EncoderConfig.embedding_style reads:
+        every sub-word (C, K) for the published embeddings, the first sub-word (C,) for vlserve's."""
+        return self.tag_subwords(classes) if embedding_style == "published" else self.tag_words(classes)
+
     @staticmethod
     def special_count(answer_slot: bool | str = False) -> int:
         """Special tokens around one text: [CLS] and [SEP], plus the answer slot's [MASK] (and [SEP] for VL-BERT's)."""

@@ -242,12 +242,13 @@ class Batcher(Generic[T, R]):
                 self._executor.shutdown(wait=False, cancel_futures=True)
                 self._executor = None
 
-    async def submit(self, item: T, background: bool = False) -> R:
+    async def submit(self, item: T, background: bool = False, admitted: bool = False) -> R:
         """The result of `fn` for this item, computed in some batch; a background item runs only when no request
-        waits (module doc)."""
+        waits (module doc). `admitted`: the caller has asked admit() for the request this item belongs to (a request
+        of several items is admitted or refused whole, never shed part-way by its own items queued ahead)."""
         if self._consumer is None or self._closing:
             raise BatcherClosedError(f"batcher {self.name} is not running")
-        if not background:
+        if not background and not admitted:
             self.admit()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()

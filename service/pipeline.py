@@ -290,10 +290,13 @@ class Pipeline:
         batcher = self.batchers[spec.task]
         if len(items) == 1:  # no task per item for the common single-item request
             results: list[Scored] = [await batcher.submit(items[0], background)]
-        else:
-            outcomes = await asyncio.gather(*(batcher.submit(item, background) for item in items), return_exceptions=True)
+        else:  # the request is admitted or refused whole: its own items are no queue to shed it by
+            if not background:
+                batcher.admit()
+            outcomes = await asyncio.gather(*(batcher.submit(item, background, admitted=True) for item in items),
+                                            return_exceptions=True)
             failed = [o for o in outcomes if isinstance(o, BaseException)]
-            if failed:  # e.g. the queue filled up part-way through a retrieval request's candidates
+            if failed:
                 raise failed[0]
             results = outcomes
         timer.add("queue", min(r.started for r in results) - submitted)

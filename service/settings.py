@@ -42,13 +42,18 @@ class Settings(BaseSettings):
     # /retrieve that ranks it does not wait for it (its 256 bank rows); off: the first such request computes it
     query_bank_on_register: bool = True
     # batching (encoder, per task)
-    max_batch_size: int = Field(32, ge=1)  # requests per encoder batch
+    # requests per encoder batch. On the CPU a batch's time grows almost linearly with its rows (the demo encoder on 2
+    # cores: 8 rows in 15-18 ms, 32 in 42-49 ms), so batches past 8 add little throughput and much latency: at 4x
+    # overload batches of 32 held accepted requests 3-6x longer than 8 clients wait, batches of 8 1.4-1.9x
+    # (docs/RELIABILITY.md, Overload). A GPU, whose batch time grows slowly with rows, wants more
+    max_batch_size: int = Field(8, ge=1)
     max_wait_ms: float = Field(5.0, ge=0)  # while the runtime is busy, how long a batch may wait to fill (idle: none)
     max_queue: int = Field(256, ge=1)  # queued requests per batcher before 429
     # admission control: a request that the batches queued ahead of it on the encoder (those it cannot join, at the
     # measured batch time) would hold longer than this gets 429 + Retry-After at once; 0 = max_queue only. The default
-    # takes a request only while it can join the next batch or one behind a short one (docs/RELIABILITY.md, Overload)
-    max_queue_wait_ms: float = Field(20.0, ge=0)
+    # takes a request only while it can join the next batch (or queue behind batches shorter than 5 ms, a GPU's):
+    # one full batch ahead doubles what an accepted request waits (docs/RELIABILITY.md, Overload)
+    max_queue_wait_ms: float = Field(5.0, ge=0)
     # batching (detector)
     detector_max_batch_size: int = Field(8, ge=1)  # images per detector batch
     detector_max_wait_ms: float = Field(5.0, ge=0)  # while the detector is busy, how long a batch may wait to fill

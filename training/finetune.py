@@ -24,7 +24,7 @@ from .data.vl_tasks import RANK_GROUP, collate
 from .device import autocast, model_device, resolve_device, rng_state, set_rng_state, to_device
 from .evaluate import evaluate_tasks
 from .objectives import group_ranking_loss
-from .run_config import FinetuneConfig
+from .run_config import FinetuneConfig, embedding_override
 from .retrieval import card_metrics, evaluate_retrieval, training_bank
 from .vl_data import EXPRESSION_SETS, QUESTION_SETS, TaskData, prepare_task_data, tagged
 
@@ -65,6 +65,7 @@ def build_model(cfg: FinetuneConfig, feature_dim: int, num_answers: int) -> VLMo
         overrides["box_embedding"] = cfg.box_embedding
     if cfg.region_tags:
         overrides["region_tags"] = True
+    overrides.update(embedding_override(cfg))
     names = dict.fromkeys(head_of(t, cfg.rank_pool) for t in training_tasks(cfg))
     model = create_model(cfg.preset, cfg.size, heads={t: heads[t] for t in names}, visual_feat_dim=feature_dim,
                          feature_norm=cfg.feature_norm, **overrides)
@@ -123,12 +124,14 @@ def fit_feature_norm(model: VLModel, table) -> None:
 
 def init_from_checkpoint(model: VLModel, path: Path) -> list[str]:
     """Copy a checkpoint's encoder into model, and each head with the same name, kind and tensor shapes (the
-    rest stay fresh); returns the copied heads. CheckpointError when preset, size, feature dim, box embedding or depth
-    differ."""
+    rest stay fresh); returns the copied heads. CheckpointError when preset, size, feature dim, box embedding, embedding
+    style or depth differ."""
     enc = model.config.encoder
     source = load_checkpoint(path, preset=enc.preset, size=enc.size, visual_feat_dim=enc.visual_feat_dim).model
-    if source.config.encoder.box_embedding != enc.box_embedding:
-        raise CheckpointError(f"{path}: encoder.box_embedding is {source.config.encoder.box_embedding!r}, expected {enc.box_embedding!r}")
+    for name in ("box_embedding", "embedding_style"):
+        theirs, ours = getattr(source.config.encoder, name), getattr(enc, name)
+        if theirs != ours:
+            raise CheckpointError(f"{path}: encoder.{name} is {theirs!r}, expected {ours!r}")
     if source.config.encoder.num_layers != enc.num_layers:
         raise CheckpointError(f"{path}: encoder.num_layers is {source.config.encoder.num_layers}, expected {enc.num_layers}")
     load_state_strict(model.encoder, source.encoder.state_dict(), Path(path) / WEIGHTS)

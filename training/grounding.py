@@ -347,7 +347,7 @@ def analyze_grounding(model_dir: Path, detector_dir: Path, examples: int = 500, 
     data = grounding_examples(examples, split)
     table, scores = scene_regions(detector, fingerprint, data[-1].row + 1, split, progress=progress)
     if encoder.region_tags:  # the encoder reads each region's detector class word beside its feature
-        table = table.with_tags(ckpt.tokenizer.tag_words(detector.config.classes))
+        table = table.with_tags(ckpt.tokenizer.tag_table(detector.config.classes, encoder.embedding_style))
     tally = tally_grounding(ckpt.model, ckpt.tokenizer, data, table, scores, batch_size,
                             progress=lambda it: tqdm(it, desc="grounding", unit="batch", disable=not progress))
     return summarize(tally, layer_kind(ckpt.model), model=str(model_dir), preset=encoder.preset, detector=fingerprint,

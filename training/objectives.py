@@ -237,10 +237,13 @@ def mask_tags(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tag reconstruction (U-VisualBERT): chosen detector tags become [MASK]; the tag head predicts them.
 
-    Each tag of a real region (id >= 0) is chosen with `prob`, at least one per row that has any.
+    Each tag of a real region (id >= 0) is chosen with `prob`, at least one per row that has any; tag_ids is (B, N),
+    or (B, N, K) every sub-word of each region's tag (u-visualbert's published embeddings), each sub-word a tag here.
     Returns (masked tag_ids, labels: the tag id where chosen, -100 elsewhere).
     """
-    chosen = select_positions(region_mask.bool() & (tag_ids >= 0), generator, prob)
+    real = region_mask.bool().unsqueeze(-1).expand_as(tag_ids) if tag_ids.dim() > region_mask.dim() else region_mask.bool()
+    candidates = (real & (tag_ids >= 0)).flatten(1)  # (B, N*K): at least one per row, over all its sub-words
+    chosen = select_positions(candidates, generator, prob).reshape(tag_ids.shape)
     return tag_ids.masked_fill(chosen, mask_id), tag_ids.masked_fill(~chosen, IGNORE)
 
 

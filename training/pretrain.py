@@ -36,7 +36,7 @@ from .data.region_table import tags_of
 from .evaluate import evaluate_tasks
 from .device import autocast, model_device, resolve_device, to_device
 from .finetune import STATE, _jsonable, adamw, fit_feature_norm, load_state, lr_scale, param_groups, save_state, train_precision
-from .run_config import DEFAULT_OBJECTIVES, MLM_WORDS, PretrainConfig  # noqa: F401 (DEFAULT_OBJECTIVES: read from here)
+from .run_config import DEFAULT_OBJECTIVES, MLM_WORDS, PretrainConfig, embedding_override  # noqa: F401 (DEFAULT_OBJECTIVES: read from here)
 from .objectives import (
     IGNORE, TokenIds, grounded_token_ids, image_only_batch, image_qa_labels, itm_pairs, mask_regions, mask_tokens, pretraining_losses,
     region_class_labels, text_only_batch, with_images,
@@ -58,7 +58,7 @@ def validate_config(cfg: PretrainConfig) -> DetectorConfig:
     """Fail with one PretrainConfigError before any data work; returns the detector's config."""
     try:
         # raises for an unknown preset, size or box embedding (a depth below 1 is checked below: it does not)
-        encoder_config(cfg.preset, cfg.size, box_embedding=cfg.box_embedding, **layer_override(cfg))
+        run_encoder_config(cfg)
         resolve_device(cfg.device)  # an unknown device, or a GPU torch cannot see
     except ValueError as exc:
         raise PretrainConfigError(str(exc)) from None
@@ -129,6 +129,11 @@ def pretraining_heads(objectives: tuple[str, ...], num_classes: int, num_answers
     return heads
 
 
+def run_encoder_config(cfg: PretrainConfig):
+    """The EncoderConfig a run's preset, size, box embedding, embedding style and depth give (ValueError if none)."""
+    return encoder_config(cfg.preset, cfg.size, box_embedding=cfg.box_embedding, **embedding_override(cfg), **layer_override(cfg))
+
+
 def layer_override(cfg: PretrainConfig) -> dict:
     """The encoder-config field a depth other than the size's sets."""
     return {} if cfg.num_layers is None else {"num_layers": cfg.num_layers}
@@ -137,7 +142,7 @@ def layer_override(cfg: PretrainConfig) -> dict:
 def build_model(cfg: PretrainConfig, feature_dim: int, num_classes: int, num_answers: int) -> VLModel:
     heads = pretraining_heads(cfg.objectives, num_classes, num_answers)
     model = create_model(cfg.preset, cfg.size, heads=heads, visual_feat_dim=feature_dim, feature_norm=cfg.feature_norm,
-                         box_embedding=cfg.box_embedding, **layer_override(cfg))
+                         box_embedding=cfg.box_embedding, **embedding_override(cfg), **layer_override(cfg))
     if cfg.init_text:
         init_text_from_minilm(model)
     return model
@@ -159,7 +164,10 @@ class BatchBuilder:
         self.captions = captions(data)
         self.questions = data.train.get("vqa", []) if "image_qa" in cfg.objectives else []
         self.num_answers, self.num_classes = len(data.answers), len(data.objects)
-        self.tag_words = tokenizer.tag_words(data.objects) if cfg.preset == "u-visualbert" else None
+        # u-visualbert's regions carry their detector class words: (C,) one word each, or (C, K) every sub-word of
+        # the name for the published embeddings
+        style = run_encoder_config(cfg).embedding_style if cfg.preset == "u-visualbert" else None
+        self.tag_words = tokenizer.tag_table(data.objects, style) if style else None
         self.heads = set(pretraining_heads(cfg.objectives, self.num_classes, self.num_answers))
         # masked LM targets restricted to the words the detector names (None: every word)
         self.grounded = grounded_token_ids(tokenizer, data.objects + data.attributes) if cfg.mlm_words == "grounded" else None
@@ -194,9 +202,12 @@ class BatchBuilder:
             kl = "mrc_kl" in self.cfg.objectives
             targets["mrc"] = region_class_labels(classes, chosen, "kl" if kl else "ce", self.num_classes)
         if inputs.tag_ids is not None:  # a masked region keeps no tag, or mrc would read its class off the tag
+            tags = inputs.tag_ids
+            # every sub-word of a chosen region's tag (tag_ids (B, N, K)); empty slots (-1) stay empty
+            hidden = (chosen.unsqueeze(-1) if tags.dim() > chosen.dim() else chosen) & (tags >= 0)
             if "tag" in self.heads:
-                targets["tag"] = inputs.tag_ids.masked_fill(~chosen, IGNORE)
-            inputs = inputs.replace(tag_ids=inputs.tag_ids.masked_fill(chosen, self.ids.mask_id))
+                targets["tag"] = tags.masked_fill(~hidden, IGNORE)
+            inputs = inputs.replace(tag_ids=tags.masked_fill(hidden, self.ids.mask_id))
         return inputs
 
     def paired(self, rng: np.random.Generator, g: torch.Generator) -> Batch:

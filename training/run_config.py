@@ -18,6 +18,7 @@ from typing import Annotated, Any, Callable, Literal
 Preset = Literal["visualbert", "vl-bert", "vilbert", "lxmert", "u-visualbert"]
 Size = Literal["tiny", "small", "base"]
 BoxEmbedding = Literal["linear", "normalized"]
+EmbeddingStyle = Literal["published", "vlserve"]  # models.config.EMBEDDING_STYLES
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
@@ -30,6 +31,11 @@ def option(default: Any = dataclasses.MISSING, help: str = "", *, factory: Calla
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+def embedding_override(cfg) -> dict[str, str]:
+    """The encoder-config field a run's --embedding-style sets (none: the preset's)."""
+    return {} if cfg.embedding_style is None else {"embedding_style": cfg.embedding_style}
 
 
 def names(text: str) -> tuple[str, ...]:
@@ -53,7 +59,10 @@ class RunConfig:
     feature_norm: bool = option(True, "standardise region features with the training regions' statistics")
     box_embedding: BoxEmbedding = option("linear", "u-visualbert: linear (Linear(4, H) summed with the features) or "
                                                    "normalized (layer-normalised sin/cos box geometry beside the "
-                                                   "layer-normalised features, as LXMERT)")
+                                                   "layer-normalised features, as LXMERT; embedding style vlserve)")
+    embedding_style: EmbeddingStyle | None = option(None, "u-visualbert: published (the preset's: its authors' "
+                                                          "embeddings, detector tags as sub-word tokens after the regions) "
+                                                          "or vlserve (VisualBERT's, tags summed into the regions)")
     easy_vqa: bool = option(True, "add easy-VQA's training images and questions")
     easy_vqa_images: int | None = option(None, "use only the first N easy-VQA training images (default: all 4,000)", min=0)
     train_scenes: int = option(20_000, "shapes-world training scenes", min=1)

@@ -55,11 +55,13 @@ class TaskData:
 
 
 def tagged(data: TaskData, model, tokenizer) -> TaskData:
-    """The data as `model` reads it: with each region's detector class word as its tag when the encoder was trained
-    with region tags (EncoderConfig.region_tags), unchanged otherwise."""
-    if not model.config.encoder.region_tags:
+    """The data as `model` reads it: with each region's detector class word as its tag (every sub-word of it for
+    u-visualbert's published embeddings) when the encoder was trained with region tags (EncoderConfig.region_tags),
+    unchanged otherwise."""
+    encoder = model.config.encoder
+    if not encoder.region_tags:
         return data
-    words = tokenizer.tag_words(data.objects)
+    words = tokenizer.tag_table(data.objects, encoder.embedding_style)
     train = None if data.train_table is None else data.train_table.with_tags(words)
     return dataclasses.replace(data, train_table=train, eval_table=data.eval_table.with_tags(words))
 

@@ -1,4 +1,4 @@
-"""Import VOLTA's checkpoints (github.com/e-bug/volta) as `vilbert`, `lxmert` or `visualbert` models.
+"""Import VOLTA's checkpoints (github.com/e-bug/volta) as `vilbert`, `lxmert`, `visualbert` or `vl-bert` models.
 
 VOLTA builds every architecture from one config json listing, per sublayer, which attention it has (text-text `tt`,
 text-vision `tv`, vision-text `vt`, vision-vision `vv`) and which feed-forward streams (`t_ff`, `v_ff`); its
@@ -15,12 +15,19 @@ config/ctrl_lxmert.json (whole image first, 5-d locations, poolers multiplied), 
 (VOLTA's conversion of LXMERT: 4-d boxes, the text's ReLU pooler alone). VisualBERT-style configs (image_embeddings
 "visualbert": one stack whose every sublayer is shared by both streams with one LayerNorm, i.e. BERT over text then
 regions) map onto the `visualbert` preset with pooler_style and whole_image_region: config/ctrl_visualbert_base.json.
-VL-BERT- and UNITER-style configs (their own image embeddings) are refused naming what they are.
+VL-BERT-style configs (image_embeddings "vl-bert": VisualBERT's one shared stack over VL-BERT's embeddings, whose last
+region slot is [END] and lends every text token its visual feature) map onto the `vl-bert` preset with
+vlbert_embedding "volta", pooler_style and whole_image_region: config/ctrl_vl-bert_base.json. UNITER-style configs
+(their own image embeddings) and VL-BERT-style ones laid out otherwise (vl-bert_base.json: the whole image last, no
+pooler) are refused naming what they are.
 
 Mapping (VOLTA -> vlserve), sublayer n an attention and n + 1 its feed-forward (cross-modality: n, n + 1, n + 2):
   bert.embeddings.*                     -> encoder.embeddings.* (visualbert: also visual_projection,
                                            visual_token_type_embeddings, visual_position_embeddings from projection,
                                            token_type_embeddings_visual, position_embeddings_visual)
+                                           (vl-bert: also visual_fc from obj_downsample.1, object_embedding
+                                           from object_linguistic_embeddings, mask_visual_embedding from
+                                           object_mask_visual_embedding, end_embedding, visual_ln_{text,object})
   bert.v_embeddings.*                   -> encoder.v_embeddings.* (vilbert); encoder.visn_fc.{visn_fc,
                                            visn_layer_norm, box_fc, box_layer_norm} from image_embeddings, ImgLayerNorm,
                                            image_location_embeddings, LocLayerNorm (lxmert)
@@ -28,8 +35,8 @@ Mapping (VOLTA -> vlserve), sublayer n an attention and n + 1 its feed-forward (
                                            and .LayerNorm = attention_output.{dense,LayerNorm}, ffn.fc1 =
                                            layer.{n+1}.intermediate.dense, ffn.fc2/LayerNorm = layer.{n+1}.output.*
   image layer j                         -> encoder.v_layer.j (vilbert), encoder.r_layers.j (lxmert): the same from
-                                           the v_* modules (visualbert: the v_* names are the same modules, checked
-                                           equal)
+                                           the v_* modules (visualbert, vl-bert: the v_* names are the same
+                                           modules, checked equal)
   co-attention k (vilbert)              -> encoder.c_layer.k: text_attention.query = query, .kv = [v_key; v_value],
                                            .dense/.LayerNorm = attention_output.{dense,LayerNorm}; image_attention
                                            .query = v_query, .kv = [key; value], .dense/.LayerNorm = v_dense,
@@ -42,7 +49,7 @@ Mapping (VOLTA -> vlserve), sublayer n an attention and n + 1 its feed-forward (
 Heads of BertForVLPreTraining: cls.predictions -> mlm (decoder tied to the word embeddings); cls.bi_seq_relationship
 -> itm, its two rows swapped (VOLTA's label 0 is the matching caption, vlserve's logits are [no match, match]);
 cls.imagePredictions (transform + decoder_dict "0", the detector-distribution KL target; or "6"/"3", class targets)
--> mrc, and decoder_dict "1"/"5" (feature regression) -> mrfr; cls.qaPredictions -> image_qa.
+-> mrc (without the transform's LayerNorm, image_head_ln false: classifier "dense_gelu"), and decoder_dict "1"/"5" (feature regression) -> mrfr; cls.qaPredictions -> image_qa.
 Heads of BertForVLTasks, by VOLTA's task ids (config_tasks/*.yml) and checked against their shapes:
   VL-classifier (TASK1 VQA, TASK2 GenomeQA, TASK15 GQA) -> vqa (Linear - GELU - LayerNorm - Linear, hidden
       clf_hidden_size); VL-binary-classifier of NLVR2 (TASK12) -> nlvr2 (pair mode: the two images' pooled vectors);
@@ -169,20 +176,23 @@ def _overrides(source: HFSource, name: str) -> dict[int, int]:
 
 
 def style(source: HFSource) -> str:
-    """"vilbert", "lxmert" or "visualbert" (the styles vlserve imports); any other config fails naming what it is."""
+    """"vilbert", "lxmert", "visualbert" or "vl-bert" (the styles vlserve imports); any other config fails naming what
+    it is."""
     where = source.config_path
     embeddings = source.get("image_embeddings", str, default="vilbert")
     if source.get("model", str, default="bert") != "bert" or "roberta" in source.get("bert_model", str, default="bert"):
         raise HFImportError(f"{where}: a RoBERTa text encoder; vlserve's presets embed text as BERT does")
-    if embeddings not in ("vilbert", "lxmert", "visualbert"):
-        name = {"vl-bert": "VL-BERT-style", "uniter": "UNITER-style"}.get(embeddings, "other")
+    if embeddings not in ("vilbert", "lxmert", "visualbert", "vl-bert"):
+        name = {"uniter": "UNITER-style"}.get(embeddings, "other")
         raise HFImportError(
-            f"{where}: image_embeddings {embeddings!r} ({name}): vlserve imports VOLTA's ViLBERT-, LXMERT- and "
-            "VisualBERT-style configs (ctrl_vilbert_base, vilbert_base, ctrl_lxmert, lxmert, original_lxmert, "
-            "ctrl_visualbert_base); its VL-BERT and UNITER embeddings (the whole image's feature added to every "
-            "token; layer-normalised 5-d locations with segments) are no vlserve preset's"
+            f"{where}: image_embeddings {embeddings!r} ({name}): vlserve imports VOLTA's ViLBERT-, LXMERT-, "
+            "VisualBERT- and VL-BERT-style configs (ctrl_vilbert_base, vilbert_base, ctrl_lxmert, lxmert, "
+            "original_lxmert, ctrl_visualbert_base, ctrl_vl-bert_base); its UNITER embeddings (layer-normalised "
+            "7-d locations summed with the features, segments) are no vlserve preset's"
         )
     fusion = source.get("fusion_method", str, default="mul")
+    if embeddings == "vl-bert":
+        vlbert_checks(source, fusion)
     checks = [
         (fusion == "mul" or (embeddings != "vilbert" and fusion == "text"),
          f"fusion_method {fusion!r}: vlserve pools a ViLBERT-style model as the product of its two poolers, an "
@@ -196,7 +206,7 @@ def style(source: HFSource) -> str:
         (not _overrides(source, "sublayer2intermediate_size") and not _overrides(source, "sublayer2v_intermediate_size"),
          "per-sublayer feed-forward widths"),
     ]
-    if embeddings != "visualbert":
+    if embeddings not in ("visualbert", "vl-bert"):
         checks.append((not _ints(source, "single_ln_sublayers"), "single-LayerNorm sublayers in a two-stream model"))
     if embeddings == "vilbert":
         checks += [
@@ -218,6 +228,43 @@ def style(source: HFSource) -> str:
         if not ok:
             raise HFImportError(f"{where}: {what}")
     return embeddings
+
+
+def vlbert_checks(source: HFSource, fusion: str) -> None:
+    """What vlserve's `vl-bert` preset with VOLTA's embeddings reads: the whole image first and pooled, one width."""
+    where, glob = source.config_path, source.config.get("add_global_imgfeat")
+    if glob != "first" or fusion not in ("mul", "text"):
+        raise HFImportError(
+            f"{where}: a VL-BERT-style config with add_global_imgfeat {glob!r} and fusion_method {fusion!r} (as "
+            "vl-bert_base.json: the whole image last, no pooler, VQA read at the [MASK] slot); vlserve imports "
+            "VOLTA's VL-BERT-style configs with the whole image first and a pooler (ctrl_vl-bert_base); the original "
+            "VL-BERT itself imports from its authors' release with `vlserve import vl-bert`"
+        )
+    if source.get("v_hidden_size", int, default=768) != source.get("hidden_size", int, default=768):
+        raise HFImportError(f"{where}: v_hidden_size differs from hidden_size (VOLTA's visual_1x1 projections); "
+                            "vlserve's vl-bert has one width")
+    if source.get("visual_target_weights", dict, default={}).get("6", 0) > 0:
+        raise HFImportError(f"{where}: visual target 6 (masked-region classes, with VL-BERT's object_mask_word_embedding "
+                            "on masked regions); vlserve's vl-bert imports VOLTA's with targets 0, 1, 3 or 5")
+
+
+def vlbert_fields(source: HFSource, lay: Layout) -> dict:
+    """EncoderConfig fields of a VL-BERT-style config: VisualBERT-style ones, VOLTA's embeddings, 8 x
+    v_coordinate_embeddings_dim sin/cos values of box geometry (VOLTA's coordinate_embeddings)."""
+    return visualbert_fields(source, lay) | dict(
+        vlbert_embedding="volta", pooler=False, geometry_dim=8 * source.get("v_coordinate_embeddings_dim", int, default=256),
+    )
+
+
+def vlbert_keymap(lay: Layout, pooler: str, source: HFSource) -> KeyMap:
+    keymap: KeyMap = {**bert_embeddings("encoder.embeddings", "bert.embeddings")}
+    keymap |= linear("encoder.embeddings.visual_fc", "bert.embeddings.obj_downsample.1")
+    keymap |= linear("encoder.embeddings.visual_ln_text", "bert.embeddings.visual_ln_text")
+    keymap |= linear("encoder.embeddings.visual_ln_object", "bert.embeddings.visual_ln_object")
+    for ours, theirs in (("object_embedding", "object_linguistic_embeddings"), ("end_embedding", "end_embedding"),
+                         ("mask_visual_embedding", "object_mask_visual_embedding")):
+        keymap[f"encoder.embeddings.{ours}.weight"] = [f"bert.embeddings.{theirs}.weight"]
+    return keymap | shared_stack_keymap(lay, pooler, source)
 
 
 def layout(source: HFSource) -> Layout:
@@ -422,15 +469,17 @@ def pretraining_heads(source: HFSource, visual_feat_dim: int) -> tuple[dict[str,
         heads["itm"] = HeadConfig(kind="itm")
         keymap |= linear("heads.itm.seq_relationship", "cls.bi_seq_relationship")
     img = "cls.imagePredictions"
-    if source.has(f"{img}.transform.LayerNorm.weight"):  # image_head_ln: the transform our region heads have
+    norm = source.has(f"{img}.transform.LayerNorm.weight")  # image_head_ln; without it the class head is dense - GELU
+    if source.has(f"{img}.transform.dense.weight"):
         for target, loss in CLASS_TARGETS.items():
             if source.has(f"{img}.decoder_dict.{target}.weight"):
                 heads["mrc"] = HeadConfig(kind="mrc", num_labels=source.rows(f"{img}.decoder_dict.{target}.weight"),
-                                          mrc_loss=loss)
+                                          mrc_loss=loss, classifier="mlp" if norm else "dense_gelu")
                 keymap |= linear("heads.mrc.transform.dense", f"{img}.transform.dense")
-                keymap |= linear("heads.mrc.transform.LayerNorm", f"{img}.transform.LayerNorm")
+                keymap |= linear("heads.mrc.transform.LayerNorm", f"{img}.transform.LayerNorm") if norm else {}
                 keymap |= linear("heads.mrc.decoder", f"{img}.decoder_dict.{target}")
                 break
+    if norm:  # vlserve's feature-regression head has the LayerNorm
         for target in FEATURE_TARGETS:
             if source.has(f"{img}.decoder_dict.{target}.weight") and source.rows(f"{img}.decoder_dict.{target}.weight") == visual_feat_dim:
                 heads["mrfr"] = HeadConfig(kind="mrfr")
@@ -546,15 +595,17 @@ def lxmert_keymap(lay: Layout, pooler: str, source: HFSource) -> KeyMap:
 
 def visualbert_layout(source: HFSource) -> Layout:
     """One stack over text and regions: every attention sublayer has all four attentions, shared, with one LayerNorm,
-    followed by a shared feed-forward (as config/ctrl_visualbert_base.json); `text` lists them."""
+    followed by a shared feed-forward (as config/ctrl_visualbert_base.json, ctrl_vl-bert_base.json); `text` lists
+    them."""
     where = source.config_path
+    name = "VL-BERT" if source.get("image_embeddings", str, default="") == "vl-bert" else "VisualBERT"
     tt, tv, vt, vv = (_ints(source, f"{k}_attn_sublayers") for k in ("tt", "tv", "vt", "vv"))
     t_ff, v_ff = _ints(source, "t_ff_sublayers"), _ints(source, "v_ff_sublayers")
     shared, single = _ints(source, "shared_sublayers"), _ints(source, "single_ln_sublayers")
     depth = len(tt | tv | vt | vv | t_ff | v_ff)
     attention, ffn = set(range(0, depth, 2)), set(range(1, depth, 2))
     if not (tt == tv == vt == vv == attention and t_ff == v_ff == ffn and shared == single == attention | ffn):
-        raise HFImportError(f"{where}: a VisualBERT-style config whose sublayers are not one shared stack (all four "
+        raise HFImportError(f"{where}: a {name}-style config whose sublayers are not one shared stack (all four "
                             "attentions, then the feed-forward, every sublayer shared with one LayerNorm)")
     return Layout(text=sorted(attention))
 
@@ -577,6 +628,12 @@ def visualbert_keymap(lay: Layout, pooler: str, source: HFSource) -> KeyMap:
     for ours, theirs in (("visual_token_type_embeddings", "token_type_embeddings_visual"),
                          ("visual_position_embeddings", "position_embeddings_visual")):
         keymap[f"encoder.embeddings.{ours}.weight"] = [f"bert.embeddings.{theirs}.weight"]
+    return keymap | shared_stack_keymap(lay, pooler, source)
+
+
+def shared_stack_keymap(lay: Layout, pooler: str, source: HFSource) -> KeyMap:
+    """The layers of one shared stack (VisualBERT- and VL-BERT-style) and the poolers."""
+    keymap: KeyMap = {}
     for i, n in enumerate(lay.text):
         keymap |= _stream_layer(f"encoder.layer.{i}", n, "")
         _tied_copies(source, [f"{_sub(n)}.attention_self.{{}}{q}" for q in ("query", "key", "value")]
@@ -612,6 +669,10 @@ def convert(source: HFSource, answers: Path | None = None) -> tuple[ModelConfig,
         lay = lxmert_layout(source)
         encoder = build_encoder_config(source, "lxmert", lxmert_fields(source, lay))
         keymap = lxmert_keymap(lay, encoder.pooler_style, source)
+    elif kind == "vl-bert":
+        lay = visualbert_layout(source)
+        encoder = build_encoder_config(source, "vl-bert", vlbert_fields(source, lay))
+        keymap = vlbert_keymap(lay, encoder.pooler_style, source)
     else:
         lay = visualbert_layout(source)
         encoder = build_encoder_config(source, "visualbert", visualbert_fields(source, lay))

@@ -3,12 +3,13 @@
     python scripts/reference_fixtures/volta.py REFERENCE [--commit SHA] [--out DIR]
 
 REFERENCE is a checkout (or an archive) of e-bug/volta; it is read, never copied into vlserve. The script builds the
-reference's BertForVLTasks and BertForVLPreTraining (volta/encoders.py) from four tiny config jsons laid out as its
+reference's BertForVLTasks and BertForVLPreTraining (volta/encoders.py) from five tiny config jsons laid out as its
 published ones, fills every parameter with seeded values, saves the state dicts as its train_task.py /
 train_concap.py do (volta/train_utils.py save: torch.save(model.state_dict())), runs them on fixed padded inputs of
 two shapes laid out as its feature reader lays them out (with add_global_imgfeat "first" the whole-image feature
 first: the mean of the real regions, location [0, 0, 1, 1, 1]; num_locs-d locations x1 y1 x2 y2 (area),
-normalized) and writes into DIR (default tests/fixtures/volta), for each config in its folder:
+normalized; the VL-BERT-style model one example at a time: see per_example) and writes into DIR (default
+tests/fixtures/volta), for each config in its folder:
   vilbert_tiny.json (top)  ViLBERT-style, as config/vilbert_base.json (a co-attention width and heads of its own,
                            a pooler width of its own), smaller
   ctrl_lxmert/             LXMERT-style, as config/ctrl_lxmert.json (whole image first, 5-d locations, poolers
@@ -17,6 +18,9 @@ normalized) and writes into DIR (default tests/fixtures/volta), for each config 
                            the text's pooler alone, object / attribute / feature targets, image QA)
   ctrl_visualbert/         VisualBERT-style, as config/ctrl_visualbert_base.json (one shared stack, whole image first,
                            poolers multiplied)
+  ctrl_vl-bert/            VL-BERT-style, as config/ctrl_vl-bert_base.json (VisualBERT's stack over VL-BERT's
+                           embeddings: three segments, sin/cos box geometry, the last region slot [END]; no LayerNorm
+                           in the region-class head)
   pytorch_model_best.bin   BertForVLTasks with the task heads of config_tasks/vilbert_trainval_tasks.yml's TASK1
                            (VQA, 7 answers here), TASK8 (Flickr30k retrieval), TASK10 (RefCOCO+), TASK12 (NLVR2) and
                            TASK13 (visual entailment, which vlserve has no endpoint for)
@@ -29,9 +33,9 @@ and at the top:
   label2ans.json           the VQA head's answers (7 names)
   reference.json           repository, commit, sha256 of every reference file used
   manifest_full.json       for config/ctrl_vilbert_base.json, vilbert_base.json, ctrl_lxmert.json,
-                           original_lxmert.json and ctrl_visualbert_base.json: the config and the key -> shape of both
-                           models at full size (3129 VQA answers), from the reference's module tree; the configs of
-                           ctrl_vl-bert_base and ctrl_uniter_base, which vlserve refuses
+                           original_lxmert.json, ctrl_visualbert_base.json and ctrl_vl-bert_base.json: the config and
+                           the key -> shape of both models at full size (3129 VQA answers), from the reference's module
+                           tree; the configs of vl-bert_base and ctrl_uniter_base, which vlserve refuses
 """
 from __future__ import annotations
 
@@ -56,9 +60,11 @@ USED_FILES = (  # the reference files this fixture comes from (hashed into refer
     "config/ctrl_vilbert_base.json", "config_tasks/vilbert_trainval_tasks.yml", "config/ctrl_lxmert.json",
     "config/original_lxmert.json",
     "config/ctrl_visualbert_base.json", "config/ctrl_vl-bert_base.json", "config/ctrl_uniter_base.json",
+    "config/vl-bert_base.json",
 )
-FULL_CONFIGS = ("ctrl_vilbert_base", "vilbert_base", "ctrl_lxmert", "original_lxmert", "ctrl_visualbert_base")
-OTHER_CONFIGS = ("ctrl_vl-bert_base", "ctrl_uniter_base")  # VL-BERT's and UNITER's embeddings: refused
+FULL_CONFIGS = ("ctrl_vilbert_base", "vilbert_base", "ctrl_lxmert", "original_lxmert", "ctrl_visualbert_base",
+                "ctrl_vl-bert_base")
+OTHER_CONFIGS = ("vl-bert_base", "ctrl_uniter_base")  # the whole image last and no pooler; UNITER's embeddings: refused
 # text sublayers 0-3 (two text layers), co-attention 4-5, text + image layer 6-7, co-attention 8-9, image layer
 # 10-11: three text layers, two image layers, co-attention after text layers 2 and 3 (as vilbert_base.json, smaller)
 TINY = {
@@ -107,11 +113,18 @@ TINY_VISUALBERT = {  # the controlled VisualBERT (config/ctrl_visualbert_base.js
     "vv_attn_sublayers": [0, 2, 4], "t_ff_sublayers": [1, 3, 5], "v_ff_sublayers": [1, 3, 5],
     "shared_sublayers": _ALL, "single_ln_sublayers": _ALL,
 }
+TINY_VLBERT = {  # the controlled VL-BERT (config/ctrl_vl-bert_base.json, smaller): the same shared stack over
+    # VL-BERT's embeddings (segments A, B and C; 8 x 3 sin/cos values of box geometry, as wide as the features, as
+    # VOLTA's obj_downsample needs), the whole image first, poolers multiplied, no LayerNorm in the image head
+    **TINY_VISUALBERT, "image_embeddings": "vl-bert", "type_vocab_size": 3, "v_coordinate_embeddings_dim": 3,
+    "image_head_ln": False,
+}
 TINY_CONFIGS = {  # fixture folder (the ViLBERT-style model at the top) -> config json name, config
     "": ("vilbert_tiny.json", TINY),
     "ctrl_lxmert": ("ctrl_lxmert_tiny.json", TINY_LXMERT),
     "original_lxmert": ("original_lxmert_tiny.json", TINY_LXMERT_CONVERTED),
     "ctrl_visualbert": ("ctrl_visualbert_tiny.json", TINY_VISUALBERT),
+    "ctrl_vl-bert": ("ctrl_vl-bert_tiny.json", TINY_VLBERT),
 }
 TASKS = ("TASK1", "TASK8", "TASK10", "TASK12", "TASK13")
 VQA_ANSWERS, FULL_VQA_ANSWERS = 7, 3129
@@ -196,9 +209,10 @@ def volta_regions(features: torch.Tensor, boxes: torch.Tensor, mask: torch.Tenso
 def task_outputs(model: nn.Module, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """BertForVLTasks.forward per task: the first of its outputs (vil_prediction) for each task id."""
     feats, locs, vmask = volta_regions(x["region_features"], x["region_boxes"], x["region_mask"], model.config)
-    args = (x["input_ids"], feats, locs)
     kw = dict(token_type_ids=x["token_type_ids"], attention_mask=x["attention_mask"], image_attention_mask=vmask)
-    out = {f"tasks.{t}": model(*args, t, **kw)[0] for t in ("TASK1", "TASK8", "TASK10", "TASK13")}
+    # VL-BERT-style embeddings write their mask embedding into all-zero (padded) features in place: a copy per call
+    out = {f"tasks.{t}": model(x["input_ids"], feats.clone(), locs, t, **kw)[0]
+           for t in ("TASK1", "TASK8", "TASK10", "TASK13")}
     # NLVR2: each statement twice, with its left then its right image (as nlvr2_dataset.py batches a pair)
     right = volta_regions(x["region_features_right"], x["region_boxes_right"], x["region_mask"], model.config)
     pair = lambda a, b: torch.stack([a, b], 1).flatten(0, 1)  # noqa: E731
@@ -219,6 +233,14 @@ def pretraining_outputs(model: nn.Module, x: dict[str, torch.Tensor]) -> dict[st
     mlm, visual, itm, qa, _ = model.cls(text, image, pooled_t, pooled_v)
     out = {"pre.mlm": mlm, "pre.itm": itm, **{f"pre.visual.{k}": v for k, v in visual.items()}}
     return out | ({"pre.image_qa": qa} if qa is not None else {})
+
+
+def per_example(outputs, model: nn.Module, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`outputs(model, x)` one example at a time, concatenated. VOLTA's VLBertEmbeddings adds the region count to the
+    position ids of padded text in place through an expanded (batch-shared) view, so a batched call moves every row's
+    positions from the batch's shortest text on; alone, each example's own text length counts, as at batch size 1."""
+    rows = [outputs(model, {k: v[i : i + 1] for k, v in x.items()}) for i in range(len(x["input_ids"]))]
+    return {k: torch.cat([row[k] for row in rows]) for k in rows[0]}
 
 
 def main() -> None:
@@ -247,7 +269,8 @@ def main() -> None:
         tensors = {}
         for i, (prefix, (text_lengths, region_counts)) in enumerate(SHAPES.items()):
             x = inputs(tiny["vocab_size"], tiny["v_feature_size"], text_lengths, region_counts, SEED + i)
-            outputs = {**x, **task_outputs(fine_tuned, x), **pretraining_outputs(pretrained, x)}
+            run = per_example if tiny["image_embeddings"] == "vl-bert" else lambda outputs, model, x: outputs(model, x)
+            outputs = {**x, **run(task_outputs, fine_tuned, x), **run(pretraining_outputs, pretrained, x)}
             tensors |= {prefix + k: v for k, v in outputs.items()}
         save_tensors(tensors, where / "reference.safetensors")
     (out / "label2ans.json").write_text(json.dumps([f"answer {i}" for i in range(VQA_ANSWERS)]))

@@ -110,7 +110,8 @@ def test_the_pretrained_profile_is_the_demo_after_a_grounded_pretraining(tmp_pat
     assert {**pretrained, "finetune": replace(pretrained["finetune"], init_from=None)} == {**demo, "pretrain": pretrained["pretrain"]}
     runs = training.zoo.placed(pretrained, tmp_path)
     pre = runs["pretrain"]
-    assert (pre.preset, pre.box_embedding, pre.steps, pre.objectives, pre.num_layers) == ("u-visualbert", "normalized", 1500, ("mlm", "itm"), 4)
+    assert (pre.preset, pre.embedding_style, pre.box_embedding, pre.steps, pre.objectives, pre.num_layers) == \
+        ("u-visualbert", "vlserve", "normalized", 1500, ("mlm", "itm"), 4)
     assert (pre.mlm_words, pre.mlm_matched_only, pre.mask_prob, pre.easy_vqa, pre.train_scenes) == ("grounded", True, 0.5, False, 3000)
     assert runs["finetune"].init_from == pre.out == tmp_path / "pretrained"
 
@@ -120,6 +121,10 @@ def test_the_card_renders_the_demo_recipe(tmp_path):
     text = card(demo, tmp_path, {"final": {"vqa_acc": 0.75}, "train_seconds": 600, "train_precision": "bf16", "eval_precision": "bf16"})
     assert "dropout 0; metrics computed with bf16 GEMMs." in text and "| vqa_acc | 0.75 |" in text
     assert "bfloat16 autocast training, word embeddings frozen, normalized box embedding, dropout 0" in text
+    published = {stage: replace(run, embedding_style=None, box_embedding="linear") if stage != "detector" else run
+                 for stage, run in demo.items()}  # the preset's embeddings
+    assert ("word embeddings frozen, its authors' embeddings (layer-normalised features plus layer-normalised "
+            "Linear(4, H) box), dropout 0") in card(published, tmp_path, {"final": {}, "train_seconds": 600})
     assert "trained 200 steps (batch 8)" in text and "(hidden 384, 4 layers, text side from the first 4 layers" in text
     assert ("trained together for 1400 steps (the first 200 on refer alone, then 400 on vqa + refer + itm + nlvr2 alone, "
             "then 400 on positions_one_side + vqa alone, then 300 on positions + vqa alone)") in text

@@ -55,7 +55,7 @@ def test_every_head_matches_torch_at_other_sizes(preset, make_model, tmp_path):
 
 def test_normalized_box_embedding_matches_torch(make_model, tmp_path):
     """U-VisualBERT's layer-normalised sin/cos box embedding (the demo's) exports with parity."""
-    model = make_model("u-visualbert", "vqa", "refer", box_embedding="normalized").eval()
+    model = make_model("u-visualbert", "vqa", "refer", box_embedding="normalized", embedding_style="vlserve").eval()
     for task in model.config.heads:
         spec = export_task(model, task, tmp_path / f"{task}.onnx")
         parity = measure(model, spec, runner(session(tmp_path / f"{task}.onnx")), examples=sum(s[0] for s in SHAPES))
@@ -64,9 +64,13 @@ def test_normalized_box_embedding_matches_torch(make_model, tmp_path):
 
 def test_graph_inputs_follow_preset_and_head(make_model):
     """Whole-image feature for VL-BERT / ViLBERT, tags for U-VisualBERT, phrases for grounding, pairs for NLVR2."""
-    names = {p: graph_spec(make_model(p, "vqa").config, "vqa").input_names for p in PRESETS}
+    tagged = {"u-visualbert": {"region_tags": True}}
+    names = {p: graph_spec(make_model(p, "vqa", **tagged.get(p, {})).config, "vqa").input_names for p in PRESETS}
     assert "image_feature" in names["vl-bert"] and "image_feature" in names["vilbert"]
     assert "image_feature" not in names["lxmert"] and "tag_ids" in names["u-visualbert"]
+    # the published embeddings (the preset's) make tags tokens of their own: without region tags there are none
+    assert "tag_ids" not in graph_spec(make_model("u-visualbert", "vqa").config, "vqa").input_names
+    assert "tag_ids" in graph_spec(make_model("u-visualbert", "vqa", embedding_style="vlserve").config, "vqa").input_names
     config = make_model("lxmert", "nlvr2", "grounding", "multiple_choice").config
     nlvr2 = graph_spec(config, "nlvr2")
     assert nlvr2.inputs[3].shape == ("batch", 2, "regions", config.encoder.visual_feat_dim)
@@ -79,7 +83,7 @@ def test_graph_inputs_follow_preset_and_head(make_model):
 def test_missing_optional_inputs_get_what_torch_does_without_them(make_model, tmp_path):
     """The service may send no image_feature / tag_ids: the feed fills the encoder's own defaults."""
     for preset in ("vl-bert", "u-visualbert"):
-        model = make_model(preset, "vqa").eval()
+        model = make_model(preset, "vqa", **({"region_tags": True} if preset == "u-visualbert" else {})).eval()
         spec = export_task(model, "vqa", tmp_path / f"{preset}.onnx")
         sess = session(tmp_path / f"{preset}.onnx")
         batch = synthetic_batch(model.config, "vqa", batch=3, text_len=6, regions=5, seed=3)

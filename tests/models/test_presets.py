@@ -98,7 +98,9 @@ def real_logits(kind: str, logits: torch.Tensor, inputs: VLInputs) -> torch.Tens
     text, regions = inputs.attention_mask.bool(), inputs.region_mask.bool()
     if kind == "mlm":  # (B, T, V)
         return logits[:, :t][text]
-    if kind in ("refer", "tag", "mrfr", "mrc"):  # (B, N, ...)
+    if kind == "tag":  # (B, N, V): a region without a tag has no tag token to score in u-visualbert's published embeddings
+        return logits[:, :n][regions & (inputs.tag_ids >= 0)]
+    if kind in ("refer", "mrfr", "mrc"):  # (B, N, ...)
         return logits[:, :n][regions]
     if kind == "grounding":  # (B, P, N)
         return logits[..., :n].masked_select(regions[:, None, :])
@@ -191,7 +193,7 @@ def test_bad_config_is_a_clear_value_error(build, message):
 def test_u_visualbert_sums_several_tag_words_per_region(make_model, make_batch):
     """tag_ids (B, N) and (B, N, 1) are the same input; a (B, N, T) slot of -1 adds nothing; a second real word
     per region (e.g. an attribute beside the class) adds its word embedding to that region only."""
-    model = make_model("u-visualbert", "vqa").eval()
+    model = make_model("u-visualbert", "vqa", embedding_style="vlserve").eval()  # tags summed into their regions
     inputs = make_batch(model.config.encoder)
     tags = inputs.tag_ids
     assert tags is not None and tags.dim() == 2

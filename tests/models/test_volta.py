@@ -2,8 +2,9 @@
 
 The fixture (tests/fixtures/volta, see reference.json for the repository and commit) was written by
 scripts/reference_fixtures/volta.py: the reference's BertForVLTasks (VQA, retrieval, RefCOCO+, NLVR2 and visual
-entailment heads) and BertForVLPreTraining at four tiny configs (ViLBERT-style at the top, its controlled LXMERT in
-ctrl_lxmert/, its conversion of the original LXMERT in original_lxmert/, its controlled VisualBERT in ctrl_visualbert/)
+entailment heads) and BertForVLPreTraining at five tiny configs (ViLBERT-style at the top, its controlled LXMERT in
+ctrl_lxmert/, its conversion of the original LXMERT in original_lxmert/, its controlled VisualBERT in ctrl_visualbert/,
+its controlled VL-BERT in ctrl_vl-bert/)
 with seeded weights, saved as its code saves them, and their outputs on padded inputs of two shapes. Imported outputs
 must equal them within 1e-5 in fp32.
 """
@@ -32,8 +33,10 @@ VARIANTS = {  # tiny model -> its folder, whether the whole image leads its regi
     "ctrl_lxmert": (FIXTURE / "ctrl_lxmert", True, {"mlm": "", "itm": "", "mrc": "0"}),
     "original_lxmert": (FIXTURE / "original_lxmert", False, {"mlm": "", "itm": "", "mrc": "3", "mrfr": "5", "image_qa": ""}),
     "ctrl_visualbert": (FIXTURE / "ctrl_visualbert", True, {"mlm": "", "itm": "", "mrc": "0"}),
+    "ctrl_vl-bert": (FIXTURE / "ctrl_vl-bert", True, {"mlm": "", "itm": "", "mrc": "0"}),
 }
-PRESETS = {"vilbert": "vilbert", "ctrl_lxmert": "lxmert", "original_lxmert": "lxmert", "ctrl_visualbert": "visualbert"}
+PRESETS = {"vilbert": "vilbert", "ctrl_lxmert": "lxmert", "original_lxmert": "lxmert", "ctrl_visualbert": "visualbert",
+           "ctrl_vl-bert": "vl-bert"}
 ATOL = 1e-5
 SHAPES = ("", "wide.")  # the generator's two padded input shapes
 TASKS, PRETRAINED = "pytorch_model_best.bin", "pytorch_model_9.bin"
@@ -153,6 +156,7 @@ FULL = {  # VOLTA's published config -> preset, (text, image, cross layers), wid
     "ctrl_lxmert": ("lxmert", (9, 5, 5), (768, 768, 1024)),
     "original_lxmert": ("lxmert", (9, 5, 5), (768, 768, 768)),
     "ctrl_visualbert_base": ("visualbert", (12, 0, 0), (768, 768, 1024)),
+    "ctrl_vl-bert_base": ("vl-bert", (12, 0, 0), (768, 768, 1024)),
 }
 
 
@@ -170,6 +174,8 @@ def test_full_size_keys_all_accounted_for(name, weights):
     assert (enc.image_width, enc.coattention_width if preset == "vilbert" else enc.hidden_size, enc.pooled_size) == widths
     if preset == "vilbert":
         assert enc.coattention_text_layers == (6, 7, 8, 9, 10, 11)
+    if preset == "vl-bert":  # VOLTA's embeddings, 8 x 256 sin/cos values of box geometry, segments A, B and C
+        assert (enc.vlbert_embedding, enc.geometry_width, enc.type_vocab_size) == ("volta", 2048, 3)
     assert_accounted_for(source, config, tensors)
     if weights == TASKS:
         assert set(config.heads) == {"vqa", "rank", "refer", "nlvr2"} and config.heads["vqa"].num_labels == 3129
@@ -248,7 +254,14 @@ ERRORS = {
                     f"{TASKS}: tensor {KEY} has shape (6, 12), the model needs (12, 12)"),
     "no config": (lambda tmp: (rewrite(tmp, TASKS), (tmp / "src" / "vilbert_tiny.json").unlink())[0],
                   f"{TASKS}: give the VOLTA config it was trained with"),
-    "VL-BERT-style config": (other_config("ctrl_vl-bert_base"), "image_embeddings 'vl-bert' (VL-BERT-style): vlserve imports VOLTA's ViLBERT-, LXMERT- and VisualBERT-style configs"),
+    "VL-BERT-style config with the whole image last and no pooler": (
+        other_config("vl-bert_base"), "a VL-BERT-style config with add_global_imgfeat 'last' and fusion_method 'none'"),
+    "VL-BERT-style config of two LayerNorms": (changed_config("ctrl_vl-bert", {"single_ln_sublayers": []}),
+                                               "a VL-BERT-style config whose sublayers are not one shared stack"),
+    "VL-BERT-style config of two widths": (changed_config("ctrl_vl-bert", {"v_hidden_size": 12}),
+                                           "v_hidden_size differs from hidden_size (VOLTA's visual_1x1 projections)"),
+    "VL-BERT-style config with VL-BERT's masked-region target": (
+        changed_config("ctrl_vl-bert", {"visual_target_weights": {"6": 1.0}}), "visual target 6 (masked-region classes"),
     "UNITER-style config": (other_config("ctrl_uniter_base"), "image_embeddings 'uniter' (UNITER-style)"),
     "sum fusion": (lambda tmp: rewrite(tmp, TASKS, config={"fusion_method": "sum"}),
                    "fusion_method 'sum': vlserve pools a ViLBERT-style model as the product of its two poolers"),
@@ -271,8 +284,10 @@ def test_bad_source_exits_2_with_one_clear_message(case, tmp_path):
 def test_lxmert_fields_belong_to_lxmert():
     from models.config import EncoderConfig
 
-    with pytest.raises(ValueError, match="lxmert's and visualbert's"):
+    with pytest.raises(ValueError, match="are lxmert's, visualbert's and vl-bert's with vlbert_embedding 'volta'"):
         EncoderConfig(preset="vilbert", whole_image_region=True)
+    with pytest.raises(ValueError, match="vl-bert's with vlbert_embedding 'volta'"):  # jackroos/VL-BERT's has its own
+        EncoderConfig(preset="vl-bert", vlbert_embedding="reference", whole_image_region=True)
     with pytest.raises(ValueError, match="needs whole_image_region"):
         EncoderConfig(preset="lxmert", pooler_style="relu_mul")
     with pytest.raises(ValueError, match="box_dims 4 or 5"):

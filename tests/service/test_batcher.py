@@ -508,3 +508,54 @@ def test_a_lone_request_of_another_task_is_not_a_whole_batch_ahead():
         return other
 
     assert run(main()) == 30
+
+
+def test_the_default_settings_take_a_request_only_while_it_can_join_the_next_batch():
+    """With the service's defaults and the demo encoder's batch time (about 12 ms for 8 rows on a CPU core pair), a
+    request that would queue behind a full batch is refused, so an accepted request waits for at most the batch
+    running and its own (docs/RELIABILITY.md, Overload)."""
+    from service.settings import Settings
+
+    defaults = Settings()
+    fn = Recorder(delay=0.012)
+
+    async def main():
+        config = BatcherConfig(defaults.max_batch_size, defaults.max_wait_ms, defaults.max_queue,
+                               defaults.max_queue_wait_ms)
+        b = Batcher("t", fn, config)
+        await b.start()
+        await b.submit(0)  # a batch time measured
+        running = asyncio.ensure_future(b.submit(1))
+        await asyncio.sleep(0.004)  # item 1's batch runs
+        nxt = [asyncio.ensure_future(b.submit(i)) for i in range(2, 2 + config.max_batch_size)]  # the next batch, full
+        await asyncio.sleep(0)
+        try:
+            await b.submit(99)
+        except QueueFullError as exc:
+            refused = exc
+        else:
+            refused = None
+        await asyncio.gather(running, *nxt)
+        await b.stop()
+        return refused
+
+    refused = run(main())
+    assert isinstance(refused, QueueFullError) and "queued ahead" in str(refused)
+
+
+def test_a_request_of_many_items_is_admitted_whole():
+    """A retrieval request's candidates are items of one request: admitted once, none of them is refused because
+    the request's own earlier items fill the batches ahead, however long those take."""
+    fn = Recorder(delay=0.02)
+
+    async def main():
+        b = Batcher("t", fn, BatcherConfig(max_batch_size=2, max_wait_ms=0, max_queue=100, max_queue_wait_ms=5))
+        await b.start()
+        await b.submit(0)  # a 20 ms batch time measured: a second item queued behind a full batch would be shed
+        b.admit()
+        results = await asyncio.gather(*(b.submit(i, admitted=True) for i in range(1, 11)))
+        await b.stop()
+        return results, b.shed
+
+    results, shed = run(main())
+    assert results == [10 * i for i in range(1, 11)] and shed == 0

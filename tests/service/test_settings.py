@@ -18,7 +18,7 @@ def test_defaults():
     s = load_settings()
     assert s.model_dir is None and s.redis_url is None and s.runtime == "torch" and s.device == "cpu"
     assert s.cache_max_bytes == 256 * MiB and s.max_body_bytes == 10 * MiB and s.redis_ttl_s == 604800
-    assert (s.max_batch_size, s.max_wait_ms, s.max_queue) == (32, 5.0, 256)
+    assert (s.max_batch_size, s.max_wait_ms, s.max_queue, s.max_queue_wait_ms) == (8, 5.0, 256, 5.0)
     assert s.api_keys == [] and (s.host, s.port) == ("127.0.0.1", 8000)
 
 

@@ -1,8 +1,8 @@
 """An imported VOLTA checkpoint (`vlserve import volta`) served end to end on every endpoint its heads support.
 
-The tiny BertForVLTasks of tests/fixtures/volta, ViLBERT-, LXMERT- and VisualBERT-style (VQA, retrieval, RefCOCO+
-and NLVR2 heads; see tests/models/test_volta.py for their parity with the reference) behind the HTTP API, with a
-tiny detector of their feature width.
+The tiny BertForVLTasks of tests/fixtures/volta, ViLBERT-, LXMERT-, VisualBERT- and VL-BERT-style (VQA, retrieval,
+RefCOCO+ and NLVR2 heads; see tests/models/test_volta.py for their parity with the reference) behind the HTTP API,
+with a tiny detector of their feature width.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-@pytest.mark.parametrize("folder", ["", "ctrl_lxmert", "ctrl_visualbert"])
+@pytest.mark.parametrize("folder", ["", "ctrl_lxmert", "ctrl_visualbert", "ctrl_vl-bert"])
 def test_imported_volta_serves_vqa_refer_retrieve_and_nlvr2(folder, tmp_path, make_settings, make_detector, make_png):
     out = tmp_path / "volta"
     result = CliRunner().invoke(cli_app, ["import", "volta", str(FIXTURE / folder / "pytorch_model_best.bin"), str(out),

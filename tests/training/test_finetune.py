@@ -141,6 +141,8 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(task_data, tmp_path):
         (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
         (["--preset", "u-visualbert", "--box-embedding", "sinusoid"], "unknown box_embedding 'sinusoid'"),
         (["--box-embedding", "normalized"], "box_embedding 'normalized' is u-visualbert's; visualbert embeds boxes"),
+        (["--preset", "u-visualbert", "--box-embedding", "normalized"], "box_embedding applies to the vlserve embedding style"),
+        (["--embedding-style", "published"], "embedding_style 'published' is u-visualbert's"),
         (["--preset", "lxmert", "--region-tags"], "region_tags is u-visualbert's; lxmert has no detector-tag embedding"),
         (["--tasks", "vqa:1", "--retrieval-queries", "50"], "retrieval_queries needs a task that trains the itm or rank head"),
         (["--tasks", "vqa:1,itm:1", "--query-bank", "8"], "query_bank draws the listing captions of the itm_rank set"),
@@ -219,16 +221,22 @@ def test_init_from_rejects_another_preset_size_or_feature_dim(task_data, source_
         build_model(cfg, feature_dim, len(data.answers))
 
 
-def test_init_from_rejects_another_box_embedding(task_data, tmp_path):
+def test_init_from_rejects_another_box_embedding_or_embedding_style(task_data, tmp_path):
     detector, data = task_data
-    train(tiny(tmp_path / "linear", detector, preset="u-visualbert", tasks={"vqa": 1.0}, steps=1), data=data, progress=False)
-    cfg = tiny(tmp_path / "ft", detector, preset="u-visualbert", box_embedding="normalized", init_from=tmp_path / "linear")
+    train(tiny(tmp_path / "linear", detector, preset="u-visualbert", embedding_style="vlserve", tasks={"vqa": 1.0}, steps=1),
+          data=data, progress=False)
+    cfg = tiny(tmp_path / "ft", detector, preset="u-visualbert", embedding_style="vlserve", box_embedding="normalized",
+               init_from=tmp_path / "linear")
     with pytest.raises(CheckpointError, match="encoder.box_embedding is 'linear', expected 'normalized'"):
         build_model(cfg, data.feature_dim, len(data.answers))
-    result = CliRunner().invoke(app, ["train", "finetune", "--out", str(tmp_path / "x"), "--detector", str(detector),
-                                      "--size", "tiny", "--preset", "u-visualbert", "--box-embedding", "normalized",
-                                      "--init-from", str(tmp_path / "linear")])
-    assert result.exit_code == 2 and "pass --box-embedding linear" in result.stderr, result.output
+    published = tiny(tmp_path / "ft", detector, preset="u-visualbert", init_from=tmp_path / "linear")  # the preset's style
+    with pytest.raises(CheckpointError, match="encoder.embedding_style is 'vlserve', expected 'published'"):
+        build_model(published, data.feature_dim, len(data.answers))
+    for args, hint in ((["--embedding-style", "vlserve", "--box-embedding", "normalized"], "pass --box-embedding linear"),
+                       ([], "pass --embedding-style vlserve")):
+        result = CliRunner().invoke(app, ["train", "finetune", "--out", str(tmp_path / "x"), "--detector", str(detector),
+                                          "--size", "tiny", "--preset", "u-visualbert", *args, "--init-from", str(tmp_path / "linear")])
+        assert result.exit_code == 2 and hint in result.stderr, result.output
 
 
 def test_num_layers_trains_a_shallower_encoder_and_init_from_checks_the_depth(task_data, tmp_path):
@@ -596,7 +604,9 @@ def test_lead_options_on_the_command_line_are_checked(task_data, tmp_path):
 def test_region_tags_give_each_region_its_detector_class_word(task_data, tmp_path):
     detector, data = task_data
     tokenizer = VLTokenizer.pretrained_minilm()
-    cfg = tiny(tmp_path / "tags", detector, preset="u-visualbert", region_tags=True, tasks={"vqa": 1.0}, steps=2)
+    # one word per region, summed into it (the vlserve embedding style; the published one: test_u_visualbert_preset.py)
+    cfg = tiny(tmp_path / "tags", detector, preset="u-visualbert", embedding_style="vlserve", region_tags=True,
+               tasks={"vqa": 1.0}, steps=2)
     model = build_model(cfg, data.feature_dim, len(data.answers)).eval()
     assert tagged(data, build_model(tiny(tmp_path / "x", detector), data.feature_dim, len(data.answers)), tokenizer) is data
     examples = data.train["vqa"][:4]
@@ -672,7 +682,8 @@ def test_batches_keep_only_the_region_slots_some_image_needs_and_score_the_same(
     heads = {"vqa": HeadConfig(kind="vqa", num_labels=5, pool="regions_film"), "refer": HeadConfig(kind="refer"),
              "itm": HeadConfig(kind="itm", pool="regions"), "nlvr2": HeadConfig(kind="nlvr2", pool="regions")}
     torch.manual_seed(0)
-    model = create_model("u-visualbert", "tiny", heads=heads, visual_feat_dim=d, box_embedding="normalized").eval()
+    model = create_model("u-visualbert", "tiny", heads=heads, visual_feat_dim=d, box_embedding="normalized",
+                         embedding_style="vlserve").eval()
     tok = VLTokenizer.pretrained_minilm(max_length=40)
     batches = {
         "vqa": [Example((0,), "what colour is the circle?", 1), Example((3,), "how many squares?", 2)],

@@ -99,7 +99,8 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(preset, detector_dir, da
 
 def test_weak_batches_are_never_paired_and_reconstruct_tags(detector_dir, data, tmp_path):
     tokenizer = VLTokenizer.pretrained_minilm()
-    builder = BatchBuilder(tiny(tmp_path, detector_dir, preset="u-visualbert"), data, tokenizer)
+    # one word per region's tag (the vlserve embedding style; the published one: test_u_visualbert_preset.py)
+    builder = BatchBuilder(tiny(tmp_path, detector_dir, preset="u-visualbert", embedding_style="vlserve"), data, tokenizer)
     words = torch.from_numpy(tokenizer.tag_words(CLASSES))
     rng = np.random.default_rng(0)
     kinds = []

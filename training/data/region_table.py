@@ -24,7 +24,8 @@ class RegionTable:
     mask: np.ndarray  # (M, N) int64, 1 = real region
     obj_ids: np.ndarray  # (M, N) int64 detector classes, -1 = padding
     image_feature: np.ndarray | None  # (M, D) float16
-    tag_words: np.ndarray | None = None  # (classes,) word id of each detector class: tensors() adds tag_ids (U-VisualBERT)
+    tag_words: np.ndarray | None = None  # (classes,) word id of each detector class, or (classes, K) its sub-words
+    # (VLTokenizer.tag_table): tensors() adds tag_ids (..., N) or (..., N, K) (U-VisualBERT)
 
     def with_tags(self, words: np.ndarray | None) -> RegionTable:
         """The same regions, batched with each region's detector class word as its tag (None: without tags)."""
@@ -70,7 +71,8 @@ class RegionTable:
 
 
 def tags_of(obj_ids: np.ndarray, words: np.ndarray) -> torch.Tensor:
-    """(..., N) detector class ids (-1 = padding) -> (..., N) tag word ids (-1 = none)."""
+    """(..., N) detector class ids (-1 = padding) -> (..., N) tag word ids, or (..., N, K) sub-word ids from a (C, K)
+    table (-1 = none)."""
     return torch.from_numpy(region_tag_ids(obj_ids, words))
 
 

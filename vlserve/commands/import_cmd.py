@@ -101,12 +101,13 @@ def volta(
     out: Out,
     config: Annotated[Path | None, typer.Option(
         "--config", help="the VOLTA config json the model was built from (its config/ctrl_vilbert_base.json, "
-        "vilbert_base.json, ctrl_lxmert.json, lxmert.json, original_lxmert.json, ctrl_visualbert_base.json); "
+        "vilbert_base.json, ctrl_lxmert.json, lxmert.json, original_lxmert.json, ctrl_visualbert_base.json, "
+        "ctrl_vl-bert_base.json); "
         "default: the one VOLTA config json beside SRC")] = None,
     answers: Answers = None,
     force: Force = False,
 ) -> None:
-    """Import a VOLTA checkpoint (github.com/e-bug/volta) of a ViLBERT-, LXMERT- or VisualBERT-style config."""
+    """Import a VOLTA checkpoint (github.com/e-bug/volta) of a ViLBERT-, LXMERT-, VisualBERT- or VL-BERT-style config."""
     from models.importers.volta import import_volta
 
     _run(partial(import_volta, config=config, answers=answers), src, out, force)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from training.run_config import FinetuneConfig, PretrainConfig, config_command, field_choices
+from training.run_config import FinetuneConfig, PretrainConfig, config_command, embedding_override, field_choices
 
 app = typer.Typer(help="Train the detector and the encoders.", no_args_is_help=True)
 
@@ -91,7 +91,8 @@ def validate_finetune(cfg) -> None:
     resolve_device(cfg.device)  # an unknown device, or a GPU torch cannot see
 
     layers = {} if cfg.num_layers is None else {"num_layers": cfg.num_layers}
-    encoder = encoder_config(cfg.preset, cfg.size, box_embedding=cfg.box_embedding, region_tags=cfg.region_tags, **layers)  # unknown preset, size, ...
+    encoder = encoder_config(cfg.preset, cfg.size, box_embedding=cfg.box_embedding, region_tags=cfg.region_tags,
+                             **embedding_override(cfg), **layers)  # unknown preset, size, ...
     for name in ("vqa_loss", "vqa_pool", "itm_pool", "nlvr2_pool", "rank_pool"):
         allowed, value = field_choices(FinetuneConfig, name), getattr(cfg, name)
         if value is not None and value not in allowed:
@@ -120,6 +121,10 @@ def validate_finetune(cfg) -> None:
         theirs = source.model.config.encoder.box_embedding
         if theirs != cfg.box_embedding:
             raise ValueError(f"--init-from: encoder.box_embedding is {theirs!r}, expected {cfg.box_embedding!r} (pass --box-embedding {theirs})")
+        theirs = source.model.config.encoder.embedding_style
+        if theirs != encoder.embedding_style:
+            raise ValueError(f"--init-from: encoder.embedding_style is {theirs!r}, expected {encoder.embedding_style!r} "
+                             f"(pass --embedding-style {theirs})")
         if source.model.config.encoder.num_layers != encoder.num_layers:
             raise ValueError(f"--init-from: the encoder has {source.model.config.encoder.num_layers} layers, the run "
                              f"{encoder.num_layers} (pass --num-layers {source.model.config.encoder.num_layers})")
