@@ -53,9 +53,13 @@ def test_every_head_matches_torch_at_other_sizes(preset, make_model, tmp_path):
         assert all(tuple(s) != (2, 8, 6) for s in parity.shapes)  # never the export sizes
 
 
-def test_normalized_box_embedding_matches_torch(make_model, tmp_path):
-    """U-VisualBERT's layer-normalised sin/cos box embedding (the demo's) exports with parity."""
-    model = make_model("u-visualbert", "vqa", "refer", box_embedding="normalized", embedding_style="vlserve").eval()
+@pytest.mark.parametrize("preset, fields", [
+    ("u-visualbert", dict(box_embedding="normalized", embedding_style="vlserve")),  # the demo's sin/cos box embedding
+    ("vl-bert", dict(vlbert_embedding="volta", whole_image_region=True)),  # VOLTA's VL-BERT (its last slot is [END])
+])
+def test_embedding_variants_match_torch(preset, fields, make_model, tmp_path):
+    """Embedding variants that imported or trained checkpoints use export with parity."""
+    model = make_model(preset, "vqa", "refer", **fields).eval()
     for task in model.config.heads:
         spec = export_task(model, task, tmp_path / f"{task}.onnx")
         parity = measure(model, spec, runner(session(tmp_path / f"{task}.onnx")), examples=sum(s[0] for s in SHAPES))
