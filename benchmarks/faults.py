@@ -222,23 +222,22 @@ def summary(outcomes: list[Outcome], seconds: float) -> dict:
             "p90": percentile(ok, 0.9), "p99": percentile(ok, 0.99), "kinds": dict(Counter(o.kind for o in outcomes))}
 
 
-def encoder_batches(url: str) -> tuple[float, float, float]:
+def encoder_batches(url: str) -> tuple[float, ...]:
     """(batches, rows, seconds) the server's /vqa encoder batches have run so far, from its /metrics."""
     import httpx
 
-    text, found = httpx.get(f"{url}/metrics", timeout=10).text, {}
-    for name in ("vlserve_batch_size_count", "vlserve_batch_size_sum", "vlserve_encoder_seconds_sum"):
-        m = re.search(rf'^{name}{{task="vqa"}} (\S+)$', text, re.MULTILINE)
-        found[name] = float(m.group(1)) if m else 0.0
-    return (found["vlserve_batch_size_count"], found["vlserve_batch_size_sum"], found["vlserve_encoder_seconds_sum"])
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    found = (re.search(rf'^{name}{{task="vqa"}} (\S+)$', text, re.MULTILINE)
+             for name in ("vlserve_batch_size_count", "vlserve_batch_size_sum", "vlserve_encoder_seconds_sum"))
+    return tuple(float(m.group(1)) if m else 0.0 for m in found)
 
 
-def with_batches(url: str, run) -> dict:
-    """summary() of `run`'s outcomes (a coroutine's) plus its encoder batches' mean rows and mean milliseconds."""
+def measured(url: str, load, seconds: float) -> dict:
+    """summary() of a load run (the coroutine `load`) plus its encoder batches' mean rows and mean milliseconds."""
     before = encoder_batches(url)
-    figures = run()
-    batches, rows, seconds = (b - a for a, b in zip(before, encoder_batches(url)))
-    return {**figures, "batch_rows": rows / max(batches, 1), "batch_ms": 1000 * seconds / max(batches, 1)}
+    figures = summary(asyncio.run(load), seconds)
+    batches, rows, run_s = (b - a for a, b in zip(before, encoder_batches(url)))
+    return {**figures, "batch_rows": rows / max(batches, 1), "batch_ms": 1000 * run_s / max(batches, 1)}
 
 
 # ---- checks ----------------------------------------------------------------------------------------------------
@@ -405,9 +404,8 @@ def check_overload(model_dir: Path, detector_dir: Path, logs: Path, seconds: flo
         try:
             requests = vqa_requests(server.url, register(server.url, images(8)))
             asyncio.run(closed_loop(server.url, requests, 8, 2.0))  # warm
-            base = with_batches(server.url, lambda: summary(asyncio.run(closed_loop(server.url, requests, 8, seconds)), seconds))
-            over = with_batches(server.url, lambda: summary(
-                asyncio.run(open_loop(server.url, requests, 4 * base["goodput"], seconds)), seconds))
+            base = measured(server.url, closed_loop(server.url, requests, 8, seconds), seconds)
+            over = measured(server.url, open_loop(server.url, requests, 4 * base["goodput"], seconds), seconds)
         finally:
             server.stop()
             if redis is not None:

@@ -97,7 +97,7 @@ def region_tag_table(tokenizer, classes: list[str], encoder) -> np.ndarray | Non
     class name (C,), or every sub-word (C, K) for u-visualbert's published embeddings; None for other encoders."""
     if not encoder.region_tags:
         return None
-    return tokenizer.tag_subwords(classes) if encoder.embedding_style == "published" else tokenizer.tag_words(classes)
+    return tokenizer.tag_table(classes, encoder.embedding_style)
 
 
 def load_models(settings: Settings) -> Loaded:

@@ -118,13 +118,11 @@ def validate_finetune(cfg) -> None:
             source = load_checkpoint(cfg.init_from, preset=cfg.preset, size=cfg.size, visual_feat_dim=detector.config.feature_dim)
         except CheckpointError as exc:
             raise ValueError(f"--init-from: {exc}") from None
-        theirs = source.model.config.encoder.box_embedding
-        if theirs != cfg.box_embedding:
-            raise ValueError(f"--init-from: encoder.box_embedding is {theirs!r}, expected {cfg.box_embedding!r} (pass --box-embedding {theirs})")
-        theirs = source.model.config.encoder.embedding_style
-        if theirs != encoder.embedding_style:
-            raise ValueError(f"--init-from: encoder.embedding_style is {theirs!r}, expected {encoder.embedding_style!r} "
-                             f"(pass --embedding-style {theirs})")
+        for name, want in (("box_embedding", cfg.box_embedding), ("embedding_style", encoder.embedding_style)):
+            theirs = getattr(source.model.config.encoder, name)
+            if theirs != want:
+                raise ValueError(f"--init-from: encoder.{name} is {theirs!r}, expected {want!r} "
+                                 f"(pass --{name.replace('_', '-')} {theirs})")
         if source.model.config.encoder.num_layers != encoder.num_layers:
             raise ValueError(f"--init-from: the encoder has {source.model.config.encoder.num_layers} layers, the run "
                              f"{encoder.num_layers} (pass --num-layers {source.model.config.encoder.num_layers})")
