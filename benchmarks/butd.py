@@ -247,17 +247,18 @@ def main() -> None:
         args.skip_service = True
     if args.agreement:
         return agreement_only(args)
-    work = Path(tempfile.mkdtemp(prefix="butd-bench-"))
-    paths = build_models(work, with_encoder=not args.skip_service)
-    peaks = gemm_peaks(device)
-    print("GEMM peaks GFLOP/s:", {k: round(v) for k, v in peaks.items()}, flush=True)
-    found = measure_detectors(args, paths, device, work)  # returns before the service starts: its detectors freed
-    gc.collect()
-    service = None if args.skip_service else first_vqa(paths, args.threads, list(PHOTOS[:5]))
-    body = section(args, peaks, found, service, device)
-    print(body)
-    if not args.no_write:
-        write_section(ROOT / "docs" / "BENCHMARKS.md", SECTION if device.type == "cpu" else GPU_SECTION, body)
+    with tempfile.TemporaryDirectory(prefix="butd-bench-") as tmp:  # 2.4 GB of models, removed after
+        work = Path(tmp)
+        paths = build_models(work, with_encoder=not args.skip_service)
+        peaks = gemm_peaks(device)
+        print("GEMM peaks GFLOP/s:", {k: round(v) for k, v in peaks.items()}, flush=True)
+        found = measure_detectors(args, paths, device, work)  # returns before the service starts: its detectors freed
+        gc.collect()
+        service = None if args.skip_service else first_vqa(paths, args.threads, list(PHOTOS[:5]))
+        body = section(args, peaks, found, service, device)
+        print(body)
+        if not args.no_write:
+            write_section(ROOT / "docs" / "BENCHMARKS.md", SECTION if device.type == "cpu" else GPU_SECTION, body)
 
 
 def measure_detectors(args, paths: dict[str, Path], device: torch.device, work: Path) -> dict:
@@ -316,16 +317,17 @@ def agreement_only(args) -> None:
     """The agreement figures on the calibrated detector, written as their own section."""
     from models.detector.io import load_detector
 
-    work = Path(tempfile.mkdtemp(prefix="butd-agree-"))
-    paths = build_models(work, with_encoder=False, calibrated_from=args.reference.resolve())
-    reference = reference_runner(args.reference.resolve(), paths["source"], torch.device("cpu"))
-    serving32 = load_detector(paths["detector"])[0]
-    serving32.for_serving(torch.float32)
-    serving16 = load_detector(paths["detector"])[0]
-    serving16.for_serving(torch.bfloat16)  # emulated where the CPU has no native bfloat16: same numbers, slower
-    sized = [photo(n, hw) for n in PHOTOS for hw in AGREEMENT_SIZES][: args.photos]
-    with torch.inference_mode():
-        agree = agreement_figures(reference, serving32, serving16, sized)
+    with tempfile.TemporaryDirectory(prefix="butd-agree-") as tmp:
+        work = Path(tmp)
+        paths = build_models(work, with_encoder=False, calibrated_from=args.reference.resolve())
+        reference = reference_runner(args.reference.resolve(), paths["source"], torch.device("cpu"))
+        serving32 = load_detector(paths["detector"])[0]
+        serving32.for_serving(torch.float32)
+        serving16 = load_detector(paths["detector"])[0]
+        serving16.for_serving(torch.bfloat16)  # emulated where the CPU has no native bfloat16: same numbers, slower
+        sized = [photo(n, hw) for n in PHOTOS for hw in AGREEMENT_SIZES][: args.photos]
+        with torch.inference_mode():
+            agree = agreement_figures(reference, serving32, serving16, sized)
     command = " ".join(["python", "benchmarks/butd.py", *map(shlex.quote, sys.argv[1:])])
     n, matched = agree["photos"], agree["matched"]
     body = "\n".join([

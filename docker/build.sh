@@ -4,7 +4,8 @@
 #      built from Debian by docker/base-image.sh (debootstrap + docker import, this machine's CA certificates);
 #   2. docker/wheelhouse/ filled from this machine's pip configuration (docker/wheelhouse.sh);
 #   3. docker build -f docker/Dockerfile (installs with --no-index from the wheelhouse), tagged $VLSERVE_IMAGE
-#      (default vlserve:latest); PROFILE=demo bakes that model set into the image.
+#      (default vlserve:latest); PROFILE=demo bakes that model set into the image. The image the tag named before is
+#      removed when nothing else uses it.
 # `docker/build.sh --rehearsal` also builds the Redis and HAProxy images of docker/deploy_test.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +31,9 @@ build() {  # build DOCKERFILE TAG [ARGS...]: quiet, its log kept (and its tail s
     echo "image $tag: $(docker image inspect -f '{{.Size}}' "$tag" | awk '{printf "%.2f GB", $1/1e9}'), $((SECONDS - t0)) s (base $BASE; log $log)"
 }
 build docker/Dockerfile "$IMAGE" ${PROFILE:+--build-arg PROFILE="$PROFILE"}
+# The image this tag named before (6 GB when the dependencies changed) is untagged now: removed, with the stages only it
+# used. Only untagged images of this Dockerfile (its label); nothing tagged, nothing of another project.
+docker image prune -f --filter label=org.opencontainers.image.title=vlserve >/dev/null
 if [ "${1:-}" = "--rehearsal" ]; then
     build docker/redis.Dockerfile vlserve/redis:rehearsal
     build docker/haproxy.Dockerfile vlserve/haproxy:rehearsal
