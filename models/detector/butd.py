@@ -16,10 +16,14 @@ before it (one pass over the activations instead of two), channels-last activati
 reorder per convolution), RoIPool as one gather (roi_pool.py) and, on CPUs with native bfloat16 dot products,
 bfloat16 weights and activations in res5, 92% of the detector's FLOPs (res5 runs at 14 x 14 on each of 300
 proposals). The backbone, the RPN and the predictors stay float32, so the proposals are exactly float32's and only
-the region features (and the scores read from them) carry bfloat16's rounding.
+the region features (and the scores read from them) carry bfloat16's rounding. That rounding moves a proposal's
+best-class score by up to a few percent, and many proposals' scores crowd the last chosen one, so a plain bfloat16
+res5 would choose other regions on many photos; with frcnn-vg's selection, `ButdRoIHeads.settle` recomputes in
+float32 the few proposals whose part in the choice lies within that error, and the regions chosen are float32's.
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -32,9 +36,15 @@ from torchvision.ops.misc import FrozenBatchNorm2d
 
 from .config import RESNET_BLOCKS, DetectorConfig
 from .roi_pool import roi_pool_channels_last
+from .select import best_class_nms, choose_regions, uncertain_choices
 
 STRIDE = 16  # res4's stride: stem 4, res3 2, res4 2
 BOX_CLAMP = math.log(1000.0 / 16)  # largest log-scale a box delta may apply
+# How far a bfloat16 res5 moves what the region choice reads, with a margin over the largest measured (full-size
+# detector, calibrated weights, 16 photos; benchmarks/butd.py --agreement): best-class scores by up to 3.5% (relative),
+# overlaps near the NMS threshold by up to 0.0044.
+BF16_SCORE_ERROR = 0.05
+BF16_IOU_ERROR = 0.01
 
 
 class FrozenBN(FrozenBatchNorm2d):
@@ -80,6 +90,8 @@ def fast_convolutions(backbone: ResNetC4, heads: ButdRoIHeads, res5_dtype: torch
     for part in (backbone, heads.res5):
         fold_batch_norms(part)
         part.to(memory_format=torch.channels_last)
+    if res5_dtype != torch.float32 and heads.config.selection == "argmax-nms":
+        heads.exact_res5 = copy.deepcopy(heads.res5)  # float32, for ButdRoIHeads.settle
     heads.res5.to(dtype=res5_dtype)
     backbone.input_layout = heads.res5_layout = torch.channels_last
 
@@ -213,6 +225,7 @@ class ButdRoIHeads(nn.Module):
         d, k, a = c.feature_dim, len(c.classes), len(c.attributes)
         self.res5 = stage(3, in_channels, 8 * c.resnet_bottleneck_channels, d, c, stride=2)
         self.res5_layout = torch.contiguous_format  # channels_last once fast_convolutions has run
+        self.exact_res5: nn.Sequential | None = None  # float32 res5 beside a bfloat16 one (fast_convolutions)
         if c.res5_dilated:  # bottom-up attention's VG head: the first 1x1 conv and shortcut at stride 1, 3x3s dilated
             first = self.res5[0]
             first.conv1.stride = first.downsample[0].stride = (1, 1)
@@ -230,16 +243,42 @@ class ButdRoIHeads(nn.Module):
         at a time: a photo's 300 proposals already fill the GEMMs, a batch's at once would hold GBs of activations
         (each (R, 2048, 14, 14) float32 tensor is 3.9 GB at 8 photos), and each image's regions come out exactly as
         when it is alone."""
-        return torch.cat([self._image_features(res4[i : i + 1], b) for i, b in enumerate(boxes)])
+        return torch.cat([self._image_features(res4[i : i + 1], b, self.res5) for i, b in enumerate(boxes)])
 
-    def _image_features(self, res4: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+    def settle(self, res4: torch.Tensor, proposals: list[torch.Tensor], image_sizes: list[tuple[int, int]],
+               features: torch.Tensor) -> torch.Tensor:
+        """With res5 in bfloat16 (exact_res5 set): per image, the features of the proposals whose part in the region
+        choice lies within bfloat16's error (select.uncertain_choices) recomputed by the float32 res5, again until
+        none is left; the regions then chosen are float32's, most of the features stay bfloat16's. (R, D)."""
+        c, out, start = self.config, [], 0
+        for i, props in enumerate(proposals):
+            feats = features[start : start + props.shape[0]].clone()
+            start += props.shape[0]
+            logits, deltas = self.cls_score(feats), self.bbox_pred(feats)
+            exact = torch.zeros(props.shape[0], dtype=torch.bool, device=props.device)
+            while True:
+                boxes, scores = self.decode(deltas, props, logits, image_sizes[i])
+                conf, _ = best_class_nms(boxes, scores, c.region_nms_thresh)
+                keep = choose_regions(conf, c.num_boxes, c.adaptive, c.min_boxes, c.max_boxes, c.conf_thresh)
+                redo = uncertain_choices(boxes, scores, c.region_nms_thresh, keep, BF16_SCORE_ERROR, BF16_IOU_ERROR,
+                                         c.conf_thresh if c.adaptive else None) & ~exact
+                idx = redo.nonzero().flatten()
+                if idx.numel() == 0:
+                    break
+                feats[idx] = self._image_features(res4[i : i + 1], props[idx], self.exact_res5)
+                logits[idx], deltas[idx] = self.cls_score(feats[idx]), self.bbox_pred(feats[idx])
+                exact |= redo
+            out.append(feats)
+        return torch.cat(out) if out else features
+
+    def _image_features(self, res4: torch.Tensor, boxes: torch.Tensor, res5: nn.Sequential) -> torch.Tensor:
         rois = torch.cat([torch.zeros_like(boxes[:, :1]), boxes], dim=1)
         if self.res5_layout == torch.channels_last:  # the serving form: the same pooling, in res5's dtype and layout
-            res4 = res4.to(dtype=self.res5[0].conv1.weight.dtype, memory_format=torch.channels_last)
+            res4 = res4.to(dtype=res5[0].conv1.weight.dtype, memory_format=torch.channels_last)
             pooled = roi_pool_channels_last(res4, rois, self.config.roi_size, 1.0 / STRIDE)
         else:
             pooled = roi_pool(res4.float(), rois, self.config.roi_size, 1.0 / STRIDE)  # (R, C, S, S)
-        out = self.res5(pooled)
+        out = res5(pooled)
         if out.dtype == torch.float32:
             return out.mean(dim=(2, 3))
         # bfloat16: the spatial sum as a product with ones (float32 accumulation, one rounding), several times faster

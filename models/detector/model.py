@@ -93,6 +93,8 @@ class RegionDetector(nn.Module):
             res4 = self.backbone(canvas)
             proposals = self.rpn(res4, image_sizes)
             features = self.roi_heads.features(res4, proposals)  # (R, D)
+            if self.roi_heads.exact_res5 is not None:  # res5 in bfloat16: the regions chosen made float32's
+                features = self.roi_heads.settle(res4, proposals, image_sizes, features)
             class_logits, box_regression, attr_logits = self.roi_heads(features)
             whole = self.roi_heads.features(res4, whole_boxes) if self.config.image_feature else None  # (B, D)
             return self._per_image(proposals, features, class_logits, box_regression, attr_logits, whole)
@@ -184,6 +186,13 @@ class RegionDetector(nn.Module):
             results[i] = (self._regions(prep, head, boxes, scores) if regions else None,
                           self._detections(prep, boxes, scores) if dets else None)
         return results
+
+    @torch.inference_mode()
+    def scored_proposals(self, image: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the region selection reads for one image: class-specific boxes (R, K, 4) in resized-image pixels and
+        foreground class probabilities (R, K), one row per proposal."""
+        ((_, prep, head),) = list(self._run([image], 1))
+        return self._decode(head, prep.resized_hw)
 
     def extract(self, images: list[np.ndarray], batch_size: int = 8) -> list[RegionFeatures]:
         """Region features per image (padded to config.max_regions); batched output equals per-image output."""

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import torch
-from torchvision.ops import batched_nms, nms
+from torchvision.ops import batched_nms, box_iou, nms
 
 
 def region_confidence(boxes: torch.Tensor, scores: torch.Tensor, nms_thresh: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,6 +43,41 @@ def choose_regions(conf: torch.Tensor, num_boxes: int, adaptive: bool, min_boxes
         count = num_boxes
     keep = order[: min(count, conf.shape[0])]
     return keep[conf[keep] >= 0]
+
+
+def uncertain_choices(boxes: torch.Tensor, scores: torch.Tensor, nms_thresh: float, keep: torch.Tensor,
+                      score_error: float, iou_error: float, conf_thresh: float | None = None) -> torch.Tensor:
+    """Which proposals' part in frcnn-vg's choice (best_class_nms, then `keep`: the most confident first) could change
+    if every score were off by up to a relative `score_error` and every overlap by up to `iou_error`: (R,) True for
+    a candidate (a proposal whose best score could reach the last one kept) whose best class is within the error of
+    its second, whose score is within it of the last kept one's (or of `conf_thresh`, adaptive), or that overlaps
+    another candidate where NMS could decide otherwise (their scores within the error above the NMS threshold, or
+    their overlap within `iou_error` of it). Two estimates may each be off, hence twice the error."""
+    r = scores.shape[0]
+    if r == 0 or keep.numel() == 0:
+        return torch.zeros(r, dtype=torch.bool, device=scores.device)
+    best, cls = scores.max(1)
+    last = best[keep[-1]]
+    candidate = best >= last * (1 - 2 * score_error)
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (a - b).abs() <= 2 * score_error * torch.maximum(a, b)
+
+    found = close(best, last)  # near the cut: those, and the last kept itself when any other is
+    found[keep[-1]] = False
+    found[keep[-1]] = found.any()
+    if scores.shape[1] > 1:
+        top2 = scores.topk(2, dim=1).values
+        found |= close(top2[:, 0], top2[:, 1])
+    if conf_thresh is not None:
+        found |= close(best, best.new_tensor(conf_thresh))
+    idx = candidate.nonzero().flatten()
+    chosen = boxes[idx, cls[idx]]
+    iou = box_iou(chosen, chosen).fill_diagonal_(0.0)
+    order = (iou > nms_thresh - iou_error) & close(best[idx, None], best[None, idx])
+    overlap = (iou - nms_thresh).abs() <= iou_error
+    found[idx] |= (order | overlap).any(1)
+    return found & candidate
 
 
 def detections(boxes: torch.Tensor, scores: torch.Tensor, score_thresh: float, nms_thresh: float, max_dets: int = 100):
