@@ -30,9 +30,12 @@ build() {  # build DOCKERFILE TAG [ARGS...]: quiet, its log kept (and its tail s
     fi
     echo "image $tag: $(docker image inspect -f '{{.Size}}' "$tag" | awk '{printf "%.2f GB", $1/1e9}'), $((SECONDS - t0)) s (base $BASE; log $log)"
 }
+# The deps stage first, tagged: it is the cache of the next build, and untagged it would be pruned below (no image
+# has it as a parent; the app stage copies from it).
+build docker/Dockerfile vlserve/deps:latest --target deps
 build docker/Dockerfile "$IMAGE" ${PROFILE:+--build-arg PROFILE="$PROFILE"}
-# The image this tag named before (6 GB when the dependencies changed) is untagged now: removed, with the stages only it
-# used. Only untagged images of this Dockerfile (its label); nothing tagged, nothing of another project.
+# The images these tags named before (6 GB when the dependencies changed) are untagged now: removed, with the stages
+# only they used. Only untagged images of this Dockerfile (its label); nothing tagged, nothing of another project.
 docker image prune -f --filter label=org.opencontainers.image.title=vlserve >/dev/null
 if [ "${1:-}" = "--rehearsal" ]; then
     build docker/redis.Dockerfile vlserve/redis:rehearsal
