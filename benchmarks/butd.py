@@ -281,8 +281,7 @@ def measure_detectors(args, paths: dict[str, Path], device: torch.device, work: 
         serving16.for_serving(torch.bfloat16)
         contenders["serving bf16"] = lambda ims: serving16.extract(ims, batch_size=8)
         plain16 = load_detector(paths["detector"], device=args.device)[0]
-        plain16.for_serving(torch.bfloat16)
-        plain16.roi_heads.exact_res5 = None  # every region's scores bfloat16's: regions may differ from fp32's
+        plain16.for_serving(torch.bfloat16, settle=False)  # every score bfloat16's: regions may differ from fp32's
         contenders["bf16 unsettled"] = lambda ims: plain16.extract(ims, batch_size=8)
     onnx = None
     if device.type == "cpu":
@@ -380,8 +379,7 @@ def agreement_only(args) -> None:
         serving16 = load_detector(paths["detector"])[0]
         serving16.for_serving(torch.bfloat16)  # emulated where the CPU has no native bfloat16: same numbers, slower
         plain16 = load_detector(paths["detector"])[0]
-        plain16.for_serving(torch.bfloat16)
-        plain16.roi_heads.exact_res5 = None  # unsettled: every feature and score bfloat16's
+        plain16.for_serving(torch.bfloat16, settle=False)  # unsettled: every feature and score bfloat16's
         sized = [photo(n, hw) for n in PHOTOS for hw in AGREEMENT_SIZES][: args.photos]
         with torch.inference_mode():
             agree = agreement_figures(reference, serving32, serving16, sized, plain=plain16)

@@ -126,9 +126,10 @@ def load_models(settings: Settings) -> Loaded:
 
 def detector_for_serving(detector: RegionDetector, settings: Settings, fingerprint: str) -> str:
     """A butd detector rewritten into its serving form (models/detector/butd.py: batch norms folded, channels-last,
-    RoIPool as a gather, res5 in bfloat16 where `precision` resolves to bf16). Returns the feature-store namespace:
-    the fingerprint, with "-bf16" when the features carry bfloat16's rounding, so that pods serving at different
-    precisions never share cached regions."""
+    RoIPool as a gather, res5 in bfloat16 where `precision` resolves to bf16, its region choice settled in float32
+    unless `detector_settle` is off). Returns the feature-store namespace: the fingerprint, with "-bf16s" when the
+    features carry bfloat16's rounding and the regions are float32's, "-bf16" when the regions are bfloat16's too,
+    so that pods serving differently never share cached regions."""
     import torch
 
     from .runtime.torch_runtime import resolve_precision
@@ -137,9 +138,11 @@ def detector_for_serving(detector: RegionDetector, settings: Settings, fingerpri
         precision = resolve_precision(settings.precision, torch.device(settings.device))
     except ValueError as exc:
         raise StartupError(str(exc)) from None
-    if not detector.for_serving(torch.bfloat16 if precision == "bf16" else torch.float32):
+    if not detector.for_serving(torch.bfloat16 if precision == "bf16" else torch.float32, settle=settings.detector_settle):
         return fingerprint
-    return f"{fingerprint}-bf16" if precision == "bf16" else fingerprint
+    if precision != "bf16":
+        return fingerprint
+    return f"{fingerprint}-bf16s" if detector.settles_regions else f"{fingerprint}-bf16"
 
 
 def model_info(loaded: Loaded, runtime_name: str, precision: str = "fp32") -> ModelInfo:

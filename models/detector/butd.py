@@ -84,13 +84,13 @@ def fold_batch_norms(module: nn.Module) -> int:
     return folded
 
 
-def fast_convolutions(backbone: ResNetC4, heads: ButdRoIHeads, res5_dtype: torch.dtype) -> None:
+def fast_convolutions(backbone: ResNetC4, heads: ButdRoIHeads, res5_dtype: torch.dtype, settle: bool = True) -> None:
     """The serving form of the ResNet convolutions (module docstring): batch norms folded, channels-last, res5 in
-    `res5_dtype`."""
+    `res5_dtype`; below float32 with `settle` and frcnn-vg's selection, a float32 copy of res5 for settle()."""
     for part in (backbone, heads.res5):
         fold_batch_norms(part)
         part.to(memory_format=torch.channels_last)
-    if res5_dtype != torch.float32 and heads.config.selection == "argmax-nms":
+    if settle and res5_dtype != torch.float32 and heads.config.selection == "argmax-nms":
         heads.exact_res5 = copy.deepcopy(heads.res5)  # float32, for ButdRoIHeads.settle
     heads.res5.to(dtype=res5_dtype)
     backbone.input_layout = heads.res5_layout = torch.channels_last

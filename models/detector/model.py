@@ -69,14 +69,20 @@ class RegionDetector(nn.Module):
         )
         self.attr_score = nn.Linear(c.feature_dim, max(1, len(c.attributes)))
 
-    def for_serving(self, dtype: torch.dtype = torch.float32) -> bool:
+    def for_serving(self, dtype: torch.dtype = torch.float32, settle: bool = True) -> bool:
         """Rewrite a butd detector into its serving form (butd.fast_convolutions: batch norms folded, channels-last,
-        RoIPool as a gather, res5 in `dtype`: bfloat16 only where the CPU computes it natively); no-op and False for
-        the efficientnet-fpn family, whose convolutions are a small share of its time. Inference only, irreversible."""
+        RoIPool as a gather, res5 in `dtype`: bfloat16 only where the CPU computes it natively; with bfloat16 and
+        `settle`, the region choice settled in float32: ButdRoIHeads.settle); no-op and False for the
+        efficientnet-fpn family, whose convolutions are a small share of its time. Inference only, irreversible."""
         if self.config.family != "butd":
             return False
-        fast_convolutions(self.backbone, self.roi_heads, dtype)
+        fast_convolutions(self.backbone, self.roi_heads, dtype, settle)
         return True
+
+    @property
+    def settles_regions(self) -> bool:
+        """A bfloat16 res5 whose region choice is settled in float32 (its regions are float32's)."""
+        return self.config.family == "butd" and self.roi_heads.exact_res5 is not None
 
     # ---- shared forward ----------------------------------------------------------------------------
     def _box_head(self, feats, boxes: list[torch.Tensor], image_sizes) -> torch.Tensor:

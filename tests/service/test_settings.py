@@ -20,6 +20,7 @@ def test_defaults():
     assert s.cache_max_bytes == 256 * MiB and s.max_body_bytes == 10 * MiB and s.redis_ttl_s == 604800
     assert (s.max_batch_size, s.max_wait_ms, s.max_queue, s.max_queue_wait_ms) == (8, 5.0, 256, 5.0)
     assert s.api_keys == [] and (s.host, s.port) == ("127.0.0.1", 8000)
+    assert s.precision == "auto" and s.detector_settle is True  # a bf16 detector chooses fp32's regions
 
 
 def test_environment_with_prefix_and_overrides_win(monkeypatch, tmp_path):
