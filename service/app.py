@@ -138,9 +138,8 @@ def detector_for_serving(detector: RegionDetector, settings: Settings, fingerpri
         precision = resolve_precision(settings.precision, torch.device(settings.device))
     except ValueError as exc:
         raise StartupError(str(exc)) from None
-    if not detector.for_serving(torch.bfloat16 if precision == "bf16" else torch.float32, settle=settings.detector_settle):
-        return fingerprint
-    if precision != "bf16":
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    if not detector.for_serving(dtype, settle=settings.detector_settle) or precision != "bf16":
         return fingerprint
     return f"{fingerprint}-bf16s" if detector.settles_regions else f"{fingerprint}-bf16"
 

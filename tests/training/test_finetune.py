@@ -4,7 +4,6 @@ import collections
 import json
 import dataclasses
 import re
-import os
 
 import numpy as np
 import pytest
@@ -37,9 +36,8 @@ SHAPES = ShapesConfig(splits=(("train", 160), ("val", 80), ("test", 2)))
 def task_data(tmp_path_factory):
     """Regions of 160 + 80 shapes scenes from a small (untrained-head) detector, cached under a temp root."""
     root = tmp_path_factory.mktemp("cache")
-    old = os.environ.get("VLSERVE_CACHE")
-    os.environ["VLSERVE_CACHE"] = str(root)
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLSERVE_CACHE", str(root))
         torch.manual_seed(0)
         cfg = DetectorConfig(classes=["circle", "rectangle", "triangle"], attributes=["red"], min_size=64, max_size=128,
                              rpn_pre_nms_top_n=100, rpn_post_nms_top_n=30, num_boxes=8, feature_dim=16)
@@ -47,11 +45,6 @@ def task_data(tmp_path_factory):
         data = prepare_task_data(root / "detector", 160, 80, easy_vqa=False, progress=False, data=SHAPES, ranking=True,
                                  question_sets=True)
         yield root / "detector", data
-    finally:
-        if old is None:
-            os.environ.pop("VLSERVE_CACHE", None)
-        else:
-            os.environ["VLSERVE_CACHE"] = old
 
 
 def tiny(out, detector, **kw) -> FinetuneConfig:

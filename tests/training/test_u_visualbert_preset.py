@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import json
 import math
-import os
 
 import numpy as np
 import pytest
@@ -39,17 +38,11 @@ SHAPES = ShapesConfig(world=WorldConfig(seed=3, height=64, width=64), splits=(("
 def task_data(tmp_path_factory):
     """The tiny service detector (circle, rectangle = rect ##angle, triangle) and the regions of 24 + 12 scenes."""
     root = tmp_path_factory.mktemp("u_visualbert_preset")
-    old = os.environ.get("VLSERVE_CACHE")
-    os.environ["VLSERVE_CACHE"] = str(root / "cache")
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLSERVE_CACHE", str(root / "cache"))
         detector = build_tiny_detector(root / "detector")
         data = prepare_task_data(detector.dir, 24, 12, easy_vqa=False, progress=False, data=SHAPES)
         yield detector, data, root
-    finally:
-        if old is None:
-            os.environ.pop("VLSERVE_CACHE", None)
-        else:
-            os.environ["VLSERVE_CACHE"] = old
 
 
 def finetune_config(out, detector, **kw) -> FinetuneConfig:
