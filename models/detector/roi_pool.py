@@ -50,39 +50,65 @@ def _tables(image: torch.Tensor, extent_h: int, extent_w: int) -> torch.Tensor:
     return torch.cat([out.view(-1, c), image.new_zeros((1, c))])
 
 
+class ImageRoIPool:
+    """RoIPool of one image's boxes, any subset at a time, for pooling the same map again and again
+    (ButdRoIHeads.settle pools a few proposals per round). The bins of all boxes are computed once; a call reads
+    the tables (module docstring, built for all boxes on first need) with one gather, or, while the tables are not
+    built and the subset's bins cover fewer cells than building them would write, runs torchvision's kernel on it
+    (both cost about the same per cell and channel, measured)."""
+
+    def __init__(self, features: torch.Tensor, boxes: torch.Tensor, size: int, scale: float):
+        """features (C, H, W) of one image, best channels-last; boxes (R, 4) float32 x1, y1, x2, y2 in input
+        pixels."""
+        self.features, self.boxes, self.size, self.scale = features, boxes, size, scale
+        c, h, w = features.shape
+        scaled = _round_half_away(boxes.float() * torch.tensor(scale, dtype=torch.float32)).long()
+        ys, ye = _bins(scaled[:, 1], scaled[:, 3], size, h)  # (R, size)
+        xs, xe = _bins(scaled[:, 0], scaled[:, 2], size, w)
+        eh, ew = ye - ys, xe - xs
+        self.table: torch.Tensor | None = None
+        self.cells = eh.clamp(min=0).sum(1) * ew.clamp(min=0).sum(1)  # (R,) cells the kernel visits per box
+        self.gather = boxes.shape[0] > 0 and int(eh.max()) <= MAX_EXTENT and int(ew.max()) <= MAX_EXTENT
+        if not self.gather:  # torchvision's kernel instead
+            return
+        empty = (eh <= 0)[:, :, None] | (ew <= 0)[:, None, :]  # (R, size, size): zero, as the kernel gives
+        self.extent = max(int(eh.max()), 1), max(int(ew.max()), 1)
+        self.table_cells = self.extent[0] * self.extent[1] * h * w
+        # row of bin (p, q) of box n: E[eh - 1][ew - 1][ys, xs]
+        cell = (((eh.clamp(min=1) - 1)[:, :, None] * self.extent[1] + (ew.clamp(min=1) - 1)[:, None, :]) * h
+                + ys.clamp(max=h - 1)[:, :, None]) * w + xs.clamp(max=w - 1)[:, None, :]
+        self.cell = torch.where(empty, self.table_cells, cell)  # the zero row
+
+    def __call__(self, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, C, size, size) channels-last pooled maps of boxes[idx] (all boxes without idx), in the map's dtype."""
+        c = self.features.shape[0]
+        idx = torch.arange(self.boxes.shape[0], device=self.boxes.device) if idx is None else idx
+        if not self.gather or (self.table is None and int(self.cells[idx].sum()) < self.table_cells):
+            boxes = self.boxes[idx]
+            rois = torch.cat([torch.zeros_like(boxes[:, :1]), boxes], dim=1).float()
+            pooled = roi_pool(self.features[None].float(), rois, self.size, self.scale)
+            return pooled.to(dtype=self.features.dtype, memory_format=torch.channels_last)
+        if self.table is None:
+            self.table = _tables(self.features.permute(1, 2, 0), *self.extent)
+        return self.table.index_select(0, self.cell[idx].reshape(-1)).view(-1, self.size, self.size, c).permute(0, 3, 1, 2)
+
+
 def roi_pool_channels_last(features: torch.Tensor, rois: torch.Tensor, size: int, scale: float) -> torch.Tensor:
     """torchvision.ops.roi_pool(features, rois, size, scale) for any floating dtype, as a channels-last
     (R, C, size, size) tensor. features (B, C, H, W), best channels-last; rois (R, 5) float32: batch index, x1, y1,
     x2, y2 in input pixels."""
-    b, c, h, w = features.shape
     r = rois.shape[0]
     if r == 0:
-        return features.new_zeros((0, size, size, c)).permute(0, 3, 1, 2)
-    scaled = _round_half_away(rois[:, 1:].float() * torch.tensor(scale, dtype=torch.float32)).long()
-    ys, ye = _bins(scaled[:, 1], scaled[:, 3], size, h)  # (R, size)
-    xs, xe = _bins(scaled[:, 0], scaled[:, 2], size, w)
-    eh, ew = ye - ys, xe - xs
-    if int(eh.max()) > MAX_EXTENT or int(ew.max()) > MAX_EXTENT:
-        pooled = roi_pool(features.float(), rois.float(), size, scale)
-        return pooled.to(dtype=features.dtype, memory_format=torch.channels_last)
-    empty = (eh <= 0)[:, :, None] | (ew <= 0)[:, None, :]  # (R, size, size): zero, as the kernel gives
-    ext_h, ext_w = max(int(eh.max()), 1), max(int(ew.max()), 1)
-    # row of bin (p, q) of region n: E[eh - 1][ew - 1][ys, xs]
-    cell = (((eh.clamp(min=1) - 1)[:, :, None] * ext_w + (ew.clamp(min=1) - 1)[:, None, :]) * h
-            + ys.clamp(max=h - 1)[:, :, None]) * w + xs.clamp(max=w - 1)[:, None, :]
-    zero_row = ext_h * ext_w * h * w
-    cell = torch.where(empty, zero_row, cell)
+        return features.new_zeros((0, size, size, features.shape[1])).permute(0, 3, 1, 2)
     batch = rois[:, 0].long()
-    nhwc = features.permute(0, 2, 3, 1)
     parts, order = [], []
-    for i in range(b):
+    for i in range(features.shape[0]):
         mine = (batch == i).nonzero().squeeze(1)
         if mine.numel():
-            table = _tables(nhwc[i], ext_h, ext_w)
-            parts.append(table.index_select(0, cell[mine].reshape(-1)).view(-1, size, size, c))
+            parts.append(ImageRoIPool(features[i], rois[mine, 1:], size, scale)())
             order.append(mine)
     pooled = parts[0] if len(parts) == 1 else torch.cat(parts)
     order = torch.cat(order)
     if not bool((order == torch.arange(r)).all()):  # regions not grouped by image: back to their order
         pooled = pooled[torch.argsort(order)]
-    return pooled.permute(0, 3, 1, 2)
+    return pooled.contiguous(memory_format=torch.channels_last)

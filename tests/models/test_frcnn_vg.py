@@ -132,6 +132,25 @@ def test_uncertain_choices_are_those_within_the_error():
     assert not uncertain_choices(boxes, scores, 0.3, keep, 0.0, 0.01).any()
 
 
+@pytest.mark.parametrize("limit,block", [(300, 512), (50, 16), (10_000, 64), (1, 1)])
+def test_nms_first_is_the_start_of_nms(limit, block):
+    """The RPN's early-stopping NMS gives torchvision's first `limit` indices in its order: crowded boxes (most
+    suppressed), tied scores, a limit beyond what NMS keeps, and no boxes."""
+    from torchvision.ops import nms
+
+    from models.detector.select import nms_first
+
+    g = torch.Generator().manual_seed(limit + block)
+    xy = torch.rand(3000, 2, generator=g) * 200
+    boxes = torch.cat([xy, xy + 5 + torch.rand(3000, 2, generator=g) * 60], 1)
+    scores = torch.rand(3000, generator=g)
+    scores[100:200] = scores[100]  # ties keep the kernel's order
+    want = nms(boxes, scores, 0.7)
+    assert 300 < want.numel() < 3000
+    assert torch.equal(nms_first(boxes, scores, 0.7, limit, block), want[:limit])
+    assert nms_first(boxes[:0], scores[:0], 0.7, limit, block).numel() == 0
+
+
 def test_imported_directory(imported):
     manifest = json.loads((imported / "manifest.json").read_text())
     config = json.loads((imported / "config.json").read_text())

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torchvision.ops import roi_pool
 
-from models.detector.roi_pool import roi_pool_channels_last
+from models.detector.roi_pool import ImageRoIPool, roi_pool_channels_last
 
 STRIDE = 16
 
@@ -41,3 +41,17 @@ def test_equals_torchvision(h, w, batch, size):
 def test_no_regions():
     out = roi_pool_channels_last(torch.randn(1, 4, 5, 5), torch.zeros(0, 5), 3, 1 / STRIDE)
     assert out.shape == (0, 4, 3, 3)
+
+
+def test_image_pool_subsets_by_kernel_and_by_tables():
+    """ImageRoIPool pools any subset of an image's boxes as torchvision does: a few boxes by the kernel while the
+    tables are not built, then from the tables once a larger subset built them."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 8, 38, 50, generator=g)
+    rois = boxes(200, 38, 50, 1, g)
+    pool = ImageRoIPool(x.contiguous(memory_format=torch.channels_last)[0], rois[:, 1:], 14, 1 / STRIDE)
+    want = roi_pool(x, rois, 14, 1 / STRIDE)
+    few = torch.tensor([3, 17, 5])
+    assert torch.equal(pool(few), want[few]) and pool.table is None  # the kernel
+    assert torch.equal(pool(), want) and pool.table is not None  # all of them: the tables
+    assert torch.equal(pool(few), want[few])  # from the tables now
