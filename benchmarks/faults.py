@@ -32,6 +32,7 @@ import random
 import re
 import signal
 import subprocess
+import shutil
 import sys
 import tempfile
 import time
@@ -286,7 +287,7 @@ def check_redis(model_dir: Path, detector_dir: Path, logs: Path) -> tuple[dict, 
     A client that gets 404 unknown-image registers the image again (as the answer advises)."""
     from tests.service.conftest import RedisServer
 
-    redis = RedisServer(Path(tempfile.mkdtemp(prefix="vlserve-faults-redis-")))
+    redis = RedisServer(Path(tempfile.mkdtemp(prefix="redis-", dir=logs)))
     redis.start()
     server = start_server(model_dir, detector_dir, logs, redis_url=redis.url)
     pictures = images(8)
@@ -397,7 +398,7 @@ def check_overload(model_dir: Path, detector_dir: Path, logs: Path, seconds: flo
         redis = None
         settings: dict = {"max_queue": 64}
         if store == "redis":
-            redis = RedisServer(Path(tempfile.mkdtemp(prefix="vlserve-faults-redis-")))
+            redis = RedisServer(Path(tempfile.mkdtemp(prefix="redis-", dir=logs)))
             redis.start()
             settings["redis_url"] = redis.url
         server = start_server(model_dir, detector_dir, logs, **settings)
@@ -572,6 +573,10 @@ def main() -> int:
         failures += failed
         print(f"{name}: {'ok' if not failed else '; '.join(failed)} ({time.perf_counter() - t0:.0f} s)\n"
               f"{json.dumps(figures, indent=1, default=str)[:3000]}", file=sys.stderr)
+    if failures:
+        print(f"the servers' logs: {logs}", file=sys.stderr)
+    else:
+        shutil.rmtree(logs, ignore_errors=True)
     command = "python benchmarks/faults.py" + ("" if args.checks == ",".join(CHECKS) else f" --checks {args.checks}")
     text = section(results, failures, command, model)
     print(text)

@@ -46,38 +46,43 @@ def choose_regions(conf: torch.Tensor, num_boxes: int, adaptive: bool, min_boxes
 
 
 def uncertain_choices(boxes: torch.Tensor, scores: torch.Tensor, nms_thresh: float, keep: torch.Tensor,
-                      score_error: float, iou_error: float, conf_thresh: float | None = None) -> torch.Tensor:
+                      score_error: float, iou_error: float, conf_thresh: float | None = None,
+                      exact: torch.Tensor | None = None) -> torch.Tensor:
     """Which proposals' part in frcnn-vg's choice (best_class_nms, then `keep`: the most confident first) could change
-    if every score were off by up to a relative `score_error` and every overlap by up to `iou_error`: (R,) True for
-    a candidate (a proposal whose best score could reach the last one kept) whose best class is within the error of
-    its second, whose score is within it of the last kept one's (or of `conf_thresh`, adaptive), or that overlaps
-    another candidate where NMS could decide otherwise (their scores within the error above the NMS threshold, or
-    their overlap within `iou_error` of it). Two estimates may each be off, hence twice the error."""
+    if every score not `exact` were off by up to a relative `score_error` and every overlap of such a proposal by up
+    to `iou_error`: (R,) True for a candidate (a proposal whose best score could reach the last one kept) that is
+    not exact and whose best class is within the error of its second, whose score is within it of the last kept
+    one's (or of `conf_thresh`, adaptive), or that overlaps another candidate where NMS could decide otherwise (their
+    scores within the error above the NMS threshold, or their overlap within `iou_error` of it). Two estimates
+    compared may each be off: the margin is the sum of their errors (an exact one's is 0)."""
     r = scores.shape[0]
     if r == 0 or keep.numel() == 0:
         return torch.zeros(r, dtype=torch.bool, device=scores.device)
+    exact = torch.zeros(r, dtype=torch.bool, device=scores.device) if exact is None else exact
+    err = torch.where(exact, 0.0, score_error).to(scores.dtype)  # (R,) each best score's relative error
     best, cls = scores.max(1)
-    last = best[keep[-1]]
-    candidate = best >= last * (1 - 2 * score_error)
+    last, last_err = best[keep[-1]], err[keep[-1]]
+    candidate = best >= last * (1 - err - last_err)
 
-    def close(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return (a - b).abs() <= 2 * score_error * torch.maximum(a, b)
+    def close(a: torch.Tensor, b: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
+        return (a - b).abs() <= error * torch.maximum(a, b)
 
-    found = close(best, last)  # near the cut: those, and the last kept itself when any other is
+    found = close(best, last, err + last_err)  # near the cut: those, and the last kept itself when any other is
     found[keep[-1]] = False
     found[keep[-1]] = found.any()
     if scores.shape[1] > 1:
         top2 = scores.topk(2, dim=1).values
-        found |= close(top2[:, 0], top2[:, 1])
+        found |= close(top2[:, 0], top2[:, 1], 2 * err)
     if conf_thresh is not None:
-        found |= close(best, best.new_tensor(conf_thresh))
+        found |= close(best, best.new_tensor(conf_thresh), 2 * err)
     idx = candidate.nonzero().flatten()
     chosen = boxes[idx, cls[idx]]
     iou = box_iou(chosen, chosen).fill_diagonal_(0.0)
-    order = (iou > nms_thresh - iou_error) & close(best[idx, None], best[None, idx])
-    overlap = (iou - nms_thresh).abs() <= iou_error
+    moves = ~(exact[idx, None] & exact[None, idx])  # the pair's overlap may be off
+    order = (iou > nms_thresh - iou_error * moves) & close(best[idx, None], best[None, idx], err[idx, None] + err[None, idx])
+    overlap = ((iou - nms_thresh).abs() <= iou_error) & moves
     found[idx] |= (order | overlap).any(1)
-    return found & candidate
+    return found & candidate & ~exact
 
 
 def nms_first(boxes: torch.Tensor, scores: torch.Tensor, thresh: float, limit: int, block: int = 512) -> torch.Tensor:

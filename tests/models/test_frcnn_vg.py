@@ -130,6 +130,17 @@ def test_uncertain_choices_are_those_within_the_error():
     assert keep.tolist() == [2, 0, 3, 4, 5, 6, 8]
     assert uncertain_choices(boxes, scores, 0.3, keep, 0.0, 0.05).nonzero().flatten().tolist() == [6, 7]
     assert not uncertain_choices(boxes, scores, 0.3, keep, 0.0, 0.01).any()
+    # exact proposals (recomputed in float32) carry no error: never found, and a comparison with one has half the
+    # margin. 4 and 5 (0.200, 0.198) are 1% apart: within 2 x 0.6%, not within 0.6% once either is exact
+    keep = choose_regions(conf, 4, False, 4, 4, 0.0)
+    exact = torch.zeros(9, dtype=torch.bool)
+    assert uncertain_choices(boxes, scores, 0.3, keep, 0.006, 0.0).nonzero().flatten().tolist() == [4, 5]
+    exact[5] = True
+    assert not uncertain_choices(boxes, scores, 0.3, keep, 0.006, 0.0, exact=exact).any()
+    # both of an overlapping pair exact: their overlap no longer moves
+    keep = choose_regions(conf, 9, False, 9, 9, 0.0)
+    exact[[6, 7]] = True
+    assert not uncertain_choices(boxes, scores, 0.3, keep, 0.0, 0.05, exact=exact).any()
 
 
 @pytest.mark.parametrize("limit,block", [(300, 512), (50, 16), (10_000, 64), (1, 1)])
