@@ -47,7 +47,8 @@ BOX_CLAMP = math.log(1000.0 / 16)  # largest log-scale a box delta may apply
 BF16_SCORE_ERROR = 0.05
 BF16_IOU_ERROR = 0.01
 # Proposals recomputed per round of ButdRoIHeads.settle: rounds of 8 recompute a third fewer than all the uncertain
-# ones at once (2 cores, 16 photos: 21 against 33 a photo, 3 rounds), each round costing about a proposal's time.
+# ones at once (16 photos, benchmarks/butd.py --agreement: 8-37 a photo, median 20, against 11-58, median 28), a round
+# costing about one proposal's time.
 SETTLE_ROUND = 8
 RES5_CHUNK = 16  # proposals per res5 pass in the serving form (ButdRoIHeads._res5_features)
 
