@@ -16,11 +16,12 @@ For serving, `fast_convolutions` rewrites the ResNet in place: each frozen batch
 before it (one pass over the activations instead of two), channels-last activations (oneDNN's native layout, no
 reorder per convolution), RoIPool as one gather (roi_pool.py), res5 run on RES5_CHUNK proposals at a time (its
 activations stay in the caches) and, on CPUs with native bfloat16 dot products, bfloat16 weights and activations in
-res5, 92% of the detector's FLOPs (res5 runs at 14 x 14 on each of 300 proposals). The backbone, the RPN and the predictors stay float32, so the proposals are exactly float32's and only
-the region features (and the scores read from them) carry bfloat16's rounding. That rounding moves a proposal's
-best-class score by up to a few percent, and many proposals' scores crowd the last chosen one, so a plain bfloat16
-res5 would choose other regions on many photos; with frcnn-vg's selection, `ButdRoIHeads.settle` recomputes in
-float32 the few proposals whose part in the choice lies within that error, and the regions chosen are float32's.
+res5, 92% of the detector's FLOPs (res5 runs at 14 x 14 on each of 300 proposals). The backbone, the RPN and the
+predictors stay float32, so the proposals are exactly float32's and only the region features (and the scores read
+from them) carry bfloat16's rounding. That rounding moves a proposal's best-class score by up to a few percent, and
+many proposals' scores crowd the last chosen one, so a plain bfloat16 res5 would choose other regions on many
+photos; with frcnn-vg's selection, `ButdRoIHeads.settle` recomputes in float32 the few proposals whose part in the
+choice lies within that error, and the regions chosen are float32's.
 """
 from __future__ import annotations
 
@@ -278,7 +279,7 @@ class ButdRoIHeads(nn.Module):
                 idx = redo.nonzero().flatten()
                 if idx.numel() == 0:
                     break
-                if idx.numel() > SETTLE_ROUND:  # those nearest the cut first: once exact, their neighbours' margins halve
+                if idx.numel() > SETTLE_ROUND:  # nearest the cut first: once exact, their neighbours' margins halve
                     best = scores[idx].max(1).values
                     idx = idx[(best - scores[keep[-1]].max()).abs().argsort()[:SETTLE_ROUND]]
                 if pool is None:  # this image's float32 pooling, its bins computed once for every round

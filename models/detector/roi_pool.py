@@ -90,7 +90,8 @@ class ImageRoIPool:
             return pooled.to(dtype=self.features.dtype, memory_format=torch.channels_last)
         if self.table is None:
             self.table = _tables(self.features.permute(1, 2, 0), *self.extent)
-        return self.table.index_select(0, self.cell[idx].reshape(-1)).view(-1, self.size, self.size, c).permute(0, 3, 1, 2)
+        rows = self.table.index_select(0, self.cell[idx].reshape(-1))
+        return rows.view(-1, self.size, self.size, c).permute(0, 3, 1, 2)
 
 
 def roi_pool_channels_last(features: torch.Tensor, rois: torch.Tensor, size: int, scale: float) -> torch.Tensor:

@@ -79,7 +79,8 @@ def uncertain_choices(boxes: torch.Tensor, scores: torch.Tensor, nms_thresh: flo
     chosen = boxes[idx, cls[idx]]
     iou = box_iou(chosen, chosen).fill_diagonal_(0.0)
     moves = ~(exact[idx, None] & exact[None, idx])  # the pair's overlap may be off
-    order = (iou > nms_thresh - iou_error * moves) & close(best[idx, None], best[None, idx], err[idx, None] + err[None, idx])
+    pair_err = err[idx, None] + err[None, idx]
+    order = (iou > nms_thresh - iou_error * moves) & close(best[idx, None], best[None, idx], pair_err)
     overlap = ((iou - nms_thresh).abs() <= iou_error) & moves
     found[idx] |= (order | overlap).any(1)
     return found & candidate & ~exact
