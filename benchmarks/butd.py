@@ -347,7 +347,7 @@ def selection_margins(fp32, bf16, images: list[np.ndarray]) -> dict:
     fp32, checked to reproduce fp32's choice."""
     from torchvision.ops import box_iou
 
-    from models.detector.select import best_class_nms, choose_regions, uncertain_choices
+    from models.detector.select import best_class_nms, choose_regions, nearest_cut, uncertain_choices
 
     c = fp32.config
     nms, n = c.region_nms_thresh, c.num_boxes
@@ -374,7 +374,7 @@ def selection_margins(fp32, bf16, images: list[np.ndarray]) -> dict:
         boxes, scores, exact = b16.clone(), s16.clone(), torch.zeros(len(s16), dtype=torch.bool)
         while (idx := uncertain_choices(boxes, scores, nms, keep := chosen(boxes, scores)[0], rel, eps,
                                         exact=exact).nonzero().flatten()).numel():
-            idx = idx[(scores[idx].max(1).values - scores[keep[-1]].max()).abs().argsort()[:SETTLE_ROUND]]
+            idx = nearest_cut(idx, scores, keep, SETTLE_ROUND)
             boxes[idx], scores[idx], exact[idx] = b32[idx], s32[idx], True
         (k, cls), (k32, cls32) = chosen(boxes, scores), chosen(b32, s32)
         exact_choice += set(zip(k.tolist(), cls[k].tolist())) == set(zip(k32.tolist(), cls32[k32].tolist()))

@@ -27,6 +27,12 @@ def _weight_version(weight: torch.Tensor) -> int | None:
         return None
 
 
+def eager() -> bool:
+    """Not being traced, scripted, compiled or exported (where shapes must not depend on the data)."""
+    return not (torch.jit.is_tracing() or torch.jit.is_scripting() or torch.compiler.is_compiling()
+                or torch.onnx.is_in_onnx_export())
+
+
 class ScaledLayerNorm(nn.LayerNorm):
     """A LayerNorm whose weight starts at `init_scale` instead of 1 (VLModel's initialisation reads it): VL-BERT's
     visual_ln_text / visual_ln_object start at 0, so a new input is added to a pretrained model's embeddings gradually."""
@@ -60,8 +66,7 @@ class Linear(nn.Linear):
             and x.device.type == "cpu" and x.dtype in (torch.float32, self.gemm_dtype) and x.layout == torch.strided
             and x.numel() > 0
             and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32
-            and not (torch.jit.is_tracing() or torch.jit.is_scripting() or torch.compiler.is_compiling()
-                     or torch.onnx.is_in_onnx_export())
+            and eager()
         )
 
     def packed_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -174,16 +179,10 @@ class Packing:
     MAX_REAL_SHARE = 0.75  # above it the gathers cost more than the padding they skip (docs/BENCHMARKS.md)
 
     @staticmethod
-    def eager() -> bool:
-        """Not being traced, scripted, compiled or exported (where shapes must not depend on the data)."""
-        return not (torch.jit.is_tracing() or torch.jit.is_scripting() or torch.compiler.is_compiling()
-                    or torch.onnx.is_in_onnx_export())
-
-    @staticmethod
     def worthwhile(mask: torch.Tensor) -> bool:
         """Pack where at most MAX_REAL_SHARE of the batch's slots are real tokens, in eager mode only (the packed
         shapes depend on the data)."""
-        return Packing.eager() and mask.float().mean().item() <= Packing.MAX_REAL_SHARE
+        return eager() and mask.float().mean().item() <= Packing.MAX_REAL_SHARE
 
     def firsts(self) -> torch.Tensor:
         """(B,) rows of the packed tokens that are each sequence's first token (always real: [CLS])."""

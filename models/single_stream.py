@@ -11,7 +11,7 @@ from torch import nn
 
 from .config import EncoderConfig
 from .layers import (FeatureNorm, Packing, Pooler, ScaledLayerNorm, TextEmbeddings, TransformerLayer, additive_mask,
-                     normalized_features)
+                     eager, normalized_features)
 from .outputs import EncoderOutput
 from .spatial import center_size_box_embedding, sinusoidal_box_embedding
 
@@ -337,7 +337,7 @@ class SingleStreamEncoder(nn.Module):
         packing = Packing(mask) if Packing.worthwhile(mask) else None
         x = packing.pack(x) if packing else x
         # a traced or exported graph keeps every output (its callers may read any)
-        pooled_only = pooled_only and not output_attentions and Packing.eager()
+        pooled_only = pooled_only and not output_attentions and eager()
         attentions = []
         for layer in self.layer[:-1] if pooled_only else self.layer:
             x, probs = layer(x, bias, output_attentions, packing)

@@ -29,9 +29,9 @@ class Settings(BaseSettings):
     # "auto" = bf16 where the hardware has native bfloat16 (AVX512-BF16/AMX CPUs, bf16 GPUs)
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     # a butd detector with res5 in bfloat16 chooses float32's regions: the proposals whose part in the choice lies
-    # within bfloat16's error are recomputed in float32 (ButdRoIHeads.settle; 2.6x the reference's speed against 3.1x
-    # unsettled on 2 AVX512-BF16 cores, where unsettled regions differed from float32's on 6 of 16 photos;
-    # docs/BENCHMARKS.md). False: every score bfloat16's. Each choice has its own feature-cache namespace
+    # within bfloat16's error are recomputed in float32 (ButdRoIHeads.settle; its cost, and how often unsettled regions
+    # differ from float32's: docs/BENCHMARKS.md). False: every score bfloat16's, faster. Each choice has its own
+    # feature-cache namespace
     detector_settle: bool = True
     engine_cache_dir: Path | None = None  # onnxruntime's TensorRT engine cache; None = ~/.cache/vlserve/tensorrt
     # feature store

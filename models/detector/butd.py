@@ -36,9 +36,10 @@ from torchvision.models.resnet import Bottleneck
 from torchvision.ops import batched_nms, clip_boxes_to_image, roi_pool
 from torchvision.ops.misc import FrozenBatchNorm2d
 
+from ..layers import eager
 from .config import RESNET_BLOCKS, DetectorConfig
 from .roi_pool import ImageRoIPool, roi_pool_channels_last
-from .select import best_class_nms, choose_regions, nms_first, uncertain_choices
+from .select import best_class_nms, choose_regions, nearest_cut, nms_first, uncertain_choices
 
 STRIDE = 16  # res4's stride: stem 4, res3 2, res4 2
 BOX_CLAMP = math.log(1000.0 / 16)  # largest log-scale a box delta may apply
@@ -216,11 +217,11 @@ class ButdRPN(nn.Module):
             sides = found[:, 2:] - found[:, :2]
             big = (sides > c.rpn_min_size).all(dim=1)
             scores, found = scores[big], found[big]
-            if torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export():
-                keep = batched_nms(found, scores, torch.zeros_like(scores, dtype=torch.int64), c.rpn_nms_thresh)
-                keep = keep[: c.rpn_post_nms_top_n]  # the graph's NonMaxSuppression
-            else:  # the same indices, found without suppressing the boxes after the last one taken
+            if eager():  # the same indices as below, found without suppressing the boxes after the last one taken
                 keep = nms_first(found, scores, c.rpn_nms_thresh, c.rpn_post_nms_top_n)
+            else:  # traced or exported: the graph's NonMaxSuppression
+                keep = batched_nms(found, scores, torch.zeros_like(scores, dtype=torch.int64), c.rpn_nms_thresh)
+                keep = keep[: c.rpn_post_nms_top_n]
             scores, best = scores[keep].sort(descending=True)
             proposals.append(found[keep][best])
         return proposals
@@ -279,9 +280,7 @@ class ButdRoIHeads(nn.Module):
                 idx = redo.nonzero().flatten()
                 if idx.numel() == 0:
                     break
-                if idx.numel() > SETTLE_ROUND:  # nearest the cut first: once exact, their neighbours' margins halve
-                    best = scores[idx].max(1).values
-                    idx = idx[(best - scores[keep[-1]].max()).abs().argsort()[:SETTLE_ROUND]]
+                idx = nearest_cut(idx, scores, keep, SETTLE_ROUND)  # once exact, their neighbours' margins halve
                 if pool is None:  # this image's float32 pooling, its bins computed once for every round
                     pool = ImageRoIPool(res4[i].float(), props, c.roi_size, 1.0 / STRIDE)
                 feats[idx] = self._res5_features(pool(idx), self.exact_res5)

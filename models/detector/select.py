@@ -86,6 +86,12 @@ def uncertain_choices(boxes: torch.Tensor, scores: torch.Tensor, nms_thresh: flo
     return found & candidate & ~exact
 
 
+def nearest_cut(idx: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor, limit: int) -> torch.Tensor:
+    """The `limit` proposals of `idx` whose best score is nearest the last kept one's (the cut), nearest first."""
+    best = scores[idx].max(1).values
+    return idx[(best - scores[keep[-1]].max()).abs().argsort()[:limit]]
+
+
 def nms_first(boxes: torch.Tensor, scores: torch.Tensor, thresh: float, limit: int, block: int = 512) -> torch.Tensor:
     """The first `limit` indices of torchvision.ops.nms(boxes, scores, thresh), the same ones in the same order,
     without suppressing the boxes after them. Greedy NMS keeps a box when no kept box of a higher score overlaps
