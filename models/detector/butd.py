@@ -95,13 +95,19 @@ def fold_batch_norms(module: nn.Module) -> int:
 def fast_convolutions(backbone: ResNetC4, heads: ButdRoIHeads, res5_dtype: torch.dtype, settle: bool = True) -> None:
     """The serving form of the ResNet convolutions (module docstring): batch norms folded, channels-last, res5 in
     `res5_dtype`; below float32 with `settle` and frcnn-vg's selection, a float32 copy of res5 for settle()."""
+    # channels-last, except float32 on a GPU: cuDNN's float32 NHWC dilated 3x3 took 465 ms where NCHW took 10 (H200,
+    # res5's shape on 300 proposals); in bfloat16 NHWC is the faster there too
+    layout = (torch.contiguous_format if res5_dtype == torch.float32 and heads.cls_score.weight.device.type == "cuda"
+              else torch.channels_last)
     for part in (backbone, heads.res5):
         fold_batch_norms(part)
-        part.to(memory_format=torch.channels_last)
+        part.to(memory_format=layout)
     if settle and res5_dtype != torch.float32 and heads.config.selection == "argmax-nms":
         heads.exact_res5 = copy.deepcopy(heads.res5)  # float32, for ButdRoIHeads.settle
+        if heads.cls_score.weight.device.type == "cuda":  # float32 on a GPU: NCHW (above)
+            heads.exact_res5.to(memory_format=torch.contiguous_format)
     heads.res5.to(dtype=res5_dtype)
-    backbone.input_layout = heads.res5_layout = torch.channels_last
+    backbone.input_layout = heads.res5_layout = layout
 
 
 def bottleneck(in_ch: int, width: int, out_ch: int, c: DetectorConfig, stride: int = 1) -> Bottleneck:
@@ -217,9 +223,9 @@ class ButdRPN(nn.Module):
             sides = found[:, 2:] - found[:, :2]
             big = (sides > c.rpn_min_size).all(dim=1)
             scores, found = scores[big], found[big]
-            if eager():  # the same indices as below, found without suppressing the boxes after the last one taken
-                keep = nms_first(found, scores, c.rpn_nms_thresh, c.rpn_post_nms_top_n)
-            else:  # traced or exported: the graph's NonMaxSuppression
+            if eager() and found.device.type == "cpu":  # the same indices as below, found without suppressing the
+                keep = nms_first(found, scores, c.rpn_nms_thresh, c.rpn_post_nms_top_n)  # boxes after the last taken
+            else:  # traced or exported: the graph's NonMaxSuppression; a GPU's kernel is fast (and nms_first syncs)
                 keep = batched_nms(found, scores, torch.zeros_like(scores, dtype=torch.int64), c.rpn_nms_thresh)
                 keep = keep[: c.rpn_post_nms_top_n]
             scores, best = scores[keep].sort(descending=True)
@@ -311,9 +317,12 @@ class ButdRoIHeads(nn.Module):
     def _res5_features(self, pooled: torch.Tensor, res5: nn.Sequential) -> torch.Tensor:
         """The serving form's res5 and spatial mean: (R, C, S, S) channels-last -> (R, D) float32, RES5_CHUNK
         proposals at a time: a block's input, output and residual then stay in the caches (a photo's bfloat16
-        detector 9% faster than with all 300 at once, 2 cores), and its activations take tens of MB, not GBs."""
+        detector 9% faster than with all 300 at once, 2 cores), and its activations take tens of MB, not GBs. A GPU
+        takes them at once (chunks would only add kernel launches)."""
+        if not res5[0].conv2.weight.is_contiguous(memory_format=torch.channels_last):  # float32 on a GPU
+            pooled = pooled.contiguous()
         parts = []
-        for chunk in pooled.split(RES5_CHUNK):
+        for chunk in pooled.split(RES5_CHUNK) if pooled.device.type == "cpu" else (pooled,):
             out = res5(chunk)
             if out.dtype == torch.float32:
                 parts.append(out.mean(dim=(2, 3)))

@@ -68,7 +68,9 @@ class ImageRoIPool:
         eh, ew = ye - ys, xe - xs
         self.table: torch.Tensor | None = None
         self.cells = eh.clamp(min=0).sum(1) * ew.clamp(min=0).sum(1)  # (R,) cells the kernel visits per box
-        self.gather = boxes.shape[0] > 0 and int(eh.max()) <= MAX_EXTENT and int(ew.max()) <= MAX_EXTENT
+        # a GPU runs torchvision's kernel: parallel there, where the gather gave other maxima (docs/BENCHMARKS.md)
+        self.gather = (features.device.type == "cpu" and boxes.shape[0] > 0 and int(eh.max()) <= MAX_EXTENT
+                       and int(ew.max()) <= MAX_EXTENT)
         if not self.gather:  # torchvision's kernel instead
             return
         empty = (eh <= 0)[:, :, None] | (ew <= 0)[:, None, :]  # (R, size, size): zero, as the kernel gives
@@ -86,7 +88,7 @@ class ImageRoIPool:
         if not self.gather or (self.table is None and int(self.cells[idx].sum()) < self.table_cells):
             boxes = self.boxes[idx]
             rois = torch.cat([torch.zeros_like(boxes[:, :1]), boxes], dim=1).float()
-            pooled = roi_pool(self.features[None].float(), rois, self.size, self.scale)
+            pooled = roi_pool(self.features[None].float().contiguous(), rois, self.size, self.scale)
             return pooled.to(dtype=self.features.dtype, memory_format=torch.channels_last)
         if self.table is None:
             self.table = _tables(self.features.permute(1, 2, 0), *self.extent)
@@ -110,6 +112,6 @@ def roi_pool_channels_last(features: torch.Tensor, rois: torch.Tensor, size: int
             order.append(mine)
     pooled = parts[0] if len(parts) == 1 else torch.cat(parts)
     order = torch.cat(order)
-    if not bool((order == torch.arange(r)).all()):  # regions not grouped by image: back to their order
+    if not bool((order == torch.arange(r, device=order.device)).all()):  # not grouped by image: back to their order
         pooled = pooled[torch.argsort(order)]
     return pooled.contiguous(memory_format=torch.channels_last)
