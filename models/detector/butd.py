@@ -21,7 +21,9 @@ predictors stay float32, so the proposals are exactly float32's and only the reg
 from them) carry bfloat16's rounding. That rounding moves a proposal's best-class score by up to a few percent, and
 many proposals' scores crowd the last chosen one, so a plain bfloat16 res5 would choose other regions on many
 photos; with frcnn-vg's selection, `ButdRoIHeads.settle` recomputes in float32 the few proposals whose part in the
-choice lies within that error, and the regions chosen are float32's.
+choice lies within that error, and the regions chosen are float32's. On a GPU the serving form keeps float32 in
+NCHW (cuDNN's NHWC float32 dilated convolutions are many times slower), pools with torchvision's kernel, runs res5
+on all proposals at once and the RPN's NMS as the kernel (docs/BENCHMARKS.md, "on a GPU").
 """
 from __future__ import annotations
 
@@ -269,7 +271,7 @@ class ButdRoIHeads(nn.Module):
         time, nearest the cut first, until none is left; the regions then chosen are float32's, most of the features
         stay bfloat16's. (R, D).
         The choice reads each proposal's best class and that class's box only, so only those box deltas are
-        computed here (forward() computes all of them once, for the regions chosen)."""
+        computed (best_boxes)."""
         c, out, start = self.config, [], 0
         for i, props in enumerate(proposals):
             feats = features[start : start + props.shape[0]].clone()
@@ -278,7 +280,7 @@ class ButdRoIHeads(nn.Module):
             exact = torch.zeros(props.shape[0], dtype=torch.bool, device=props.device)
             pool = None
             while True:
-                boxes, scores = self._best_boxes(feats, props, logits, image_sizes[i])
+                boxes, scores = self.best_boxes(feats, props, logits, image_sizes[i])
                 conf, _ = best_class_nms(boxes, scores, c.region_nms_thresh)
                 keep = choose_regions(conf, c.num_boxes, c.adaptive, c.min_boxes, c.max_boxes, c.conf_thresh)
                 redo = uncertain_choices(boxes, scores, c.region_nms_thresh, keep, BF16_SCORE_ERROR, BF16_IOU_ERROR,
@@ -295,9 +297,10 @@ class ButdRoIHeads(nn.Module):
             out.append(feats)
         return torch.cat(out) if out else features
 
-    def _best_boxes(self, feats: torch.Tensor, proposals: torch.Tensor, logits: torch.Tensor, resized_hw):
-        """decode() for what the region choice reads: (R, K, 4) boxes of which only each proposal's best class is
-        computed (the other classes repeat it: an expanded view), and the foreground probabilities (R, K)."""
+    def best_boxes(self, feats: torch.Tensor, proposals: torch.Tensor, logits: torch.Tensor, resized_hw):
+        """decode() for what frcnn-vg's region choice reads, and its regions' boxes: (R, K, 4) boxes of which only
+        each proposal's best class is computed (the other classes repeat it: an expanded view), and the foreground
+        probabilities (R, K). 4 of bbox_pred's 6400 rows a proposal: 40 ms less a photo than forward's (2 cores)."""
         r, k = logits.shape[0], logits.shape[1] - 1
         scores = F.softmax(logits, -1)[:, :-1]
         best = scores.argmax(1)
@@ -333,11 +336,12 @@ class ButdRoIHeads(nn.Module):
             parts.append(torch.matmul(out.new_ones((1, cells.shape[1])), cells).squeeze(1).float() / cells.shape[1])
         return torch.cat(parts) if parts else pooled.new_zeros((0, self.cls_score.in_features), dtype=torch.float32)
 
-    def forward(self, features: torch.Tensor):
-        """(R, D) -> class logits (R, K+1), box deltas (R, 4K), attribute logits (R, A+1). Attributes read the
-        embedding of each region's best class, background included."""
+    def forward(self, features: torch.Tensor, box_deltas: bool = True):
+        """(R, D) -> class logits (R, K+1), box deltas (R, 4K) (None without `box_deltas`: best_boxes computes the
+        ones a region choice reads), attribute logits (R, A+1). Attributes read the embedding of each region's best
+        class, background included."""
         class_logits = self.cls_score(features)
-        box_deltas = self.bbox_pred(features)
+        box_deltas = self.bbox_pred(features) if box_deltas else None
         embedding = self.cls_embedding(class_logits.max(-1).indices)
         attr_logits = self.attr_score(F.relu(self.fc_attr(torch.cat([features, embedding], dim=-1))))
         return class_logits, box_deltas, attr_logits

@@ -34,7 +34,7 @@ class HeadOutputs:
     proposals: torch.Tensor  # (R, 4)
     features: torch.Tensor  # (R, D)
     class_logits: torch.Tensor  # (R, K+1), column 0 = background (butd: column K)
-    box_regression: torch.Tensor  # (R, 4 (K+1)) (butd: (R, 4K), no background box)
+    box_regression: torch.Tensor | None  # (R, 4 (K+1)) (butd: (R, 4K), no background box; None: best_boxes)
     attr_logits: torch.Tensor  # (R, A) (butd: (R, A+1))
     image_feature: torch.Tensor | None  # (D,)
 
@@ -90,9 +90,11 @@ class RegionDetector(nn.Module):
         return self.roi_heads.box_head(pooled)  # (R, D)
 
     def _heads(self, canvas: torch.Tensor, image_sizes: list[tuple[int, int]],
-               whole_boxes: list[torch.Tensor] | None = None) -> list[HeadOutputs]:
+               whole_boxes: list[torch.Tensor] | None = None, every_box: bool = True) -> list[HeadOutputs]:
         """Box-head outputs per image. whole_boxes: each image's (1, 4) box [0, 0, w, h] for the whole-image feature
-        (by default made from image_sizes; the exported graph passes boxes computed from the image's shape)."""
+        (by default made from image_sizes; the exported graph passes boxes computed from the image's shape).
+        every_box=False: a butd detector leaves out the box deltas (_decode then computes each proposal's best-class
+        box only, all that frcnn-vg's region choice and its regions read)."""
         if self.config.image_feature and whole_boxes is None:
             whole_boxes = [canvas.new_tensor([[0.0, 0.0, w, h]]) for h, w in image_sizes]
         if self.config.family == "butd":
@@ -101,7 +103,7 @@ class RegionDetector(nn.Module):
             features = self.roi_heads.features(res4, proposals)  # (R, D)
             if self.roi_heads.exact_res5 is not None:  # res5 in bfloat16: the regions chosen made float32's
                 features = self.roi_heads.settle(res4, proposals, image_sizes, features)
-            class_logits, box_regression, attr_logits = self.roi_heads(features)
+            class_logits, box_regression, attr_logits = self.roi_heads(features, every_box)
             whole = self.roi_heads.features(res4, whole_boxes) if self.config.image_feature else None  # (B, D)
             return self._per_image(proposals, features, class_logits, box_regression, attr_logits, whole)
         feats = self.backbone(canvas)
@@ -119,12 +121,15 @@ class RegionDetector(nn.Module):
         for i, props in enumerate(proposals):
             sl = slice(start, start + props.shape[0])
             start += props.shape[0]
-            out.append(HeadOutputs(props, features[sl], class_logits[sl], box_regression[sl], attr_logits[sl],
+            deltas = None if box_regression is None else box_regression[sl]
+            out.append(HeadOutputs(props, features[sl], class_logits[sl], deltas, attr_logits[sl],
                                    None if whole is None else whole[i]))
         return out
 
     def _decode(self, head: HeadOutputs, resized_hw: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Class-specific boxes (R, K, 4) clipped to the resized image, and foreground scores (R, K)."""
+        if self.config.family == "butd" and head.box_regression is None:
+            return self.roi_heads.best_boxes(head.features, head.proposals, head.class_logits, resized_hw)
         if self.config.family == "butd":
             return self.roi_heads.decode(head.box_regression, head.proposals, head.class_logits, resized_hw)
         r, k1 = head.class_logits.shape
@@ -134,7 +139,7 @@ class RegionDetector(nn.Module):
         scores = F.softmax(head.class_logits, -1)
         return boxes[:, 1:], scores[:, 1:]
 
-    def _run(self, images: list[np.ndarray], batch_size: int):
+    def _run(self, images: list[np.ndarray], batch_size: int, every_box: bool = True):
         """Yield (index, Prepared, HeadOutputs) per image, batching images that share a canvas size."""
         prepared = [prepare_image(im, self.config) for im in images]
         device = next(self.parameters()).device
@@ -142,7 +147,7 @@ class RegionDetector(nn.Module):
             for s in range(0, len(idxs), batch_size):
                 chunk = idxs[s : s + batch_size]
                 canvas = torch.stack([prepared[i].tensor for i in chunk]).to(device)
-                heads = self._heads(canvas, [prepared[i].resized_hw for i in chunk])
+                heads = self._heads(canvas, [prepared[i].resized_hw for i in chunk], every_box=every_box)
                 for i, head in zip(chunk, heads):
                     yield i, prepared[i], head
 
@@ -187,7 +192,8 @@ class RegionDetector(nn.Module):
     def analyze(self, images: list[np.ndarray], batch_size: int = 8, regions: bool = True, dets: bool = True):
         """One detector pass per image -> list of (RegionFeatures or None, detections dict or None)."""
         results: list = [None] * len(images)
-        for i, prep, head in self._run(images, batch_size):
+        every_box = dets or self.config.selection != "argmax-nms"  # per-class NMS reads every class's box
+        for i, prep, head in self._run(images, batch_size, every_box):
             boxes, scores = self._decode(head, prep.resized_hw)
             results[i] = (self._regions(prep, head, boxes, scores) if regions else None,
                           self._detections(prep, boxes, scores) if dets else None)

@@ -67,6 +67,7 @@ class ImageRoIPool:
         xs, xe = _bins(scaled[:, 0], scaled[:, 2], size, w)
         eh, ew = ye - ys, xe - xs
         self.table: torch.Tensor | None = None
+        self.nchw: torch.Tensor | None = None  # the float32 NCHW map torchvision's kernel reads, made once
         self.cells = eh.clamp(min=0).sum(1) * ew.clamp(min=0).sum(1)  # (R,) cells the kernel visits per box
         # a GPU runs torchvision's kernel: parallel there, where the gather gave other maxima (docs/BENCHMARKS.md)
         self.gather = (features.device.type == "cpu" and boxes.shape[0] > 0 and int(eh.max()) <= MAX_EXTENT
@@ -88,7 +89,9 @@ class ImageRoIPool:
         if not self.gather or (self.table is None and int(self.cells[idx].sum()) < self.table_cells):
             boxes = self.boxes[idx]
             rois = torch.cat([torch.zeros_like(boxes[:, :1]), boxes], dim=1).float()
-            pooled = roi_pool(self.features[None].float().contiguous(), rois, self.size, self.scale)
+            if self.nchw is None:
+                self.nchw = self.features[None].float().contiguous()
+            pooled = roi_pool(self.nchw, rois, self.size, self.scale)
             return pooled.to(dtype=self.features.dtype, memory_format=torch.channels_last)
         if self.table is None:
             self.table = _tables(self.features.permute(1, 2, 0), *self.extent)

@@ -205,6 +205,21 @@ def test_batched_extraction_equals_per_image(form, detector, serving):
         check_reference(one, name, " (batched)")
 
 
+@pytest.mark.parametrize("form", ["imported", "serving"])
+def test_regions_without_every_box_equal_those_with_them(form, detector, serving):
+    """extract() computes only each proposal's best-class box (ButdRoIHeads.best_boxes), analyze() with detections
+    every class's (forward's bbox_pred, decode): the same regions, boxes within float rounding."""
+    detector = serving if form == "serving" else detector
+    images = [image(n) for n in ("coffee", "astronaut", "wide_strip")]
+    for name, lean, (full, dets) in zip(("coffee", "astronaut", "wide_strip"), detector.extract(images),
+                                         detector.analyze(images)):
+        assert dets is not None and len(dets["boxes"])  # analyze() did decode every class
+        assert lean.num_boxes == full.num_boxes, name
+        np.testing.assert_array_equal(lean.obj_ids, full.obj_ids, err_msg=name)
+        np.testing.assert_allclose(lean.boxes, full.boxes, atol=1e-3, rtol=0, err_msg=name)
+        np.testing.assert_array_equal(lean.features, full.features, err_msg=name)
+
+
 def test_adaptive_mode(tmp_path):
     det = load_detector(import_fixture(tmp_path / "adaptive", "--adaptive"))[0]
     assert det.config.adaptive and det.config.max_regions == 100
