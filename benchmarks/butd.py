@@ -17,9 +17,10 @@ the public format, calibrated as the detector fixture's are: write_calibrated) a
   onnx           `vlserve export`'s detector graph in onnxruntime (CPU), with its parity to the torch detector
 With --device cuda (`make gpu`) the torch contenders and the reference run on the GPU (TF32 off: fp32 is fp32), the
 GEMM peaks are the GPU's, and the ONNX and service figures are left out (the device image has CPU onnxruntime).
-Batch 1 and 8: seconds per photo (median of the timed runs after a warm-up), speed-up over the reference, and the
-achieved GFLOP/s (FLOPs counted by torch's FlopCounterMode on the imported detector) against this machine's
-measured GEMM peaks (per dtype, the best of a 4096^2 matmul and res5's 1x1 and 3x3 convolutions alone).
+Batch 1 and 8: seconds per photo (median of the timed rounds after a warm-up, the contenders taking turns),
+speed-up over the reference, and the achieved GFLOP/s (FLOPs counted by torch's FlopCounterMode on the imported
+detector) against this machine's measured GEMM peaks (per dtype, the best of a 4096^2 matmul and res5's 1x1 and
+3x3 convolutions alone).
 
 Agreement: serving fp32 against the reference (the fixture's bounds), serving bf16 against serving fp32 (regions
 matched at IoU >= 0.9 with the same class, features' cosine), over photos of several sizes. Then the service:
@@ -51,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.detector import time_it, write_section  # noqa: E402
-from benchmarks.encoder import cpu_name  # noqa: E402
+from benchmarks.encoder import cpu_name, take_turns  # noqa: E402
 from models.layers import cpu_has_native_bf16  # noqa: E402
 from models.detector.agreement import agreement  # noqa: E402
 from models.detector.butd import SETTLE_ROUND  # noqa: E402
@@ -102,8 +103,9 @@ def detector_flops(detector, image: np.ndarray) -> tuple[float, float]:
     with torch.inference_mode():
         with counter:
             detector.extract([image])
-        pooled = torch.zeros(detector.config.rpn_post_nms_top_n, heads.res5[0].conv1.in_channels,
-                             detector.config.roi_size, detector.config.roi_size, device=heads.res5[0].conv1.weight.device)
+        c = detector.config
+        pooled = torch.zeros(c.rpn_post_nms_top_n, heads.res5[0].conv1.in_channels, c.roi_size, c.roi_size,
+                             device=heads.res5[0].conv1.weight.device)
         with res5:
             heads.res5(pooled)
     return counter.get_total_flops() / 1e9, res5.get_total_flops() / counter.get_total_flops()
@@ -300,10 +302,12 @@ def measure_detectors(args, paths: dict[str, Path], device: torch.device, work: 
     timings: dict[str, dict[int, float]] = {}
     with torch.inference_mode():
         for batch, runs in ((1, args.runs), (8, args.batch_runs)) if args.batch_runs else ((1, args.runs),):
-            for name, run in contenders.items():
-                per_photo = time_it(lambda: run(photos[:batch]), runs) / batch
-                timings.setdefault(name, {})[batch] = per_photo
-                print(f"batch {batch} {name}: {per_photo:.2f} s/photo", flush=True)
+            # taking turns, so that a slower spell of the machine falls on every contender alike
+            medians = take_turns({name: (lambda run=run: run(photos[:batch])) for name, run in contenders.items()},
+                                 runs, warmup=1)
+            for name, seconds in medians.items():
+                timings.setdefault(name, {})[batch] = seconds / batch
+                print(f"batch {batch} {name}: {seconds / batch:.2f} s/photo", flush=True)
             gc.collect()
         sized = [photo(n, hw) for n in PHOTOS for hw in AGREEMENT_SIZES][: args.photos]
         agree = agreement_figures(reference, serving32, serving16, sized, plain=plain16)
@@ -452,7 +456,7 @@ def section(args, peaks: dict, found: dict, service: dict | None, device: torch.
         f"{torch.__version__.split('+')[0]}). Full-size detector (ResNet-101 C4, 1600/400, 300 proposals, seeded "
         "random weights in the public format, calibrated as in the agreement section), 600 x 800 photos; seconds "
         "per photo, median of "
-        f"{args.runs} (batch 1) / {args.batch_runs} (batch 8) timed runs after a warm-up, all contenders in one process.",
+        f"{args.runs} (batch 1) / {args.batch_runs} (batch 8) timed rounds after a warm-up, the contenders taking turns in one process.",
         f"{gflop:.0f} GFLOP per photo ({res5_share:.0%} in res5: 14 x 14, dilated, on each proposal). Measured peaks "
         f"(the best of a matmul and res5's convolutions alone): fp32 {peaks['fp32']:.0f}, bf16 {peaks['bf16']:.0f} "
         "GFLOP/s.", "",
