@@ -10,7 +10,9 @@ read an appended zero row. A bin spans at most ceil(map side / S) + 1 cells per 
 stride 16 and S = 14: 36 tables of the map); beyond MAX_EXTENT, torchvision's kernel runs instead.
 
 Maxima are exact in any dtype and the bins come from the kernel's own float32 arithmetic (C's round() of the scaled
-box, float bin sizes, floor and ceil), so the result equals torchvision's roi_pool bit for bit (tested).
+box, float bin sizes, floor and ceil), so the result equals torchvision's roi_pool bit for bit (tested) on the
+CPU. A GPU runs torchvision's kernel, parallel there (docs/BENCHMARKS.md, "on a GPU": the bins computed on CUDA came
+out otherwise).
 """
 from __future__ import annotations
 
