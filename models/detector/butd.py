@@ -99,14 +99,14 @@ def fast_convolutions(backbone: ResNetC4, heads: ButdRoIHeads, res5_dtype: torch
     `res5_dtype`; below float32 with `settle` and frcnn-vg's selection, a float32 copy of res5 for settle()."""
     # channels-last, except float32 on a GPU: cuDNN's float32 NHWC dilated 3x3 took 465 ms where NCHW took 10 (H200,
     # res5's shape on 300 proposals); in bfloat16 NHWC is the faster there too
-    layout = (torch.contiguous_format if res5_dtype == torch.float32 and heads.cls_score.weight.device.type == "cuda"
-              else torch.channels_last)
+    gpu = heads.cls_score.weight.device.type == "cuda"
+    layout = torch.contiguous_format if res5_dtype == torch.float32 and gpu else torch.channels_last
     for part in (backbone, heads.res5):
         fold_batch_norms(part)
         part.to(memory_format=layout)
     if settle and res5_dtype != torch.float32 and heads.config.selection == "argmax-nms":
         heads.exact_res5 = copy.deepcopy(heads.res5)  # float32, for ButdRoIHeads.settle
-        if heads.cls_score.weight.device.type == "cuda":  # float32 on a GPU: NCHW (above)
+        if gpu:  # float32 on a GPU: NCHW (above)
             heads.exact_res5.to(memory_format=torch.contiguous_format)
     heads.res5.to(dtype=res5_dtype)
     backbone.input_layout = heads.res5_layout = layout

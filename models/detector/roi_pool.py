@@ -63,18 +63,20 @@ class ImageRoIPool:
         """features (C, H, W) of one image, best channels-last; boxes (R, 4) float32 x1, y1, x2, y2 in input
         pixels."""
         self.features, self.boxes, self.size, self.scale = features, boxes, size, scale
+        self.table: torch.Tensor | None = None
+        self.nchw: torch.Tensor | None = None  # the float32 NCHW map torchvision's kernel reads, made once
+        # a GPU runs torchvision's kernel: parallel there, where the gather gave other maxima (docs/BENCHMARKS.md)
+        self.gather = features.device.type == "cpu" and boxes.shape[0] > 0
+        if not self.gather:
+            return
         c, h, w = features.shape
         scaled = _round_half_away(boxes.float() * torch.tensor(scale, dtype=torch.float32)).long()
         ys, ye = _bins(scaled[:, 1], scaled[:, 3], size, h)  # (R, size)
         xs, xe = _bins(scaled[:, 0], scaled[:, 2], size, w)
         eh, ew = ye - ys, xe - xs
-        self.table: torch.Tensor | None = None
-        self.nchw: torch.Tensor | None = None  # the float32 NCHW map torchvision's kernel reads, made once
         self.cells = eh.clamp(min=0).sum(1) * ew.clamp(min=0).sum(1)  # (R,) cells the kernel visits per box
-        # a GPU runs torchvision's kernel: parallel there, where the gather gave other maxima (docs/BENCHMARKS.md)
-        self.gather = (features.device.type == "cpu" and boxes.shape[0] > 0 and int(eh.max()) <= MAX_EXTENT
-                       and int(ew.max()) <= MAX_EXTENT)
-        if not self.gather:  # torchvision's kernel instead
+        self.gather = int(eh.max()) <= MAX_EXTENT and int(ew.max()) <= MAX_EXTENT
+        if not self.gather:  # bins too wide for the tables: torchvision's kernel instead
             return
         empty = (eh <= 0)[:, :, None] | (ew <= 0)[:, None, :]  # (R, size, size): zero, as the kernel gives
         self.extent = max(int(eh.max()), 1), max(int(ew.max()), 1)
