@@ -43,15 +43,20 @@ def test_no_regions():
     assert out.shape == (0, 4, 3, 3)
 
 
-def test_image_pool_subsets_by_kernel_and_by_tables():
-    """ImageRoIPool pools any subset of an image's boxes as torchvision does: a few boxes by the kernel while the
-    tables are not built, then from the tables once a larger subset built them."""
+def test_image_pool_subsets_by_visits_and_by_tables():
+    """ImageRoIPool pools any subset of an image's boxes as torchvision does: a few boxes from their cells while the
+    tables are not built (the awkward boxes among them: a point, boxes outside the image, an inverted one, whose
+    bins are empty), then from the tables once a larger subset built them."""
     g = torch.Generator().manual_seed(7)
     x = torch.randn(1, 8, 38, 50, generator=g)
     rois = boxes(200, 38, 50, 1, g)
     pool = ImageRoIPool(x.contiguous(memory_format=torch.channels_last)[0], rois[:, 1:], 14, 1 / STRIDE)
     want = roi_pool(x, rois, 14, 1 / STRIDE)
-    few = torch.tensor([3, 17, 5])
-    assert torch.equal(pool(few), want[few]) and pool.table is None  # the kernel
+    few = torch.tensor([3, 17, 5, 0, 2, 4, 6, 150])
+    assert int(pool.cells[few].sum()) < pool.table_cells
+    got = pool(few)
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(got, want[few]) and pool.table is None  # from the cells
+    assert torch.equal(pool(few[:1]), want[few[:1]]) and torch.equal(pool(few[:0]), want[few[:0]])
     assert torch.equal(pool(), want) and pool.table is not None  # all of them: the tables
     assert torch.equal(pool(few), want[few])  # from the tables now
