@@ -20,7 +20,8 @@ GEMM peaks are the GPU's, and the ONNX and service figures are left out (the dev
 Batch 1 and 8: seconds per photo (median of the timed rounds after a warm-up, the contenders taking turns),
 speed-up over the reference, and the achieved GFLOP/s (FLOPs counted by torch's FlopCounterMode on the imported
 detector) against this machine's measured GEMM peaks (per dtype, the best of a 4096^2 matmul and res5's 1x1 and
-3x3 convolutions alone).
+3x3 convolutions alone); the fastest and slowest timed rounds, and each contender's page faults and system CPU
+time on one photo (the reference's vary from run to run: it faults in GBs of activations a photo).
 
 Agreement: serving fp32 against the reference (the fixture's bounds), serving bf16 against serving fp32 (regions
 matched at IoU >= 0.9 with the same class, features' cosine), over photos of several sizes. Then the service:
@@ -35,6 +36,7 @@ import contextlib
 import datetime
 import gc
 import io
+import resource
 import shlex
 import statistics
 import sys
@@ -300,19 +302,34 @@ def measure_detectors(args, paths: dict[str, Path], device: torch.device, work: 
     gflop, res5_share = detector_flops(imported, photos[0])
     print(f"{gflop:.0f} GFLOP per photo, {res5_share:.0%} in res5", flush=True)
     timings: dict[str, dict[int, float]] = {}
+    spread: dict[str, dict[int, tuple[float, float]]] = {}  # the fastest and slowest timed round, s/photo
     with torch.inference_mode():
         for batch, runs in ((1, args.runs), (8, args.batch_runs)) if args.batch_runs else ((1, args.runs),):
             # taking turns, so that a slower spell of the machine falls on every contender alike
+            rounds: dict[str, list[float]] = {}
             medians = take_turns({name: (lambda run=run: run(photos[:batch])) for name, run in contenders.items()},
-                                 runs, warmup=1)
+                                 runs, warmup=1, rounds=rounds)
             for name, seconds in medians.items():
                 timings.setdefault(name, {})[batch] = seconds / batch
-                print(f"batch {batch} {name}: {seconds / batch:.2f} s/photo", flush=True)
+                spread.setdefault(name, {})[batch] = (min(rounds[name]) / batch, max(rounds[name]) / batch)
+                print(f"batch {batch} {name}: {seconds / batch:.2f} s/photo (rounds {min(rounds[name]) / batch:.2f}-"
+                      f"{max(rounds[name]) / batch:.2f})", flush=True)
             gc.collect()
+        kernel = {name: kernel_work(lambda run=run: run(photos[:1])) for name, run in contenders.items()}
         sized = [photo(n, hw) for n in PHOTOS for hw in AGREEMENT_SIZES][: args.photos]
         agree = agreement_figures(reference, serving32, serving16, sized, plain=plain16)
         parity = detector_parity(imported, onnx, sized[:4]) if onnx is not None else None
-    return {"gflop": gflop, "res5_share": res5_share, "timings": timings, "agreement": agree, "parity": parity}
+    return {"gflop": gflop, "res5_share": res5_share, "timings": timings, "spread": spread, "kernel": kernel,
+            "agreement": agree, "parity": parity}
+
+
+def kernel_work(fn) -> tuple[int, float]:
+    """The minor page faults and the system CPU seconds of one call: memory the process maps and the kernel zeroes
+    on first touch, each time a large tensor is allocated anew."""
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    fn()
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return after.ru_minflt - before.ru_minflt, after.ru_stime - before.ru_stime
 
 
 def agreement_figures(reference, fp32, bf16, images: list[np.ndarray], plain=None) -> dict:
@@ -464,6 +481,13 @@ def section(args, peaks: dict, found: dict, service: dict | None, device: torch.
         "| detector | batch 1 s/photo | vs reference | batch 8 s/photo | vs reference | GFLOP/s at batch 1 (of peak) |",
         "|---|---|---|---|---|---|",
         *rows, "",
+        "- Timed rounds, fastest-slowest s/photo at batch 1 / 8: " + "; ".join(
+            f"{name} " + " / ".join(f"{lo:.{d}f}-{hi:.{d}f}" for lo, hi in found["spread"][name].values())
+            for name in timings) + ".",
+        "- The kernel's share, one photo (minor page faults, system CPU seconds): " + "; ".join(
+            f"{name} {faults / 1e6:.2f}M, {system:.2f} s" for name, (faults, system) in found["kernel"].items())
+        + ". Memory faulted in and zeroed on every photo (the reference's res5 allocates its activations of all "
+        "300 proposals at once) costs CPU time that also varies with the machine's memory state.",
         f"- serving fp32 equals the reference within the fixture's bounds (same regions in order, boxes 0.5 px, "
         f"features 1e-3) on {agree['with_reference']} of {photos} photos ({len(AGREEMENT_SIZES)} sizes, one capped at 1000 px).",
     ]

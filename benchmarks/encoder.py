@@ -164,9 +164,12 @@ def run_side_by_side(ours: VLModel, theirs: torch.nn.Module, x: VLInputs, runs: 
     return {"diff": diff, **medians}
 
 
-def take_turns(fns: dict[str, Callable[[], object]], runs: int, warmup: int = 2) -> dict[str, float]:
-    """Median seconds of each function over `runs` rounds in which every function runs once, after warm-up."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
+def take_turns(fns: dict[str, Callable[[], object]], runs: int, warmup: int = 2,
+               rounds: dict[str, list[float]] | None = None) -> dict[str, float]:
+    """Median seconds of each function over `runs` rounds in which every function runs once, after warm-up; each
+    round's seconds also into `rounds` when given."""
+    times: dict[str, list[float]] = {} if rounds is None else rounds
+    times.update({name: [] for name in fns})
     for _ in range(warmup):
         for fn in fns.values():
             fn()

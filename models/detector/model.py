@@ -98,7 +98,10 @@ class RegionDetector(nn.Module):
         if self.config.image_feature and whole_boxes is None:
             whole_boxes = [canvas.new_tensor([[0.0, 0.0, w, h]]) for h, w in image_sizes]
         if self.config.family == "butd":
-            res4 = self.backbone(canvas)
+            # a CPU runs the backbone one image at a time: a photo's activations then stay in the caches (8 photos of
+            # 600 x 800: 343 ms a photo against 444 as one batch, 2 cores); res4 is the same
+            one_by_one = canvas.shape[0] > 1 and canvas.device.type == "cpu"
+            res4 = torch.cat([self.backbone(x) for x in canvas.split(1)]) if one_by_one else self.backbone(canvas)
             proposals = self.rpn(res4, image_sizes)
             features = self.roi_heads.features(res4, proposals)  # (R, D)
             if self.roi_heads.exact_res5 is not None:  # res5 in bfloat16: the regions chosen made float32's
