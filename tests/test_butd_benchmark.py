@@ -1,0 +1,62 @@
+"""benchmarks/butd.py's account of a photo where the serving detector leaves the fixture's bounds of the reference:
+what it writes into docs/BENCHMARKS.md names the fault (which region is out of place, and how near a tie it was)."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from benchmarks.butd import reference_mismatch
+from models.region_features import RegionFeatures
+
+BOXES = np.array([[0, 0, 50, 50], [10, 10, 90, 70], [100, 40, 180, 120], [5, 60, 40, 110]], np.float32)
+FEATURES = np.arange(4 * 8, dtype=np.float32).reshape(4, 8) / 32
+IDS = np.array([7, 3, 7, 12])
+PROBS = np.array([0.9, 0.5, 0.4999, 0.2], np.float32)
+
+
+def reference_output(n: int = 4) -> dict:
+    """The reference's output dict for one photo, padded to 6 detections as its max_detections padding does."""
+    pad = 6 - n
+    return {"preds_per_image": torch.tensor([n]),
+            "boxes": torch.from_numpy(np.pad(BOXES[:n], ((0, pad), (0, 0))))[None],
+            "obj_ids": torch.from_numpy(np.pad(IDS[:n], (0, pad)))[None],
+            "obj_probs": torch.from_numpy(np.pad(PROBS[:n], (0, pad)))[None],
+            "roi_features": torch.from_numpy(np.pad(FEATURES[:n], ((0, pad), (0, 0))))[None]}
+
+
+def ours(order=(0, 1, 2, 3), **changes) -> RegionFeatures:
+    order = list(order)
+    rf = RegionFeatures(boxes=BOXES[order].copy(), features=FEATURES[order].copy(), obj_ids=IDS[order],
+                        obj_scores=PROBS[order], attr_ids=np.zeros(4, np.int64), attr_scores=np.zeros(4, np.float32),
+                        image_hw=(200, 200), num_boxes=4)
+    return dataclasses.replace(rf, **changes) if changes else rf
+
+
+def test_within_bounds_is_empty():
+    assert reference_mismatch(reference_output(), ours()) == ""
+    nudged = BOXES + 0.4
+    assert reference_mismatch(reference_output(), ours(boxes=nudged)) == ""
+
+
+def test_swapped_near_tie_names_the_region_and_its_gap():
+    why = reference_mismatch(reference_output(), ours(order=(0, 2, 1, 3)))
+    assert why.startswith("2 of 4 regions out of place, the first the reference's 1")
+    assert "1.0e-04 from a neighbour's" in why and "ours has it at 2" in why
+
+
+def test_moved_box_and_missing_region():
+    moved = BOXES.copy()
+    moved[3] += 2
+    assert "1 of 4 regions out of place, the first the reference's 3" in reference_mismatch(reference_output(),
+                                                                                            ours(boxes=moved))
+    assert "ours lacks it" in reference_mismatch(reference_output(), ours(boxes=moved))
+    assert reference_mismatch(reference_output(3), ours()) == "4 regions against the reference's 3"
+
+
+def test_features_beyond_bound():
+    features = FEATURES.copy()
+    features[2, 5] += 0.01
+    assert reference_mismatch(reference_output(), ours(features=features)).startswith("boxes within 0 px, features "
+                                                                                       "within 0.01")
