@@ -98,10 +98,7 @@ class RegionDetector(nn.Module):
         if self.config.image_feature and whole_boxes is None:
             whole_boxes = [canvas.new_tensor([[0.0, 0.0, w, h]]) for h, w in image_sizes]
         if self.config.family == "butd":
-            # a CPU runs the backbone one image at a time: a photo's activations then stay in the caches (8 photos of
-            # 600 x 800: 343 ms a photo against 444 as one batch, 2 cores); res4 is the same
-            one_by_one = canvas.shape[0] > 1 and canvas.device.type == "cpu"
-            res4 = torch.cat([self.backbone(x) for x in canvas.split(1)]) if one_by_one else self.backbone(canvas)
+            res4 = self.backbone(canvas)
             proposals = self.rpn(res4, image_sizes)
             features = self.roi_heads.features(res4, proposals)  # (R, D)
             if self.roi_heads.exact_res5 is not None:  # res5 in bfloat16: the regions chosen made float32's
@@ -131,9 +128,9 @@ class RegionDetector(nn.Module):
 
     def _decode(self, head: HeadOutputs, resized_hw: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Class-specific boxes (R, K, 4) clipped to the resized image, and foreground scores (R, K)."""
-        if self.config.family == "butd" and head.box_regression is None:
-            return self.roi_heads.best_boxes(head.features, head.proposals, head.class_logits, resized_hw)
         if self.config.family == "butd":
+            if head.box_regression is None:
+                return self.roi_heads.best_boxes(head.features, head.proposals, head.class_logits, resized_hw)
             return self.roi_heads.decode(head.box_regression, head.proposals, head.class_logits, resized_hw)
         r, k1 = head.class_logits.shape
         # explicit shape: with zero proposals (R = 0) decode returns (0, 4 (K+1)), not (0, K+1, 4)
