@@ -45,7 +45,8 @@ bench: install
 
 # On a machine with a CUDA GPU: the tests marked gpu (each skips with its reason where its provider or package is
 # missing) and the GPU-against-CPU timings of docs/BENCHMARKS.md. On a lent machine without network: `python
-# scripts/gpu_carry.py --reference DIR` here, `bash scripts/gpu_device.sh` there. docs/EXPORT.md, "Running the GPU checks".
+# scripts/gpu_carry.py --reference DIR` here, `bash scripts/gpu_device.sh gpu` and `... cpu` there (the host's AMX
+# CPU on 2 pinned cores). docs/EXPORT.md, "Running the GPU checks".
 gpu: install
 	$(PYTHON) -m pytest -q -ra -m gpu
 	$(PYTHON) benchmarks/gpu.py

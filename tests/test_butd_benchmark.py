@@ -1,13 +1,15 @@
 """benchmarks/butd.py's account of a photo where the serving detector leaves the fixture's bounds of the reference:
-what it writes into docs/BENCHMARKS.md names the fault (which region is out of place, and how near a tie it was)."""
+what it writes into docs/BENCHMARKS.md names the fault (which region is out of place, and how near a tie it was);
+and its first-/vqa section, which keeps one row per CPU kind as machines of each kind come by."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import numpy as np
 import torch
 
-from benchmarks.butd import reference_mismatch
+from benchmarks.butd import FIRST_VQA_SECTION, first_vqa_section, reference_mismatch
 from models.region_features import RegionFeatures
 
 BOXES = np.array([[0, 0, 50, 50], [10, 10, 90, 70], [100, 40, 180, 120], [5, 60, 40, 110]], np.float32)
@@ -60,3 +62,26 @@ def test_features_beyond_bound():
     features[2, 5] += 0.01
     assert reference_mismatch(reference_output(), ours(features=features)).startswith("boxes within 0 px, features "
                                                                                        "within 0.01")
+
+
+def first_vqa_row(cpu: str, cores: str, first: float) -> dict:
+    return {"cpu": cpu, "cores": cores, "reference": 7.5, "serving": first - 0.1, "precision": "bf16",
+            "first_p50": first, "again_p50": 0.045}
+
+
+def table_rows(body: str) -> list[str]:
+    return [line for line in body.splitlines() if line.startswith("| ") and not line.startswith("| CPU |")]
+
+
+def test_first_vqa_section_keeps_a_row_per_cpu_kind():
+    args = argparse.Namespace(threads=2, runs=2)
+    amd = first_vqa_section(args, first_vqa_row("AMD EPYC (AVX512-BF16)", "2", 2.71), "")
+    assert amd.startswith(FIRST_VQA_SECTION) and len(table_rows(amd)) == 1 and "**2.71**" in amd
+    text = "# Benchmarks\n\n" + amd + "\n## Next section\n| CPU | not ours |\n"
+    both = first_vqa_section(args, first_vqa_row("Intel(R) Xeon(R) Processor (AMX-BF16)", "2 of 16", 1.32), text)
+    rows = table_rows(both)
+    assert len(rows) == 2 and "**2.71**" in both and "**1.32**" in both  # another kind: a row of its own
+    assert "not ours" not in both  # the next section's table is not read as a row of this one
+    again = first_vqa_section(args, first_vqa_row("AMD EPYC (AVX512-BF16)", "2", 2.60), "# B\n\n" + both)
+    assert len(table_rows(again)) == 2 and "**2.60**" in again and "**2.71**" not in again  # the same kind: replaced
+    assert "7.50 | 1.22 (bf16) | 6.15x" in both  # reference s/photo, serving s/photo (precision), their ratio
