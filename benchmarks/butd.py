@@ -25,9 +25,11 @@ detector) against this machine's measured GEMM peaks (per dtype, the best of a 4
 time on one photo (the reference's vary from run to run: it faults in GBs of activations a photo).
 
 Agreement: serving fp32 against the reference (the fixture's bounds), serving bf16 against serving fp32 (regions
-matched at IoU >= 0.9 with the same class, features' cosine), over photos of several sizes. Then the service:
-the first /vqa on a new photo (detector + an imported LXMERT-base VQA checkpoint, 3129 answers) and a repeated
-photo, p50 over the photos. Writes its section of docs/BENCHMARKS.md.
+matched at IoU >= 0.9 with the same class, features' cosine), over photos of several sizes; as a control, the
+reference in other float32 arithmetic (ATen's convolutions instead of oneDNN's with --agreement; on a GPU, the CPU
+for a photo that leaves the bounds): does the reference keep its own regions, and is ours within its bounds there?
+Then the service: the first /vqa on a new photo (detector + an imported LXMERT-base VQA checkpoint, 3129 answers)
+and a repeated photo, p50 over the photos. Writes its section of docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -345,7 +347,10 @@ def measure_detectors(args, paths: dict[str, Path], device: torch.device, work: 
             gc.collect()
         kernel = {name: kernel_work(lambda run=run: run(photos[:1])) for name, run in contenders.items()}
         sized = [photo(n, hw) for n in PHOTOS for hw in AGREEMENT_SIZES][: args.photos]
-        agree = agreement_figures(reference, serving32, serving16, sized, plain=plain16)
+        # on a GPU, a photo that leaves the bounds is run by the reference on the CPU too: is it the GPU's arithmetic?
+        control = (reference_runner(args.reference.resolve(), paths["source"], torch.device("cpu"))
+                   if device.type == "cuda" else None)
+        agree = agreement_figures(reference, serving32, serving16, sized, plain=plain16, control=control)
         parity = detector_parity(imported, onnx, sized[:4]) if onnx is not None else None
     return {"gflop": gflop, "res5_share": res5_share, "timings": timings, "spread": spread, "kernel": kernel,
             "agreement": agree, "parity": parity}
@@ -360,14 +365,27 @@ def kernel_work(fn) -> tuple[int, float]:
     return after.ru_minflt - before.ru_minflt, after.ru_stime - before.ru_stime
 
 
-def agreement_figures(reference, fp32, bf16, images: list[np.ndarray], plain=None) -> dict:
+def agreement_figures(reference, fp32, bf16, images: list[np.ndarray], plain=None, control=None,
+                      control_all: bool = False) -> dict:
     """fp32 against the reference (the fixture's bounds, each photo alone); bf16 (and `plain`, bf16 unsettled)
-    against fp32 when given."""
+    against fp32 when given. `control` runs the reference in other arithmetic (other convolution kernels, the CPU
+    for a GPU's reference): on every photo with `control_all`, else on the photos fp32 leaves the bounds on, it
+    says whether the reference keeps its own regions there and whether fp32 is within the bounds of that run."""
     with_reference, mismatches, found, unsettled, settled = 0, [], [], [], []
+    controlled, self_same, ours_same, self_err = 0, 0, 0, [0.0, 0.0]
     for i, image in enumerate(images):
         want = fp32.extract([image])[0]
-        why = reference_mismatch(reference([image]), want)
+        out = reference([image])
+        why = reference_mismatch(out, want)
         with_reference += not why
+        if control is not None and (why or control_all):
+            other = control([image])
+            itself, ours = reference_mismatch(other, reference_regions(out, image)), reference_mismatch(other, want)
+            controlled, self_same, ours_same = controlled + 1, self_same + (not itself), ours_same + (not ours)
+            self_err = [max(a, b) for a, b in zip(self_err, output_gaps(out, other))]
+            if why:
+                why += (f" (the reference in the control's arithmetic: its own regions "
+                        f"{itself or 'kept'}; ours {ours or 'within its bounds'})")
         if why:
             mismatches.append(f"photo {i} ({image.shape[0]} x {image.shape[1]}): {why}")
         if bf16 is not None:
@@ -379,7 +397,28 @@ def agreement_figures(reference, fp32, bf16, images: list[np.ndarray], plain=Non
     matched = [f.matched for f in found]
     return {"photos": len(images), "with_reference": with_reference, "mismatches": mismatches, "matched": matched,
             "all36": sum(m == 1.0 for m in matched), "min_cosine": min((f.min_cosine for f in found), default=1.0),
-            "unsettled": unsettled, "settled": settled}
+            "unsettled": unsettled, "settled": settled, "controlled": controlled, "control_self": self_same,
+            "control_ours": ours_same, "control_gaps": self_err}
+
+
+def reference_regions(out, image: np.ndarray):
+    """The reference's output for one photo as RegionFeatures, to hold one run of it against another."""
+    from models.region_features import RegionFeatures
+
+    n = int(out["preds_per_image"][0])
+    return RegionFeatures(boxes=out["boxes"][0, :n].numpy(), features=out["roi_features"][0, :n].numpy(),
+                          obj_ids=out["obj_ids"][0, :n].numpy(), obj_scores=out["obj_probs"][0, :n].numpy(),
+                          attr_ids=out["attr_ids"][0, :n].numpy(), attr_scores=out["attr_probs"][0, :n].numpy(),
+                          image_hw=image.shape[:2], num_boxes=n)
+
+
+def output_gaps(a, b) -> tuple[float, float]:
+    """The largest box (px) and feature differences of two reference outputs with the same regions (0, 0 else)."""
+    n = int(a["preds_per_image"][0])
+    if n != int(b["preds_per_image"][0]) or not torch.equal(a["obj_ids"][0, :n], b["obj_ids"][0, :n]):
+        return 0.0, 0.0
+    return (float((a["boxes"][0, :n] - b["boxes"][0, :n]).abs().max()),
+            float((a["roi_features"][0, :n] - b["roi_features"][0, :n]).abs().max()))
 
 
 @contextlib.contextmanager
@@ -438,6 +477,14 @@ def selection_margins(fp32, bf16, images: list[np.ndarray]) -> dict:
             "iou_err": eps, "recomputed": recomputed, "exact_choice": exact_choice}
 
 
+def aten_convolutions(run):
+    """`run` with oneDNN off: ATen's own convolution kernels, the same float32 sums in another order."""
+    def controlled(images):
+        with torch.backends.mkldnn.flags(enabled=False):
+            return run(images)
+    return controlled
+
+
 def agreement_only(args) -> None:
     """The agreement figures on the calibrated detector, written as their own section."""
     from models.detector.io import load_detector
@@ -454,7 +501,8 @@ def agreement_only(args) -> None:
         plain16.for_serving(torch.bfloat16, settle=False)  # unsettled: every feature and score bfloat16's
         sized = [photo(n, hw) for n in PHOTOS for hw in AGREEMENT_SIZES][: args.photos]
         with torch.inference_mode():
-            agree = agreement_figures(reference, serving32, serving16, sized, plain=plain16)
+            agree = agreement_figures(reference, serving32, serving16, sized, plain=plain16,
+                                      control=aten_convolutions(reference), control_all=True)
             margins = selection_margins(serving32, plain16, sized)
     command = " ".join(["python", "benchmarks/butd.py", *map(shlex.quote, sys.argv[1:])])
     n, matched = agree["photos"], agree["matched"]
@@ -467,6 +515,11 @@ def agreement_only(args) -> None:
         f"a trained detector's), {n} photos ({len(AGREEMENT_SIZES)} sizes, one capped at 1000 px).", "",
         f"- serving fp32 equals the reference within the fixture's bounds on {agree['with_reference']} of {n} photos"
         + "".join(f"; {m}" for m in agree["mismatches"]) + ".",
+        f"- The control: the reference with ATen's own convolutions instead of oneDNN's (other summation orders: its "
+        f"boxes move by up to {agree['control_gaps'][0]:.2g} px, its features by {agree['control_gaps'][1]:.2g}) keeps "
+        f"its regions on {agree['control_self']} of {n} photos, and serving fp32 is within the fixture's bounds of "
+        f"that run on {agree['control_ours']} of {n}" + (": float32 rounding of this size moves no choice here."
+                                                         if agree["control_self"] == n else "."),
         f"- serving bf16 (settled) against serving fp32: {np.mean(matched):.1%} of regions matched (IoU >= 0.9, same "
         f"class), all 36 on {agree['all36']} of {n} photos ({agree['all36'] / n:.0%}), the lowest photo "
         f"{min(matched):.1%}; features' cosine >= {agree['min_cosine']:.6f}.",
@@ -506,9 +559,9 @@ def first_vqa_only(args) -> None:
         gc.collect()
         service = first_vqa(paths, args.threads, list(PHOTOS[:5]))
     cores = len(os.sched_getaffinity(0))
-    row = {"cpu": cpu_name(), "cores": f"{cores} of {os.cpu_count()}" if cores < (os.cpu_count() or cores) else str(cores),
-           "reference": seconds["reference"], "serving": seconds["serving"], "precision": service["precision"],
-           **service}
+    pinned = cores < (os.cpu_count() or cores)  # taskset: these cores of a larger machine
+    row = {"cpu": cpu_name(), "cores": f"{cores} of {os.cpu_count()}" if pinned else str(cores),
+           "reference": seconds["reference"], "serving": seconds["serving"], **service}
     print(row)
     if not args.no_write:
         path = ROOT / "docs" / "BENCHMARKS.md"

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import types
 
 import numpy as np
 import torch
 
-from benchmarks.butd import FIRST_VQA_SECTION, first_vqa_section, reference_mismatch
+from benchmarks.butd import FIRST_VQA_SECTION, agreement_figures, first_vqa_section, reference_mismatch
 from models.region_features import RegionFeatures
 
 BOXES = np.array([[0, 0, 50, 50], [10, 10, 90, 70], [100, 40, 180, 120], [5, 60, 40, 110]], np.float32)
@@ -85,3 +86,27 @@ def test_first_vqa_section_keeps_a_row_per_cpu_kind():
     again = first_vqa_section(args, first_vqa_row("AMD EPYC (AVX512-BF16)", "2", 2.60), "# B\n\n" + both)
     assert len(table_rows(again)) == 2 and "**2.60**" in again and "**2.71**" not in again  # the same kind: replaced
     assert "7.50 | 1.22 (bf16) | 6.15x" in both  # reference s/photo, serving s/photo (precision), their ratio
+
+
+def test_the_control_says_whether_the_reference_keeps_its_own_regions():
+    """A photo ours leaves the bounds on is run by the reference in the control's arithmetic: there the reference
+    itself swaps the near-tie (regions 1 and 2) as ours did, so ours is within the bounds of that run."""
+    swapped = {**reference_output(), "attr_ids": torch.zeros(1, 6, dtype=torch.int64),
+               "attr_probs": torch.zeros(1, 6)}
+    for key in ("boxes", "obj_ids", "obj_probs", "roi_features"):
+        swapped[key] = swapped[key][:, [0, 2, 1, 3, 4, 5]]
+    fp32 = types.SimpleNamespace(extract=lambda images: [ours(order=(0, 2, 1, 3))])
+    reference = lambda images: {**reference_output(), "attr_ids": torch.zeros(1, 6, dtype=torch.int64),  # noqa: E731
+                                "attr_probs": torch.zeros(1, 6)}
+    image = np.zeros((200, 200, 3), np.uint8)
+    found = agreement_figures(reference, fp32, None, [image], control=lambda images: swapped)
+    assert found["with_reference"] == 0 and found["controlled"] == 1
+    assert found["control_self"] == 0 and found["control_ours"] == 1
+    assert "its own regions 2 of 4 regions out of place" in found["mismatches"][0]
+    assert "ours within its bounds" in found["mismatches"][0]
+    # where ours is within the bounds, the control runs only when asked to run on every photo
+    same = types.SimpleNamespace(extract=lambda images: [ours()])
+    assert agreement_figures(reference, same, None, [image], control=lambda images: swapped)["controlled"] == 0
+    every = agreement_figures(reference, same, None, [image], control=reference, control_all=True)
+    assert (every["controlled"], every["control_self"], every["control_ours"]) == (1, 1, 1)
+    assert every["control_gaps"] == [0.0, 0.0]
