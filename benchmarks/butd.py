@@ -571,22 +571,23 @@ def first_vqa_only(args) -> None:
 def first_vqa_section(args, row: dict, text: str) -> str:
     """FIRST_VQA_SECTION with `row` in place of the earlier row of the same CPU kind and core count, the other
     kinds' rows kept (each names its own date and torch)."""
-    command = " ".join(["python", "benchmarks/butd.py", *map(shlex.quote, sys.argv[1:])])
     start = text.find(FIRST_VQA_SECTION)
     end = text.find("\n## ", start + 1) if start >= 0 else -1
     old = text[start:end if end >= 0 else None].splitlines() if start >= 0 else []
     cells = (f"| {row['cpu']} | {row['cores']} | {args.threads} | {row['reference']:.2f} | {row['serving']:.2f} "
              f"({row['precision']}) | {row['reference'] / row['serving']:.2f}x | **{row['first_p50']:.2f}** | "
-             f"{row['again_p50'] * 1000:.0f} | {datetime.date.today()}, torch {torch.__version__.split('+')[0]} |")
+             f"{row['again_p50'] * 1000:.0f} | {datetime.date.today()}, torch {torch.__version__.split('+')[0]}, "
+             f"{args.runs} rounds |")
     key = lambda line: [c.strip() for c in line.split("|")[1:3]]  # noqa: E731 (CPU kind, cores)
     rows = sorted([line for line in old if line.startswith("| ") and not line.startswith("| CPU |")
                    and key(line) != key(cells)] + [cells])
     return "\n".join([
         FIRST_VQA_SECTION, "",
-        f"Command: `{command}`, on each CPU kind (scripts/gpu_device.sh runs it on 2 physical cores of the GPU "
-        "machine's host, pinned with taskset). The full-size detector as in the section above (calibrated seeded "
-        "weights) and an imported LXMERT-base VQA checkpoint (3129 answers): the serving detector and the "
-        f"reference on one 600 x 800 photo (median of {args.runs} rounds, taking turns, after a warm-up), then a "
+        "Command: `python benchmarks/butd.py --reference DIR --first-vqa --runs N`, on each CPU kind "
+        "(scripts/gpu_device.sh runs it on 2 physical cores of the GPU machine's host, pinned with taskset). The "
+        "full-size detector as in the section above (calibrated seeded weights) and an imported LXMERT-base VQA "
+        "checkpoint (3129 answers): the serving detector and the reference on one 600 x 800 photo (median of N "
+        "rounds, taking turns, after a warm-up), then a "
         "first /vqa on each of 5 photos the service has never seen and the same photo again (p50, JPEG, in-process "
         "store). Target: a first /vqa p50 <= 1.5 s on a 2-core AMX CPU.", "",
         "| CPU | cores | threads | reference s/photo | serving s/photo | vs reference | first /vqa p50 s | "
