@@ -1,6 +1,7 @@
 """benchmarks/butd.py's account of a photo where the serving detector leaves the fixture's bounds of the reference:
 what it writes into docs/BENCHMARKS.md names the fault (which region is out of place, and how near a tie it was);
-and its first-/vqa section, which keeps one row per CPU kind as machines of each kind come by."""
+and its first-/vqa section, which keeps one row per CPU kind as machines of each kind come by, with the serving
+detector's time split into its parts."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +11,8 @@ import types
 import numpy as np
 import torch
 
-from benchmarks.butd import FIRST_VQA_SECTION, agreement_figures, first_vqa_section, reference_mismatch
+from benchmarks.butd import (FIRST_VQA_SECTION, agreement_figures, detector_parts, first_vqa_section,
+                             reference_mismatch)
 from models.region_features import RegionFeatures
 
 BOXES = np.array([[0, 0, 50, 50], [10, 10, 90, 70], [100, 40, 180, 120], [5, 60, 40, 110]], np.float32)
@@ -67,7 +69,8 @@ def test_features_beyond_bound():
 
 def first_vqa_row(cpu: str, cores: str, first: float) -> dict:
     return {"cpu": cpu, "cores": cores, "reference": 7.5, "serving": first - 0.1, "precision": "bf16",
-            "first_p50": first, "again_p50": 0.045}
+            "first_p50": first, "again_p50": 0.045,
+            "parts": {"backbone": 0.34, "RPN": 0.05, "res5": first - 0.8, "settle": 0.3, "rest": 0.01}}
 
 
 def table_rows(body: str) -> list[str]:
@@ -86,6 +89,9 @@ def test_first_vqa_section_keeps_a_row_per_cpu_kind():
     again = first_vqa_section(args, first_vqa_row("AMD EPYC (AVX512-BF16)", "2", 2.60), "# B\n\n" + both)
     assert len(table_rows(again)) == 2 and "**2.60**" in again and "**2.71**" not in again  # the same kind: replaced
     assert "7.50 | 1.22 (bf16) | 6.15x" in both  # reference s/photo, serving s/photo (precision), their ratio
+    assert "backbone 0.34, RPN 0.05, res5 0.52, settle 0.30, rest 0.01" in both
+    header = next(line for line in both.splitlines() if line.startswith("| CPU |"))
+    assert all(row.count("|") == header.count("|") for row in rows)
 
 
 def test_the_control_says_whether_the_reference_keeps_its_own_regions():
@@ -110,3 +116,23 @@ def test_the_control_says_whether_the_reference_keeps_its_own_regions():
     every = agreement_figures(reference, same, None, [image], control=reference, control_all=True)
     assert (every["controlled"], every["control_self"], every["control_ours"]) == (1, 1, 1)
     assert every["control_gaps"] == [0.0, 0.0]
+
+
+def test_detector_parts_split_a_photo_and_leave_the_detector_as_it_was(tmp_path):
+    """On the tiny frcnn-vg fixture in its bfloat16 serving form: every part is timed (settling too), the parts
+    come from one extract, and the wrapped methods are the class's again after, with the same regions."""
+    from models.detector.io import load_detector
+    from tests.models.frcnn_vg_reference import image, import_fixture
+
+    detector = load_detector(import_fixture(tmp_path / "detector"))[0]
+    detector.for_serving(torch.bfloat16)
+    photo = [image("coffee")]
+    with torch.inference_mode():
+        before = detector.extract(photo)[0]
+        parts = detector_parts(detector, photo, runs=2)
+        after = detector.extract(photo)[0]
+    assert list(parts) == ["backbone", "RPN", "res5", "settle", "rest"]
+    assert all(seconds > 0 for seconds in parts.values()), parts
+    assert "forward" not in vars(detector.backbone) and "forward" not in vars(detector.rpn)
+    assert "features" not in vars(detector.roi_heads) and "settle" not in vars(detector.roi_heads)
+    np.testing.assert_array_equal(before.boxes, after.boxes)
