@@ -541,8 +541,9 @@ def agreement_only(args) -> None:
 
 
 def first_vqa_only(args) -> None:
-    """The target of an AMX CPU in a few minutes: the serving detector (bf16 where the CPU has it) and the reference
-    on one 600 x 800 photo, taking turns, then the service's first /vqa; one row per CPU kind in FIRST_VQA_SECTION."""
+    """The first-/vqa figures in a few minutes, for a CPU kind met rarely (AMX): the serving detector (bf16 where
+    the CPU has it) and the reference on one 600 x 800 photo, taking turns, the serving detector's parts, then the
+    service's first /vqa; one row per CPU kind in FIRST_VQA_SECTION."""
     from models.detector.io import load_detector
 
     with tempfile.TemporaryDirectory(prefix="butd-first-") as tmp:
