@@ -8,8 +8,8 @@ device tool's `carry`; together they stay well under its 64 MiB.
 
     python scripts/gpu_carry.py [--reference DIR]
 
-then, through the device tool: `bash scripts/gpu_device.sh cpu` and `bash scripts/gpu_device.sh gpu` (a call each)
-with carry [".whl", ".ref"].
+then, through the device tool, a call each with carry [".whl", ".ref"]: `bash scripts/gpu_device.sh cpu`, then
+`... butd` (or `... gpu`, the GPU tests too, where the device time allows; the script's header says how long each).
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def main() -> None:
         shutil.copytree(args.reference, ROOT / ".ref", ignore=shutil.ignore_patterns("__pycache__", ".git"))
     size = sum(f.stat().st_size for d in (whl, ROOT / ".ref") if d.exists() for f in d.rglob("*") if f.is_file())
     print(f"{size / 2**20:.1f} MiB to carry in .whl{' and .ref' if args.reference else ''}; on the device: "
-          "bash scripts/gpu_device.sh cpu, then gpu (a call each)")
+          "bash scripts/gpu_device.sh cpu, then butd or gpu (a call each)")
 
 
 if __name__ == "__main__":
