@@ -213,8 +213,7 @@ def reference_mismatch(out, rf) -> str:
         return f"{rf.num_boxes} regions against the reference's {n}"
     ref_boxes, ref_ids = out["boxes"][0, :n].numpy(), out["obj_ids"][0, :n].numpy()
     ref_probs = out["obj_probs"][0, :n].numpy()
-    box_err = np.abs(rf.boxes[:n] - ref_boxes).max(axis=1)
-    feat_err = np.abs(rf.features[:n].astype(np.float32) - out["roi_features"][0, :n].numpy()).max(axis=1)
+    box_err, feat_err = region_gaps(out, rf)
     wrong = np.flatnonzero((rf.obj_ids[:n] != ref_ids) | (box_err > 0.5))
     if len(wrong):
         k = int(wrong[0])
@@ -226,6 +225,14 @@ def reference_mismatch(out, rf) -> str:
     if box_err.max() > 0.5 or feat_err.max() > 1e-3:
         return f"boxes within {box_err.max():.3g} px, features within {feat_err.max():.3g}"
     return ""
+
+
+def region_gaps(out, rf) -> tuple[np.ndarray, np.ndarray]:
+    """Per region, in order, the largest box (px) and feature differences between `rf` and the reference's output
+    `out` (their first rf.num_boxes regions)."""
+    n = rf.num_boxes
+    return (np.abs(rf.boxes[:n] - out["boxes"][0, :n].numpy()).max(axis=1),
+            np.abs(rf.features[:n].astype(np.float32) - out["roi_features"][0, :n].numpy()).max(axis=1))
 
 
 def first_vqa(paths: dict[str, Path], threads: int, names: list[str]) -> dict[str, float]:
@@ -379,10 +386,13 @@ def agreement_figures(reference, fp32, bf16, images: list[np.ndarray], plain=Non
         why = reference_mismatch(out, want)
         with_reference += not why
         if control is not None and (why or control_all):
-            other = control([image])
-            itself, ours = reference_mismatch(other, reference_regions(out, image)), reference_mismatch(other, want)
+            other, its_own = control([image]), reference_regions(out, image)
+            itself, ours = reference_mismatch(other, its_own), reference_mismatch(other, want)
             controlled, self_same, ours_same = controlled + 1, self_same + (not itself), ours_same + (not ours)
-            self_err = [max(a, b) for a, b in zip(self_err, output_gaps(out, other))]
+            n = its_own.num_boxes
+            same = n == int(other["preds_per_image"][0]) and np.array_equal(its_own.obj_ids, other["obj_ids"][0, :n])
+            if n and same:  # how far the other arithmetic moves the same regions
+                self_err = [max(a, float(b.max())) for a, b in zip(self_err, region_gaps(other, its_own))]
             if why:
                 why += (f" (the reference in the control's arithmetic: its own regions "
                         f"{itself or 'kept'}; ours {ours or 'within its bounds'})")
@@ -410,15 +420,6 @@ def reference_regions(out, image: np.ndarray):
                           obj_ids=out["obj_ids"][0, :n].numpy(), obj_scores=out["obj_probs"][0, :n].numpy(),
                           attr_ids=out["attr_ids"][0, :n].numpy(), attr_scores=out["attr_probs"][0, :n].numpy(),
                           image_hw=image.shape[:2], num_boxes=n)
-
-
-def output_gaps(a, b) -> tuple[float, float]:
-    """The largest box (px) and feature differences of two reference outputs with the same regions (0, 0 else)."""
-    n = int(a["preds_per_image"][0])
-    if n != int(b["preds_per_image"][0]) or not torch.equal(a["obj_ids"][0, :n], b["obj_ids"][0, :n]):
-        return 0.0, 0.0
-    return (float((a["boxes"][0, :n] - b["boxes"][0, :n]).abs().max()),
-            float((a["roi_features"][0, :n] - b["roi_features"][0, :n]).abs().max()))
 
 
 @contextlib.contextmanager
