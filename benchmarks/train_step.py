@@ -4,6 +4,7 @@ AdamW, the region count, and dropout (CPU dropout draws a random mask per elemen
 turns, median of several timed steps each.
 
     python benchmarks/train_step.py [--preset u-visualbert] [--batch 32] [--text 16] [--runs 5] [--no-write]
+    python benchmarks/train_step.py --threads 1 2 --no-write   # each contender at each thread count, taking turns
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 
@@ -79,7 +80,7 @@ def timed_step(loss: Callable[[], torch.Tensor], opt: torch.optim.Optimizer) -> 
     return step
 
 
-def take_turns(steps: dict[str, Callable[[], float]], runs: int, warmup: int = 2) -> dict[str, float]:
+def take_turns(steps: dict[Hashable, Callable[[], float]], runs: int, warmup: int = 2) -> dict[Hashable, float]:
     """Median seconds per step of each contender: warm-up steps, then contenders taking turns, so that a busy
     moment of the machine hits every one of them."""
     for step in steps.values():
@@ -99,23 +100,44 @@ def main() -> None:
     p.add_argument("--text", type=int, default=16, help="text tokens")
     p.add_argument("--num-layers", type=int, default=6, help="encoder layers (the demo keeps 4 of MiniLM's 6)")
     p.add_argument("--runs", type=int, default=5, help="timed steps per contender (after 2 warm-up steps)")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, nargs="+", default=[2],
+                   help="torch threads; several counts time each contender at each, taking turns (printed, not written)")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads[0])
     steps = {name: contender(args.preset, args.num_layers, args.batch, args.text, *levers) for name, levers in CONTENDERS.items()}
+    command = (f"python benchmarks/train_step.py --preset {args.preset} --num-layers {args.num_layers} --batch {args.batch} "
+               f"--text {args.text} --runs {args.runs}")
+    described = (f"One training step (forward, backward, AdamW) of `{args.preset}` small (hidden 384, {args.num_layers} "
+                 f"layers) with a VQA head, batch {args.batch}, {args.text} text tokens, random inputs; median of {args.runs} "
+                 "steps per contender, taking turns.")
+    if len(args.threads) > 1:
+        counts = args.threads
+        medians = take_turns({(name, n): on_threads(n, step) for name, step in steps.items() for n in counts}, args.runs)
+        rows = [f"| {name} | " + " | ".join(f"{medians[name, n] * 1000:.0f}" for n in counts)
+                + f" | **{medians[name, counts[0]] / medians[name, counts[-1]]:.2f}x** |" for name in steps]
+        header = (f"| contender | {' | '.join(f'ms per step, {n} thread' + 's' * (n > 1) for n in counts)} | {counts[-1]} threads "
+                  f"against {counts[0]} |")
+        publish(f"{command} --threads {' '.join(map(str, counts))}", " / ".join(map(str, counts)), described,
+                [header, "|---" * (len(counts) + 2) + "|", *rows], HEADING, False)
+        return
     medians = take_turns(steps, args.runs)
     base = medians[next(iter(CONTENDERS))]
     rows = [f"| {name} | {t * 1000:.0f} | **{base / t:.2f}x** | {args.batch / t:.0f} |" for name, t in medians.items()]
-    publish(f"python benchmarks/train_step.py --preset {args.preset} --num-layers {args.num_layers} --batch {args.batch} "
-            f"--text {args.text} --runs {args.runs}",
-            args.threads,
-            f"One training step (forward, backward, AdamW) of `{args.preset}` small (hidden 384, {args.num_layers} layers) with a VQA head, "
-            f"batch {args.batch}, {args.text} text tokens, random inputs; median of {args.runs} steps per contender, taking turns.",
+    publish(command, args.threads[0], described,
             ["| contender | ms per step | speed-up | examples/s |", "|---|---|---|---|", *rows], HEADING, not args.no_write)
 
 
-def publish(command: str, threads: int, description: str, table: list[str], heading: str, write: bool) -> None:
+def on_threads(threads: int, step: Callable[[], float]) -> Callable[[], float]:
+    """The step run with `threads` torch threads (the pool is resized before each step, outside its timing)."""
+    def run() -> float:
+        torch.set_num_threads(threads)
+        return step()
+
+    return run
+
+
+def publish(command: str, threads: int | str, description: str, table: list[str], heading: str, write: bool) -> None:
     """Print the section (command, date, machine, load, what was timed, the table) and replace it in docs/BENCHMARKS.md."""
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     section = "\n".join([

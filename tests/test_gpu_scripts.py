@@ -1,6 +1,6 @@
 """The scripts that run the GPU checks on a lent machine without network (docs/EXPORT.md, "Running the GPU checks")
-keep up with the tests: the device script is valid bash, runs every test file that has a test marked gpu and pins
-its CPU figures to two physical cores, and the carry script starts."""
+keep up with the tests: the device script is valid bash, runs every test file that has a test marked gpu, pins
+its CPU figures to two physical cores (and to one core's two hyperthreads), and the carry script starts."""
 from __future__ import annotations
 
 import re
@@ -38,6 +38,18 @@ def test_cpu_figures_run_on_two_physical_cores(tmp_path):
                                 env={"SYSFS": str(cpus.parents[2]), "PATH": "/usr/bin:/bin"})
         assert result.stdout.strip() == want, (siblings, result.stdout, result.stderr)
 
+
+
+def test_one_core_figures_run_on_two_hyperthreads_of_one_core(tmp_path):
+    """The two hyperthreads of cpu0's core, whatever way the kernel lists them; nothing where a core runs one thread."""
+    function = re.search(r"^one_core\(\) \{.*?^\}", DEVICE.read_text(), re.S | re.M).group(0)
+    for i, (line, want) in enumerate((("0,16", "0,16"), ("0-1", "0,1"), ("0,8,16,24", "0,8"), ("0", ""))):
+        topology = tmp_path / str(i) / "devices" / "system" / "cpu" / "cpu0" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "thread_siblings_list").write_text(line + "\n")
+        result = subprocess.run(["bash", "-c", f"{function}\none_core"], capture_output=True, text=True,
+                                env={"SYSFS": str(tmp_path / str(i)), "PATH": "/usr/bin:/bin"})
+        assert result.returncode == 0 and result.stdout.strip() == want, (line, result.stdout, result.stderr)
 
 def test_device_script_refuses_an_unknown_mode():
     result = subprocess.run(["bash", str(DEVICE), "tpu"], capture_output=True, text=True)
