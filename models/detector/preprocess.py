@@ -39,9 +39,16 @@ def resize_scale(h: int, w: int, min_size: int, max_size: int) -> float:
     return min(min_size / min(h, w), max_size / max(h, w))
 
 
+# The smallest canvas side the detectron2-family backbone runs on: ResNet C4's coarsest stride (res4's). Below it
+# the stem's max pool has no input left (a 10000 x 20 strip resized to 1000 x 2: the reference fails there); a
+# canvas that small is padded up to it, which no image the reference can run needs.
+MIN_CANVAS_SIDE = 16
+
+
 def detectron2_size(h: int, w: int, min_size: int, max_size: int) -> tuple[int, int]:
     """detectron2's test-time ResizeShortestEdge, in its float steps: the shorter side to min_size, then both sides
-    shrunk together if the longer exceeds max_size, each rounded half up (bottom-up attention's frcnn-vg port)."""
+    shrunk together if the longer exceeds max_size, each rounded half up (bottom-up attention's frcnn-vg port); a
+    side never below one pixel (where the port's would round to none)."""
     short = float(min_size)
     if h < w:
         rh, rw = short, short / h * w
@@ -50,7 +57,7 @@ def detectron2_size(h: int, w: int, min_size: int, max_size: int) -> tuple[int, 
     longer = max(rh, rw)
     if longer > max_size:
         rh, rw = rh * (max_size / longer), rw * (max_size / longer)
-    return int(rh + 0.5), int(rw + 0.5)
+    return max(1, int(rh + 0.5)), max(1, int(rw + 0.5))
 
 
 def decode_side(cfg: DetectorConfig) -> int | None:
@@ -89,7 +96,8 @@ def prepare_image(image: np.ndarray, cfg: DetectorConfig) -> Prepared:
 
 def _prepare_detectron2(image: np.ndarray, cfg: DetectorConfig) -> Prepared:
     """Caffe-style input as detectron2 ports feed it: pixels in [0, pixel_range] in the model's colour order,
-    resized (plain bilinear on the float image), mean subtracted, divided by std, never padded."""
+    resized (plain bilinear on the float image), mean subtracted, divided by std, padded only where a side is below
+    MIN_CANVAS_SIDE (or size_divisible asks for it)."""
     h, w = image.shape[:2]
     rh, rw = detectron2_size(h, w, cfg.min_size, cfg.max_size)
     x = torch.from_numpy(image if image.flags.writeable else image.copy())  # (H, W, 3)
@@ -105,7 +113,7 @@ def _prepare_detectron2(image: np.ndarray, cfg: DetectorConfig) -> Prepared:
     std = torch.tensor(cfg.std).view(3, 1, 1)
     x = ((x - mean) / std).contiguous()  # (3, rh, rw)
     d = cfg.size_divisible
-    ch, cw = math.ceil(rh / d) * d, math.ceil(rw / d) * d
+    ch, cw = (max(MIN_CANVAS_SIDE, math.ceil(side / d) * d) for side in (rh, rw))
     canvas = F.pad(x, (0, cw - rw, 0, ch - rh)) if (ch, cw) != (rh, rw) else x
     # boxes go back to the original image per axis, as float32 original / resized (the reference's scales_yx)
     sx, sy = (float(np.float32(a) / np.float32(b)) for a, b in ((w, rw), (h, rh)))

@@ -205,6 +205,30 @@ def test_batched_extraction_equals_per_image(form, detector, serving):
         check_reference(one, name, " (batched)")
 
 
+@pytest.mark.parametrize("form", ["imported", "serving", "bf16"])
+def test_strips_and_specks_get_regions_inside_the_image(form, imported, detector, serving):
+    """Images the reference cannot run (resized, a 10000 x 20 strip is 1000 x 2 and a 5000 x 1 line 1000 x 0.2: its
+    stem's max pool or its resize gets no input) are padded up to the smallest canvas ResNet C4 runs on: each gets
+    its regions, inside the image, in a batch as alone."""
+    if form == "bf16":
+        detector = load_detector(imported)[0]
+        detector.for_serving(torch.bfloat16)
+    else:
+        detector = serving if form == "serving" else detector
+    rng = np.random.default_rng(0)
+    sizes = [(20, 10000), (10000, 20), (1, 5000), (5000, 1), (1, 1), (3, 2)]  # (h, w)
+    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes] + [image("coffee")]
+    batched = detector.extract(images, batch_size=len(images))
+    for (h, w), one, alone in zip(sizes, batched, (detector.extract([im])[0] for im in images)):
+        assert one.num_boxes == 36 and np.isfinite(one.features).all(), (h, w)
+        assert (one.boxes >= 0).all() and (one.boxes[:, [0, 2]] <= w).all() and (one.boxes[:, [1, 3]] <= h).all()
+        np.testing.assert_array_equal(one.obj_ids, alone.obj_ids, err_msg=str((h, w)))
+        # 1e-3 px of a 10000-px side is 1e-4 of its 1000-px resize: float rounding of another batch shape
+        np.testing.assert_allclose(one.boxes, alone.boxes, atol=1e-3, err_msg=str((h, w)))
+    if form != "bf16":
+        check_reference(batched[-1], "coffee", " (batched with strips)")
+
+
 @pytest.mark.parametrize("form", ["imported", "serving"])
 def test_regions_without_every_box_equal_those_with_them(form, detector, serving):
     """extract() computes only each proposal's best-class box (ButdRoIHeads.best_boxes), analyze() with detections

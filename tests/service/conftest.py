@@ -187,16 +187,17 @@ SERVED_HEADS = {"vqa": {"kind": "vqa", "num_labels": len(VQA_ANSWERS)}, "refer":
 
 
 def build_tiny_checkpoint(out_dir: Path, fingerprint: str, preset: str = "visualbert", heads: dict | None = None,
-                          seed: int = 0, labels_extra: dict | None = None, **encoder) -> Path:
-    """A tiny encoder (random weights, seeded) saved as a checkpoint that expects the detector `fingerprint`;
-    labels_extra joins its labels.json (e.g. a query bank)."""
+                          seed: int = 0, labels_extra: dict | None = None,
+                          feature_dim: int = TINY_DETECTOR["feature_dim"], **encoder) -> Path:
+    """A tiny encoder (random weights, seeded) saved as a checkpoint that expects the detector `fingerprint` and its
+    `feature_dim`-wide regions; labels_extra joins its labels.json (e.g. a query bank)."""
     from models import create_model
     from models.checkpoint import save_checkpoint
     from models.tokenizer import VLTokenizer
 
     heads = SERVED_HEADS if heads is None else heads
     torch.manual_seed(seed)
-    model = create_model(preset, "tiny", visual_feat_dim=TINY_DETECTOR["feature_dim"], heads=heads, **encoder)
+    model = create_model(preset, "tiny", visual_feat_dim=feature_dim, heads=heads, **encoder)
     labels = {**({"heads": {"vqa": VQA_ANSWERS}} if "vqa" in heads else {}), **(labels_extra or {})}
     return save_checkpoint(model, out_dir, tokenizer=VLTokenizer.pretrained_minilm(), labels=labels,
                            detector={"fingerprint": fingerprint})

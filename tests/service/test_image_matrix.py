@@ -1,22 +1,33 @@
-"""The bad and odd images of benchmarks/fault_cases.py through the app: each refused with its problem type or
-accepted with the size it has once EXIF rotation is applied; never a 5xx. /refer boxes of a rotated photo lie in
-the rotated frame."""
+"""The bad and odd images of benchmarks/fault_cases.py through the app, with a detector of each family (the demo's
+and the bottom-up-attention frcnn-vg's, at tiny sizes): each refused with its problem type or accepted with the
+size it has once EXIF rotation is applied; never a 5xx. /refer boxes of a rotated photo lie in the rotated frame."""
 from __future__ import annotations
 
 import base64
+import json
 
 import pytest
 from fastapi.testclient import TestClient
 
 from benchmarks.fault_cases import ImageCase, cases, check, exif_rotated
+from models.detector.io import fingerprint_of
 from service.app import create_app
+from tests.models.frcnn_vg_reference import import_fixture
+from tests.service.conftest import build_tiny_checkpoint
 
 CASES = list(cases())
 
 
-@pytest.fixture(scope="module")
-def client(make_settings):
-    with TestClient(create_app(make_settings())) as c:
+@pytest.fixture(scope="module", params=["demo-family", "frcnn-vg"])
+def client(request, make_settings, tmp_path_factory):
+    settings = {}
+    if request.param == "frcnn-vg":
+        detector = import_fixture(tmp_path_factory.mktemp("frcnn_vg") / "detector")
+        fingerprint = fingerprint_of(json.loads((detector / "manifest.json").read_text()))
+        feature_dim = json.loads((detector / "config.json").read_text())["feature_dim"]
+        checkpoint = build_tiny_checkpoint(tmp_path_factory.mktemp("checkpoint"), fingerprint, feature_dim=feature_dim)
+        settings = dict(model_dir=checkpoint, detector_dir=detector)
+    with TestClient(create_app(make_settings(**settings))) as c:
         yield c
 
 

@@ -1,5 +1,6 @@
 """RegionService with the tiny real detector: cache hits skip the detector, one run per new image, clear errors."""
 import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -89,6 +90,61 @@ def test_distinct_images_are_batched_and_match_single_extraction(tiny_detector, 
         alone = tiny_detector.detector.extract([decode_image(data)])[0].to_float16()
         assert not hit and same(rf, alone)
 
+
+
+class FailsOnHeight:
+    """The tiny detector, made to fail on images of one height: an image that breaks the detector (a fault injected,
+    since the real detectors take every image the decoder gives them). Images of the gate's height hold the runtime
+    until `opened` is set, so that the requests behind them queue and make one batch."""
+
+    def __init__(self, detector, fail_height: int, gate_height: int) -> None:
+        self.detector, self.config = detector, detector.config
+        self.fail_height, self.gate_height = fail_height, gate_height
+        self.held, self.opened = threading.Event(), threading.Event()
+        self.failed_batches: list[int] = []
+
+    def extract(self, images, batch_size: int = 8):
+        if any(image.shape[0] == self.gate_height for image in images):
+            self.held.set()
+            self.opened.wait(10)
+        if any(image.shape[0] == self.fail_height for image in images):
+            self.failed_batches.append(len(images))
+            raise RuntimeError("this image breaks the detector")
+        return self.detector.extract(images, batch_size=batch_size)
+
+
+def test_an_image_that_breaks_the_detector_fails_its_own_request_only(tiny_detector, make_png):
+    """Its batch runs again one image at a time: the others get the regions they get alone, it gets the error, and
+    nothing is stored for it."""
+    images = [make_png(seed=s, h=64 + 8 * s, w=96) for s in range(4)]
+    broken = images[2]
+    detector = FailsOnHeight(tiny_detector.detector, fail_height=64 + 8 * 2, gate_height=40)
+
+    async def body(service):
+        service.detector = detector
+        gate = asyncio.create_task(service.from_bytes(make_png(seed=9, h=40, w=96)))
+        await asyncio.to_thread(detector.held.wait, 10)
+        requests = asyncio.gather(*(service.from_bytes(d) for d in images), return_exceptions=True)
+        for _ in range(500):  # the four wait behind the gate
+            if service.queue_depth == len(images):
+                break
+            await asyncio.sleep(0.01)
+        detector.opened.set()
+        results = await requests
+        await gate
+        return results, await service.store.get(image_id_of(broken))
+
+    results, stored = serve(tiny_detector, lambda fp: InProcessStore(1 << 24, fp), body)
+    assert detector.failed_batches == [4, 1], "the four images were one batch, then the broken one ran alone"
+    from models.images import decode_image
+
+    for data, result in zip(images, results):
+        if data is broken:
+            assert isinstance(result, RuntimeError) and "breaks the detector" in str(result)
+            continue
+        _, rf, hit = result
+        assert not hit and same(rf, tiny_detector.detector.extract([decode_image(data)])[0].to_float16())
+    assert stored is None
 
 def test_a_cancelled_caller_does_not_cancel_the_shared_extraction(tiny_detector, make_png):
     data = make_png(seed=3)
