@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import hashlib
-import logging
 import platform
 import re
 import sys
@@ -23,14 +22,13 @@ from concurrent.futures import Executor
 import numpy as np
 
 from models.detector import RegionDetector
+from models.detector.extract import extract_each
 from models.detector.preprocess import decode_side
 from models.images import Decoded, ImageError, decode_bounded, header_pixels
 from models.region_features import RegionFeatures
 
 from .batcher import Batcher, BatcherConfig
 from .feature_store import FeatureStore
-
-log = logging.getLogger(__name__)
 
 _IMAGE_ID = re.compile(r"^[0-9a-f]{64}$")
 _HASH_INLINE_BYTES = 1 << 20  # sha256 of 1 MiB takes ~1 ms; larger bodies are hashed in a thread
@@ -279,22 +277,8 @@ class RegionService:
         return decoded
 
     def _extract(self, images: list[np.ndarray]) -> list[RegionFeatures | Exception]:
-        """The detector on a batch. Should the batch fail, each image runs alone (extraction is batch-invariant:
-        the others get the regions the batch would have given them), so an image that breaks the detector fails its
-        own request only, never the requests batched with it."""
-        try:
-            return self.detector.extract(images, batch_size=len(images))
-        except Exception:
-            if len(images) == 1:
-                raise
-            log.exception("detector: a batch of %d images failed; running them one at a time", len(images))
-        return [self._extract_alone(image) for image in images]
-
-    def _extract_alone(self, image: np.ndarray) -> RegionFeatures | Exception:
-        try:
-            return self.detector.extract([image])[0]
-        except Exception as exc:  # the request of this image gets it (Batcher: a result that is an exception)
-            return exc
+        """The detector on a batch; an image that breaks it fails its own request only (extract_each)."""
+        return extract_each(self.detector, images, len(images))
 
     def _count_batch(self, batch_size: int, max_wait_s: float, run_s: float) -> None:
         self.detector_runs += batch_size

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +11,10 @@ from tqdm import tqdm
 
 from ..feature_files import FeatureFileWriter, read_obj_tsv, write_obj_tsv
 from ..images import DEFAULT_MAX_PIXELS, ImageError, load_image
+from ..region_features import RegionFeatures
 from .model import RegionDetector
+
+log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 
@@ -20,6 +24,28 @@ class ExtractionReport:
     written: int = 0  # images extracted in this run
     already_done: int = 0  # images found in the output from an earlier, interrupted run
     failed: list[tuple[str, str]] = field(default_factory=list)  # (path, reason) of images that could not be read
+    # or that the detector failed on
+
+
+def extract_each(detector: RegionDetector, images: list, batch_size: int) -> list[RegionFeatures | Exception]:
+    """The detector's regions of each image, batched; should a batch fail, its images run again one at a time
+    (extraction is batch-invariant: the others get the regions the batch would have given them), so an image that
+    breaks the detector costs its own result only: its exception stands in its place."""
+    try:
+        return detector.extract(images, batch_size)
+    except Exception as exc:
+        log.exception("detector: a batch of %d images failed%s", len(images),
+                      "; running them one at a time" if len(images) > 1 else "")
+        if len(images) == 1:
+            return [exc]
+    return [_extract_alone(detector, image) for image in images]
+
+
+def _extract_alone(detector: RegionDetector, image) -> RegionFeatures | Exception:
+    try:
+        return detector.extract([image])[0]
+    except Exception as exc:
+        return exc
 
 
 def find_images(inputs: list[Path]) -> list[Path]:
@@ -88,20 +114,25 @@ def extract_folder(
     try:
         bar = tqdm(total=len(todo), desc="extract", unit="img", disable=not progress)
         for chunk in _batches(todo, batch_size):
-            images, names = [], []
+            images, loaded = [], []
             for path, key in chunk:
                 try:
                     images.append(load_image(path, max_pixels))
-                    names.append(key)
+                    loaded.append((path, key))
                 except ImageError as exc:
                     report.failed.append((str(path), str(exc)))
-            regions = detector.extract(images, batch_size) if images else []
+            done = []
+            for (path, key), rf in zip(loaded, extract_each(detector, images, batch_size) if images else []):
+                if isinstance(rf, Exception):
+                    report.failed.append((str(path), f"the detector failed on it: {rf}"))
+                else:
+                    done.append((key, rf))
             if writer:
-                for key, rf in zip(names, regions):
+                for key, rf in done:
                     writer.append(key, rf)
             else:
-                write_obj_tsv(out, zip(names, regions), append=True)
-            report.written += len(names)
+                write_obj_tsv(out, done, append=True)
+            report.written += len(done)
             bar.update(len(chunk))
         bar.close()
     finally:

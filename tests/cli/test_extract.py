@@ -85,3 +85,28 @@ def test_usage_errors_exit_2(detector_dir, folder, tmp_path):
     (folder / "sub" / "a.png").write_bytes((folder / "a.png").read_bytes())
     dup = run(folder, "--detector", detector_dir, "--out", tmp_path / "x")
     assert dup.exit_code == 2 and "share the id 'a'" in dup.stderr
+
+
+def test_an_image_the_detector_fails_on_is_reported_and_the_rest_written(detector_dir, folder, tmp_path):
+    """extract_folder with the detector made to fail on one image's height (an injected fault): that image is listed
+    with the detector's error, the images batched with it are written with the regions they get alone."""
+    from models.detector.extract import extract_folder
+    from models.detector.io import load_detector
+
+    detector, fingerprint = load_detector(detector_dir)
+
+    class FailsOnHeight48:
+        def extract(self, images, batch_size=8):
+            if any(image.shape[0] == 48 for image in images):
+                raise RuntimeError("this image breaks the detector")
+            return detector.extract(images, batch_size)
+
+    out = tmp_path / "feats.vlfeat"
+    report = extract_folder(FailsOnHeight48(), fingerprint, [folder], out, batch_size=8, progress=False)
+    failed = dict(report.failed)
+    assert report.written == 2 and len(failed) == 3, report
+    assert "breaks the detector" in failed[str(folder / "b.jpg")]
+    with FeatureFile(out) as f:
+        assert sorted(f) == ["a", "c"]
+        alone = detector.extract([np.asarray(Image.open(folder / "a.png").convert("RGB"))])[0]
+        np.testing.assert_allclose(f["a"].boxes, alone.boxes, atol=1e-3)
