@@ -30,14 +30,13 @@ class ExtractionReport:
 def extract_each(detector: RegionDetector, images: list, batch_size: int) -> list[RegionFeatures | Exception]:
     """The detector's regions of each image, batched; should a batch fail, its images run again one at a time
     (extraction is batch-invariant: the others get the regions the batch would have given them), so an image that
-    breaks the detector costs its own result only: its exception stands in its place."""
+    breaks the detector costs its own result only: its exception stands in its place, for the caller to report."""
+    if len(images) == 1:
+        return [_extract_alone(detector, images[0])]
     try:
         return detector.extract(images, batch_size)
-    except Exception as exc:
-        log.exception("detector: a batch of %d images failed%s", len(images),
-                      "; running them one at a time" if len(images) > 1 else "")
-        if len(images) == 1:
-            return [exc]
+    except Exception:
+        log.exception("detector: a batch of %d images failed; running them one at a time", len(images))
     return [_extract_alone(detector, image) for image in images]
 
 
