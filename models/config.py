@@ -187,6 +187,12 @@ class EncoderConfig:
     def geometry_width(self) -> int:
         return self.geometry_dim or 256
 
+    @property
+    def text_positions(self) -> int:
+        """The longest text row (word pieces, specials included) the position table can place: every row, less the
+        two positions VL-BERT gives the regions and [END] right after the text."""
+        return self.max_position_embeddings - (2 if self.preset == "vl-bert" else 0)
+
 
 @dataclass
 class HeadConfig:

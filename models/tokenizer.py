@@ -49,7 +49,7 @@ class VLTokenizer:
         self._tok = Tokenizer(WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
         self._tok.normalizer = BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=lowercase)
         self._tok.pre_tokenizer = BertPreTokenizer()
-        self.pad_id, self.cls_id, self.sep_id, self.mask_id = (vocab[s] for s in ("[PAD]", "[CLS]", "[SEP]", "[MASK]"))
+        self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (vocab[s] for s in SPECIALS)
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> VLTokenizer:
@@ -81,7 +81,7 @@ class VLTokenizer:
     def word_id(self, word: str) -> int:
         """Id of the first sub-word of `word` (detector tags embedded with the word table)."""
         ids = self.token_ids(word)
-        return ids[0] if ids else self.vocab["[UNK]"]
+        return ids[0] if ids else self.unk_id
 
     def tag_words(self, classes: list[str]) -> np.ndarray:
         """Detector class id -> word id of its name (`word_id`): U-VisualBERT's region tags share the word table."""
@@ -90,7 +90,7 @@ class VLTokenizer:
     def tag_subwords(self, classes: list[str]) -> np.ndarray:
         """Detector class id -> the word ids of every sub-word of its name (C, K), -1 after the last: the tags of
         U-VisualBERT's published embeddings, one token per sub-word (its authors' code tokenizes each class name)."""
-        ids = [self.token_ids(name) or [self.vocab["[UNK]"]] for name in classes]
+        ids = [self.token_ids(name) or [self.unk_id] for name in classes]
         table = np.full((len(ids), max(map(len, ids), default=1)), -1, dtype=np.int64)
         for row, words in zip(table, ids):
             row[: len(words)] = words

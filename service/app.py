@@ -102,6 +102,10 @@ def region_tag_table(tokenizer, classes: list[str], encoder) -> np.ndarray | Non
 
 def load_models(settings: Settings) -> Loaded:
     """Detector and encoder checkpoint, checked against each other."""
+    from .runtime.torch_runtime import device_unavailable
+
+    if why := device_unavailable(settings.device):  # before any weights move there
+        raise StartupError(why)
     try:
         detector, fingerprint = load_detector(settings.detector_dir, device=settings.device)
         checkpoint = load_encoder(settings)
@@ -142,6 +146,17 @@ def detector_for_serving(detector: RegionDetector, settings: Settings, fingerpri
     if not detector.for_serving(dtype, settle=settings.detector_settle) or precision != "bf16":
         return fingerprint
     return f"{fingerprint}-bf16s" if detector.settles_regions else f"{fingerprint}-bf16"
+
+
+def text_token_limit(settings: Settings, checkpoint: Checkpoint | Repository) -> int:
+    """max_text_tokens, or the checkpoint's text positions where they are fewer (a longer row would index past its
+    position table): the limit a text's 422 then names."""
+    positions = model_config(checkpoint).encoder.text_positions
+    if settings.max_text_tokens <= positions:
+        return settings.max_text_tokens
+    log.warning("max_text_tokens %d is more than %s can place; texts are limited to its %d word pieces",
+                settings.max_text_tokens, settings.model_dir, positions)
+    return positions
 
 
 def model_info(loaded: Loaded, runtime_name: str, precision: str = "fp32") -> ModelInfo:
@@ -226,7 +241,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                            in_flight=encoder_busy)
 
         batchers = {spec.task: encoder_batcher(spec) for spec in specs.values()}
-        limits = Limits(settings.max_text_chars, settings.max_text_tokens, settings.max_top_k, settings.max_candidates)
+        limits = Limits(settings.max_text_chars, text_token_limit(settings, loaded.checkpoint), settings.max_top_k,
+                        settings.max_candidates)
         tokenizer = loaded.checkpoint.tokenizer
         tags = region_tag_table(tokenizer, loaded.detector.config.classes, model_config(loaded.checkpoint).encoder)
         pipeline = Pipeline(regions, tokenizer, specs, batchers, limits, streams, tag_words=tags,

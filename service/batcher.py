@@ -165,8 +165,9 @@ class Batcher(Generic[T, R]):
     """Collects concurrent `submit(item)` calls into batches for a synchronous `fn(items) -> results`.
 
     `fn` runs in `executor` (by default a private one-thread pool, shut down by stop()); batchers that share
-    an executor should share `in_flight` too (by default a private one). If `fn` raises, every request of
-    that batch gets the exception; a result that is an Exception instance fails only its own request.
+    an executor should share `in_flight` too (by default a private one). If `fn` raises on a batch of several
+    items, each item runs again alone, so only the requests whose own item fails get an exception (one request's bad
+    input never fails the others); a result that is an Exception instance fails only its own request.
     `on_batch(batch_size, max_queue_wait_s, run_s)` is called after every batch (metrics).
     """
 
@@ -341,7 +342,16 @@ class Batcher(Generic[T, R]):
         t0 = time.perf_counter()
         self._in_flight.started()
         try:
-            results = check_results(await loop.run_in_executor(self._executor, self.fn, [p.item for p in live]), len(live))
+            try:
+                results = await loop.run_in_executor(self._executor, self.fn, [p.item for p in live])
+            except Exception as exc:
+                if len(live) == 1:
+                    raise
+                # one bad item must not fail the others: each runs again alone
+                log.warning("batcher %s: a batch of %d failed (%s: %s); running its items one at a time",
+                            self.name, len(live), type(exc).__name__, exc)
+                results = [None if p.future.done() else await self._alone(p.item) for p in live]
+            results = check_results(results, len(live))
         except Exception as exc:
             for p in live:
                 if not p.future.done():
@@ -367,6 +377,13 @@ class Batcher(Generic[T, R]):
                 self.on_batch(len(live), max_wait, run_s)
             except Exception:  # metrics must never break serving
                 log.exception("batcher %s: on_batch hook failed", self.name)
+
+    async def _alone(self, item: T) -> R | Exception:
+        """fn on one item: its result, or the exception it raised."""
+        try:
+            return check_results(await asyncio.get_running_loop().run_in_executor(self._executor, self.fn, [item]), 1)[0]
+        except Exception as exc:
+            return exc
 
     def _drop_cancelled(self) -> None:
         for queue in (self._queue, self._background):

@@ -262,6 +262,10 @@ class Pipeline:
         length = encoded["input_ids"].shape[1]
         if length == specials:  # e.g. only control characters, which the normalizer drops
             raise InvalidInput(loc, "has no words the tokenizer can read")
+        tok = self.tokenizer
+        if set(encoded["input_ids"][0].tolist()) <= {tok.unk_id, tok.cls_id, tok.sep_id, tok.mask_id}:
+            # e.g. only emoji: the model would read no word and answer as if asked nothing
+            raise InvalidInput(loc, "has no words in the model's vocabulary (every word piece is [UNK])")
         if length > self.limits.max_text_tokens:
             length = len(self.tokenizer.token_ids(text)) + specials  # the real length, for the message
             raise InvalidInput(loc, f"is {length} word pieces long; the limit is {self.limits.max_text_tokens}")

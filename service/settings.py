@@ -73,7 +73,8 @@ class Settings(BaseSettings):
     # downscaled right after decoding); boxes and image_hw stay in the original image's pixels. False: full size
     decode_reduced: bool = True
     max_text_chars: int = Field(512, gt=0)  # longest question / expression / caption, in characters
-    max_text_tokens: int = Field(64, ge=4)  # WordPiece budget of one text row ([CLS] text [MASK] [SEP] needs 4)
+    max_text_tokens: int = Field(64, ge=4)  # WordPiece budget of one text row ([CLS] text [MASK] [SEP] needs 4);
+    # served as at most the checkpoint's text positions (app.text_token_limit)
     max_top_k: int = Field(100, ge=1)  # largest top_k a request may ask for
     max_candidates: int = Field(100, ge=1)  # most image_ids / texts one retrieval request may rank
     # access

@@ -40,6 +40,8 @@ router = APIRouter(prefix="/v2", tags=["open-inference-protocol"], include_in_sc
 HEADER_LENGTH = "inference-header-content-length"  # the binary tensor data extension's header
 VERSION = "1"  # each model's one version: the loaded checkpoint (GET /readyz names it)
 _IMAGE_ID = re.compile(IMAGE_ID_PATTERN)
+MAX_NESTING = 8  # levels of a JSON `data` array: every input here is one-dimensional, nested as its shape at most
+_END = object()  # _flatten's end of a row
 _NUMERIC = {"BOOL": "?", "INT8": "<i1", "INT16": "<i2", "INT32": "<i4", "INT64": "<i8", "UINT8": "<u1",
             "UINT16": "<u2", "UINT32": "<u4", "UINT64": "<u8", "FP16": "<f2", "FP32": "<f4", "FP64": "<f8"}
 
@@ -211,11 +213,24 @@ MODELS: dict[str, Model] = {m.name: m for m in (
 
 # ---- request decoding ---------------------------------------------------------------------------------
 
-def _flatten(data: Any) -> list:
-    """A JSON `data` array, flat or nested (row-major), as a flat list."""
+def _flatten(data: Any, name: str) -> list:
+    """A JSON `data` array, flat or nested (row-major), as a flat list; nested at most MAX_NESTING deep (a tensor of
+    the served models has at most two dimensions), without recursion, so any depth gets a 400."""
     if not isinstance(data, list):
         return [data]
-    return [v for item in data for v in _flatten(item)]
+    out: list = []
+    rows = [iter(data)]
+    while rows:
+        item = next(rows[-1], _END)
+        if item is _END:
+            rows.pop()
+        elif not isinstance(item, list):
+            out.append(item)
+        elif len(rows) == MAX_NESTING:
+            raise V2Error(400, f"input '{name}': data nested deeper than {MAX_NESTING} levels")
+        else:
+            rows.append(iter(item))
+    return out
 
 
 def _from_binary(raw: bytes, datatype: str, name: str) -> list:
@@ -237,7 +252,7 @@ def _from_binary(raw: bytes, datatype: str, name: str) -> list:
 
 
 def _from_json(data: Any, spec: Tensor) -> list:
-    values = _flatten(data)
+    values = _flatten(data, spec.name)
     if spec.datatype == "BYTES":
         if not all(isinstance(v, str) for v in values):
             raise V2Error(400, f"input '{spec.name}': BYTES data must be strings in JSON")
@@ -246,7 +261,10 @@ def _from_json(data: Any, spec: Tensor) -> list:
                 return [decode_base64(v) for v in values]
             except ValueError:
                 raise V2Error(400, f"input '{spec.name}': an image in JSON data is base64 of the image file") from None
-        return [v.encode("utf-8") for v in values]
+        try:
+            return [v.encode("utf-8") for v in values]
+        except UnicodeEncodeError:  # a lone surrogate, which JSON's \u escapes can write
+            raise V2Error(400, f"input '{spec.name}' is not UTF-8 text") from None
     if spec.datatype == "BOOL":
         if not all(isinstance(v, bool) for v in values):
             raise V2Error(400, f"input '{spec.name}': BOOL data must be true or false")
@@ -283,6 +301,8 @@ def parse_request(model: Model, body: bytes, header_length: str | None) -> tuple
         request = json.loads(head)
     except (UnicodeDecodeError, ValueError) as exc:
         raise V2Error(400, f"the request is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise V2Error(400, "the request is not valid JSON: nested too deeply") from None
     if not isinstance(request, dict) or not isinstance(request.get("inputs"), list) or not request["inputs"]:
         raise V2Error(400, "the request must be a JSON object with a non-empty 'inputs' list")
     specs = {t.name: t for t in model.inputs}

@@ -55,6 +55,18 @@ def text_lengths(attention_mask: np.ndarray) -> list[int]:
 bf16_unavailable = layers.bf16_unavailable  # why bfloat16 would not be fast on a device (None: it is)
 
 
+def device_unavailable(device: str) -> str | None:
+    """Why torch cannot run on `device` ("cpu", "cuda", "cuda:N"), or None when it can."""
+    if not device.startswith("cuda"):
+        return None
+    if not torch.cuda.is_available():
+        return f"device {device!r} requested but torch sees no CUDA device"
+    index, count = int(device.partition(":")[2] or 0), torch.cuda.device_count()
+    if index >= count:
+        return f"device {device!r} requested but torch sees {count} CUDA device{'s' * (count != 1)}"
+    return None
+
+
 def resolve_precision(precision: str, device: torch.device) -> str:
     """"fp32" or "bf16" for a requested "auto" / "fp32" / "bf16"; ValueError when bf16 is asked and not fast here."""
     if precision not in ("auto", "fp32", "bf16"):
@@ -73,8 +85,8 @@ class TorchRuntime(Runtime):
     def __init__(self, checkpoint: Checkpoint, device: str = "cpu", threads: int = 2, precision: str = "fp32") -> None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} requested but torch sees no CUDA device")
+        if why := device_unavailable(device):
+            raise ValueError(why)
         torch.set_num_threads(threads)  # process-wide: the service runs one model set per process
         self.device = torch.device(device)
         self.precision = resolve_precision(precision, self.device)

@@ -51,6 +51,9 @@ CASES = [
     ("vqa-blank-question", "post", "/vqa", {"image": IMG, "question": " \t\n "}, 422, "validation-error"),
     ("vqa-control-characters-only", "post", "/vqa", {"image": IMG, "question": "\u001b\u0000\u200b"}, 422, "validation-error"),
     ("refer-control-characters-only", "post", "/refer", {"image": IMG, "expression": "\u001b"}, 422, "validation-error"),
+    # every word piece [UNK]: the model would answer as if asked nothing
+    ("vqa-unknown-words-only", "post", "/vqa", {"image": IMG, "question": "\U0001f680\U0001f680 \u2603"}, 422, "validation-error"),
+    ("retrieve-unknown-words-caption", "post", "/retrieve", {"image": IMG, "texts": ["a red box", "\U0001f680"]}, 422, "validation-error"),
     ("vqa-question-too-long", "post", "/vqa", {"image": IMG, "question": "x" * 81}, 422, "validation-error"),
     ("vqa-question-too-many-tokens", "post", "/vqa", {"image": IMG, "question": "a b c d e f g h i j k l m n o"}, 422, "validation-error"),
     ("vqa-unknown-image-id", "post", "/vqa", {"image_id": UNKNOWN, "question": TEXT}, 404, "unknown-image"),

@@ -63,7 +63,8 @@ def test_results_return_to_their_callers_under_concurrency():
     assert b.batches == len(fn.sizes) and b.items == 200
 
 
-def test_exception_fails_only_its_own_batch():
+def test_exception_fails_only_its_own_item():
+    """A batch that raises runs again item by item: only the bad item's request gets the error."""
     fn = Recorder(fail_on={13})
 
     async def main():
@@ -75,8 +76,9 @@ def test_exception_fails_only_its_own_batch():
         return first, second
 
     first, second = run(main())
-    assert fn.sizes == [4, 3]
-    assert all(isinstance(r, ValueError) and "bad item" in str(r) for r in first)
+    assert fn.sizes == [4, 1, 1, 1, 1, 3]
+    assert first[:2] == [110, 120] and first[3] == 140
+    assert isinstance(first[2], ValueError) and str(first[2]) == "bad item in [13]"
     assert second == [10, 20, 30]
 
 

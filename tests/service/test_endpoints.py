@@ -317,6 +317,32 @@ def test_start_up_refuses_bf16_where_it_is_not_fast(make_settings, monkeypatch):
             pass
 
 
+def test_start_up_refuses_a_device_torch_cannot_reach(make_settings):
+    """Before any weights move there: one line, the same with or without GPUs (no machine has 65)."""
+    app = create_app(make_settings(device="cuda:64"))
+    with pytest.raises(StartupError, match="device 'cuda:64' requested but torch sees"):
+        with TestClient(app):
+            pass
+
+
+@pytest.mark.parametrize("preset,limit", [("visualbert", 12), ("vl-bert", 10)])  # VL-BERT: regions, [END] after it
+def test_texts_are_limited_to_the_positions_the_checkpoint_has(tmp_path, tiny_detector, make_checkpoint,
+                                                               make_settings, make_png, problem, caplog, preset, limit):
+    """max_text_tokens (64 by default) above a checkpoint's 12 positions: a question one piece over what they place
+    gets the 422 that names the limit instead of indexing past the position table (a 500 for it and for every request
+    batched with it); one at the limit is answered."""
+    short = make_checkpoint(tmp_path / "short", tiny_detector.fingerprint, preset=preset, max_position_embeddings=12)
+    with TestClient(create_app(make_settings(model_dir=short))) as c:
+        image = b64(make_png(3))
+        assert c.post("/vqa", json={"image": image, "question": " ".join(["red"] * (limit - 2))}).status_code == 200
+        body = problem(c.post("/vqa", json={"image": image, "question": " ".join(["red"] * (limit - 1))}), 422,
+                       "validation-error")
+        assert f"{limit + 1} word pieces long; the limit is {limit}" in body["detail"]
+        # a word the vocabulary lacks is read as [UNK] beside the others
+        assert c.post("/vqa", json={"image": image, "question": "what is \U0001f680?"}).status_code == 200
+    assert "max_text_tokens 64 is more than" in caplog.text
+
+
 def test_not_ready_until_the_lifespan_has_warmed_up(make_settings, problem):
     app = create_app(make_settings())
     c = TestClient(app)  # no `with`: the lifespan has not run

@@ -212,6 +212,12 @@ MALFORMED = [  # (body, headers, a fragment of the error message)
     (lambda h: h + struct.pack("<I", 99) + b"short", "binary-image", "cut short"),
     (json.dumps({"inputs": [q(), {"name": "image_id", "datatype": "BYTES", "shape": [1], "data": [A]}],
                  "outputs": [{"name": "colour"}]}).encode(), {}, "has no output 'colour'"),
+    # a lone surrogate: JSON's escapes can write one, UTF-8 cannot
+    (v2_json([q("\ud800 what?"), {"name": "image_id", "datatype": "BYTES", "shape": [1], "data": [A]}]), {},
+     "input 'question' is not UTF-8 text"),
+    # nesting: deeper than a tensor of ours, and deeper than a recursive parser goes
+    (v2_json([{**q(), "data": json.loads("[" * 20 + '"what?"' + "]" * 20)}]), {}, "nested deeper than 8 levels"),
+    (b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", {}, "nested too deeply"),
 ]
 
 

@@ -23,6 +23,7 @@ from tests.service.conftest import build_tiny_detector
 from vlserve.cli import app as cli_app
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "vilbert"
+# texts are words of the fixture's vocabulary (w0 .. w22, scripts/reference_fixtures): a text of none of them is refused
 ANSWERS = [f"answer {i}" for i in range(3129)]  # the size of VQA's trainval_label2ans.json
 
 
@@ -64,24 +65,24 @@ def test_imported_12_in_1_answers_every_endpoint(client, make_png):
         assert r.status_code == 200, r.text
         ids.append(r.json()["image_id"])
 
-    r = client.post("/vqa", json={"image_id": ids[0], "question": "what color is the rectangle?", "top_k": 3})
+    r = client.post("/vqa", json={"image_id": ids[0], "question": "w3 w7 w1 w12 w5", "top_k": 3})
     assert r.status_code == 200, r.text
     answers = r.json()["answers"]
     assert len(answers) == 3 and {a["answer"] for a in answers} <= set(ANSWERS)
     assert [a["score"] for a in answers] == sorted((a["score"] for a in answers), reverse=True)
     explained = client.post("/vqa", params={"explain": "true"},
-                            json={"image_id": ids[0], "question": "what color is the rectangle?", "top_k": 3})
+                            json={"image_id": ids[0], "question": "w3 w7 w1 w12 w5", "top_k": 3})
     assert explained.status_code == 200, explained.text  # word-to-region attention: one row per word, no task token
     assert [a["answer"] for a in explained.json()["answers"]] == [a["answer"] for a in answers]
 
-    r = client.post("/refer", json={"image_id": ids[0], "expression": "the red rectangle"})
+    r = client.post("/refer", json={"image_id": ids[0], "expression": "w12 w4 w5"})
     assert r.status_code == 200, r.text
     body = r.json()
     h, w = body["image_size"]
     x1, y1, x2, y2 = body["box"]
     assert 0 <= x1 <= x2 <= w and 0 <= y1 <= y2 <= h
 
-    r = client.post("/retrieve", json={"text": "a red rectangle", "image_ids": ids, "top_k": 3})
+    r = client.post("/retrieve", json={"text": "w2 w4 w5", "image_ids": ids, "top_k": 3})
     assert r.status_code == 200, r.text
     hits = r.json()["results"]
     assert sorted(h["image_id"] for h in hits) == sorted(ids)
@@ -89,14 +90,14 @@ def test_imported_12_in_1_answers_every_endpoint(client, make_png):
     for hit in hits:  # the rank head's logits are (0, vil_logit): probability = sigmoid(score)
         assert hit["probability"] == pytest.approx(1 / (1 + math.exp(-hit["score"])), rel=1e-6)
     # served with its task token, as the model runs alone
-    assert hits[0]["score"] == pytest.approx(direct_score(client, "a red rectangle", hits[0]["image_id"]), abs=1e-5)
-    texts = ["a red rectangle", "two blue circles", "nothing at all"]
+    assert hits[0]["score"] == pytest.approx(direct_score(client, "w2 w4 w5", hits[0]["image_id"]), abs=1e-5)
+    texts = ["w2 w4 w5", "w9 w6 w8", "w10 w11 w13"]
     r = client.post("/retrieve", json={"image_id": ids[1], "texts": texts, "top_k": 3})
     assert r.status_code == 200, r.text
     assert sorted(h["index"] for h in r.json()["results"]) == [0, 1, 2]
 
     r = client.post("/nlvr2", json={"images": [{"image_id": ids[0]}, {"image_id": ids[2]}],
-                                    "statement": "both images have a red rectangle"})
+                                    "statement": "w14 w15 w16 w2 w4 w5"})
     assert r.status_code == 200, r.text
     body = r.json()
     assert 0 < body["probability"] < 1 and body["answer"] == (body["probability"] >= 0.5)

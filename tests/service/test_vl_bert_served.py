@@ -17,6 +17,7 @@ from service.app import create_app
 from vlserve.cli import app as cli_app
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "vl_bert"
+# texts are words of the fixture's vocabulary (w0 .. w22, scripts/reference_fixtures): a text of none of them is refused
 
 
 def b64(data: bytes) -> str:
@@ -37,13 +38,13 @@ def test_imported_vl_bert_serves_vqa_and_refer(tmp_path, make_settings, make_det
     answers = (FIXTURE / "answers_vqa.txt").read_text().split()
     image = {"image": b64(make_png(seed=0))}
     with TestClient(create_app(make_settings(model_dir=vqa, detector_dir=detector.dir))) as c:
-        r = c.post("/vqa", json={**image, "question": "what colour is the square?", "top_k": 3})
+        r = c.post("/vqa", json={**image, "question": "w3 w7 w1 w12 w17", "top_k": 3})
         assert r.status_code == 200, r.text
         hits = r.json()["answers"]
         assert len(hits) == 3 and {a["answer"] for a in hits} <= set(answers)
-        assert c.post("/refer", json={**image, "expression": "the red square"}).status_code == 404  # no refer head
+        assert c.post("/refer", json={**image, "expression": "w12 w4 w17"}).status_code == 404  # no refer head
     with TestClient(create_app(make_settings(model_dir=refcoco, detector_dir=detector.dir))) as c:
-        r = c.post("/refer", json={**image, "expression": "the red square"})
+        r = c.post("/refer", json={**image, "expression": "w12 w4 w17"})
         assert r.status_code == 200, r.text
         h, w = r.json()["image_size"]
         x1, y1, x2, y2 = r.json()["box"]

@@ -18,6 +18,7 @@ from service.app import create_app
 from vlserve.cli import app as cli_app
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "volta"
+# texts are words of the fixture's vocabulary (w0 .. w22, scripts/reference_fixtures): a text of none of them is refused
 
 
 def b64(data: bytes) -> str:
@@ -39,17 +40,17 @@ def test_imported_volta_serves_vqa_refer_retrieve_and_nlvr2(folder, tmp_path, ma
             r = c.post("/images", json={"image": b64(make_png(seed=seed))})
             assert r.status_code == 200, r.text
             ids.append(r.json()["image_id"])
-        r = c.post("/vqa", json={"image_id": ids[0], "question": "what color is the square?", "top_k": 3})
+        r = c.post("/vqa", json={"image_id": ids[0], "question": "w3 w7 w1 w12 w17", "top_k": 3})
         assert r.status_code == 200, r.text
         hits = r.json()["answers"]
         assert len(hits) == 3 and {a["answer"] for a in hits} <= set(answers)
-        r = c.post("/refer", json={"image_id": ids[0], "expression": "the red square"})
+        r = c.post("/refer", json={"image_id": ids[0], "expression": "w12 w4 w17"})
         assert r.status_code == 200, r.text
         h, w = r.json()["image_size"]
         x1, y1, x2, y2 = r.json()["box"]
         assert 0 <= x1 <= x2 <= w and 0 <= y1 <= y2 <= h
-        r = c.post("/retrieve", json={"text": "a red square", "image_ids": ids, "top_k": 2})
+        r = c.post("/retrieve", json={"text": "w2 w4 w17", "image_ids": ids, "top_k": 2})
         assert r.status_code == 200, r.text
         assert sorted(hit["image_id"] for hit in r.json()["results"]) == sorted(ids)
-        r = c.post("/nlvr2", json={"images": [{"image_id": i} for i in ids], "statement": "both have a square"})
+        r = c.post("/nlvr2", json={"images": [{"image_id": i} for i in ids], "statement": "w14 w16 w2 w17"})
         assert r.status_code == 200, r.text

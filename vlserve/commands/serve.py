@@ -52,7 +52,7 @@ def serve(
     decode_reduced: Annotated[bool | None, _opt("decode images longer than twice the detector's input side reduced; "
                                                 "boxes stay in original pixels (default on)", "Limits")] = None,
     max_text_chars: Annotated[int | None, _opt("longest question / expression / caption in characters (default 512)", "Limits")] = None,
-    max_text_tokens: Annotated[int | None, _opt("longest text row in word pieces (default 64)", "Limits")] = None,
+    max_text_tokens: Annotated[int | None, _opt("longest text row in word pieces (default 64; at most the checkpoint's text positions)", "Limits")] = None,
     max_top_k: Annotated[int | None, _opt("largest top_k a request may ask for (default 100)", "Limits")] = None,
     max_candidates: Annotated[int | None, _opt("most image_ids / texts one /retrieve request may rank (default 100)", "Limits")] = None,
     api_keys: Annotated[str | None, _opt("comma-separated API keys for X-API-Key; none = open (prefer the env variable: "
