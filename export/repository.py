@@ -283,8 +283,13 @@ def export_repository(
         raise ExportError(f"{model_dir} has no task head to export (heads: {', '.join(config.heads) or 'none'})")
     torch.set_num_threads(threads)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except FileExistsError as exc:  # a file where a parent directory should be
+        raise ExportError(f"{out}: cannot create the repository: {exc.filename} is a file, not a directory") from None
+    except OSError as exc:  # a read-only file system, no write permission
+        raise ExportError(f"{out}: cannot create the repository in {out.parent} ({exc.strerror})") from None
     work = tmp / ".work"  # intermediate graphs, removed before the repository is moved into place
     try:
         (tmp / GRAPHS).mkdir()

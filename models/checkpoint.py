@@ -108,10 +108,15 @@ def verify_manifest(path: str | Path) -> dict[str, Any]:
     if not mpath.is_file():
         raise CheckpointError(f"{path}: missing file {MANIFEST}")
     try:
-        manifest = json.loads(mpath.read_text())
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
         files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{mpath}: not a valid manifest ({exc})") from None
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{mpath}: not a valid manifest ('files' is a {type(files).__name__}, not an object of "
+                              "file name -> sha256)")
+    if not files:  # every directory vlserve writes lists its files; an empty list would verify nothing
+        raise CheckpointError(f"{mpath}: not a valid manifest ('files' lists no file to verify)")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{mpath}: format_version {manifest.get('format_version')!r}, this code reads {FORMAT_VERSION}")
     for name, digest in files.items():

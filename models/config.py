@@ -24,6 +24,14 @@ HEAD_KINDS = (
     # pretraining heads
     "mlm", "mrfr", "mrc", "image_qa", "tag",
 )
+# EncoderConfig fields that must be at least 1:
+POSITIVE_FIELDS = ("vocab_size", "hidden_size", "num_heads", "intermediate_size", "max_position_embeddings",
+                   "type_vocab_size", "visual_feat_dim")
+# EncoderConfig fields that may be 0: a stream without layers, or 0 = derived from another field:
+COUNT_FIELDS = ("num_layers", "num_image_layers", "num_cross_layers", "image_hidden_size", "image_num_heads",
+                "image_intermediate_size", "coattention_hidden_size", "coattention_num_heads", "pooler_size",
+                "geometry_dim", "task_tokens")
+PROBABILITY_FIELDS = ("dropout", "attention_dropout")  # EncoderConfig fields in [0, 1]
 RANK_HEAD = "rank"  # the name of an itm-kind head trained to rank (listwise) beside the ITM classifier: /retrieve and
 # retrieval R@K read it where a model has it, ITM accuracy reads the head named itm
 
@@ -99,6 +107,7 @@ class EncoderConfig:
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+        self._check_ranges()
         self.coattention_text_layers = tuple(self.coattention_text_layers)
         self.coattention_image_layers = tuple(self.coattention_image_layers)
         if self.box_embedding not in BOX_EMBEDDINGS:
@@ -129,10 +138,12 @@ class EncoderConfig:
             raise ValueError("box_embedding applies to the vlserve embedding style (embedding_style 'vlserve'): the "
                              "published one embeds the 4-d box as its authors' code does, LN(Linear(4, H)), and takes "
                              f"box_embedding 'linear', not {self.box_embedding!r}")
-        for name, width, heads in (
-            ("hidden_size", self.hidden_size, self.num_heads),
-            ("image_hidden_size", self.image_width, self.image_heads),
-        ):
+        widths = [("hidden_size", self.hidden_size, self.num_heads),
+                  ("image_hidden_size", self.image_width, self.image_heads)]
+        if self.preset == "vilbert":  # its co-attention splits its own width into its own heads (two_stream.py)
+            widths.append(("coattention_hidden_size", self.coattention_width,
+                           self.coattention_num_heads or self.image_heads))
+        for name, width, heads in widths:
             if width % heads:
                 raise ValueError(f"{name}={width} is not a multiple of its number of heads ({heads})")
         if self.preset == "vilbert":
@@ -149,6 +160,21 @@ class EncoderConfig:
                 self.coattention_text_layers
             ) != sorted(self.coattention_text_layers):
                 raise ValueError("coattention_text_layers must be non-decreasing counts of text layers (<= num_layers)")
+
+    def _check_ranges(self) -> None:
+        """Sizes, counts and dropout probabilities a model can be built with; the first one out of range fails naming
+        its field (before any module divides by a head count or allocates a negative dimension)."""
+        for names, lowest in ((POSITIVE_FIELDS, 1), (COUNT_FIELDS, 0)):
+            for name in names:
+                value = getattr(self, name)
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise ValueError(f"{name}={value!r} is not an integer")
+                if value < lowest:
+                    raise ValueError(f"{name}={value} must be at least {lowest}")
+        for name in PROBABILITY_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
+                raise ValueError(f"{name}={value!r} is not a probability in [0, 1]")
 
     @property
     def is_two_stream(self) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..feature_files import FeatureFileWriter, read_obj_tsv, write_obj_tsv
+from ..feature_files import FeatureFileWriter, FeatureFormatError, read_obj_tsv, write_obj_tsv
 from ..images import DEFAULT_MAX_PIXELS, ImageError, load_image
 from ..region_features import RegionFeatures
 from .model import RegionDetector
@@ -74,14 +74,27 @@ def image_ids(paths: list[Path], mode: str) -> list[str]:
 
 
 def _tsv_done(path: Path) -> set[str]:
-    """Ids already in a TSV, after cutting off a torn last line left by an interrupted run."""
+    """Ids already in a TSV, after cutting off a torn last line left by an interrupted run. The whole lines are read
+    as rows first and the torn one must start like a row (an id, then a tab), so a file that is not such a TSV is
+    refused (FeatureFormatError) as it is, never cut."""
     if not path.exists():
         return set()
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
+    lines, end, size = 0, 0, 0  # whole lines, the byte after the last of them, the file's size
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            if (n := chunk.count(b"\n")) > 0:
+                lines, end = lines + n, size + chunk.rfind(b"\n") + 1
+            size += len(chunk)
+        f.seek(end)
+        torn = f.read(min(size - end, 4096))
+    done = {image_id for image_id, _ in read_obj_tsv(path, topk=lines)}
+    if end < size:
+        if b"\t" not in torn:
+            raise FeatureFormatError(f"{path} line {lines + 1}: neither an obj36 TSV row nor the start of one "
+                                     "(the file is left as it is)")
         with open(path, "r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
-    return {image_id for image_id, _ in read_obj_tsv(path)}
+            f.truncate(end)
+    return done
 
 
 def _batches(items: list, size: int) -> Iterator[list]:

@@ -213,7 +213,7 @@ def _numbers(value: Any, count: int) -> bool:
 def read_vocabulary(path: Path, count: int, what: str, key: str) -> list[str]:
     """Names of a Visual Genome vocab file (the first name of each line, lower case, as the reference reads them)."""
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a byte-order mark is no class name
     except (OSError, UnicodeDecodeError) as exc:
         raise FrcnnImportError(f"{path}: unreadable {what} vocabulary ({exc})") from None
     while lines and not lines[-1].strip():

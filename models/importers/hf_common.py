@@ -54,8 +54,9 @@ class HFSource:
     def weights_path(self) -> Path:
         return self.path / self.weights_file
 
-    def get(self, name: str, kind: type = int, default: Any = _MISSING) -> Any:
-        """A typed config.json field; a missing (without default) or ill-typed one fails naming it."""
+    def get(self, name: str, kind: type = int, default: Any = _MISSING, least: int | None = None) -> Any:
+        """A typed config.json field; a missing (without default) or ill-typed one fails naming it, and so does a
+        number below `least` (a size the model reads 0 of as "derived from another field" needs least=1)."""
         value = self.config.get(name)
         if value is None:
             if default is _MISSING:
@@ -64,6 +65,8 @@ class HFSource:
         numeric = (int, float) if kind is float else kind  # JSON writes 0.0 as 0
         if not isinstance(value, numeric) or (isinstance(value, bool) and kind is not bool):
             raise HFImportError(f"{self.config_path}: field {name!r} is {value!r}, expected {kind.__name__}")
+        if least is not None and value < least:
+            raise HFImportError(f"{self.config_path}: field {name!r} is {value!r}, expected at least {least}")
         return float(value) if kind is float else value
 
     def architecture(self, supported: tuple[str, ...], fmt: str) -> str | None:
@@ -157,11 +160,14 @@ def _load_weights(src: Path) -> tuple[dict[str, torch.Tensor], str]:
         index = src / name
         if index.is_file():
             try:
-                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+                shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
                 raise HFImportError(f"{index}: not a valid shard index ({exc})") from None
+            other = next((shard for shard in shards if not isinstance(shard, str)), None)
+            if other is not None:
+                raise HFImportError(f"{index}: not a valid shard index (weight_map gives {other!r}, not a file name)")
             state: dict[str, torch.Tensor] = {}
-            for shard in shards:
+            for shard in sorted(shards):
                 if not (src / shard).is_file():
                     raise HFImportError(f"{index}: lists shard {shard}, which is missing")
                 state.update(load_weight_file(src / shard))
@@ -202,9 +208,25 @@ def tensor_shape(source: HFSource, key: str) -> tuple[int, ...]:
 
 
 def layer_count(source: HFSource, stack: str) -> int:
-    """Layers of a ModuleList from its keys (`{stack}.{i}.`): the highest index + 1, so a gap is a missing tensor."""
+    """Layers of a ModuleList from its keys (`{stack}.{i}.`): the highest index + 1. A layer with no tensor below
+    the highest fails naming it, so a stray high index cannot make a model of that many layers."""
     pattern = re.compile(re.escape(stack) + r"\.(\d+)\.")
-    return max((int(m.group(1)) + 1 for key in source.state if (m := pattern.match(key))), default=0)
+    found = {int(m.group(1)) for key in source.state if (m := pattern.match(key))}
+    count = max(found, default=-1) + 1
+    if len(found) != count:
+        gap = next(i for i in range(count) if i not in found)
+        raise HFImportError(f"{source.weights_path}: tensors of {stack}.{count - 1} but none of {stack}.{gap}")
+    return count
+
+
+def stated_layers(source: HFSource, name: str, stack: str, default: Any = _MISSING) -> int:
+    """The layer count a config field states, which must be the count the weights hold under `stack`: checked before
+    any model is built, so that a config with fewer layers drops none silently and one with more fails at once."""
+    stated = source.get(name, default=default)
+    held = layer_count(source, stack)
+    if stated != held:
+        raise HFImportError(f"{source.config_path}: {name} is {stated}, but the weights have {held} ({stack}.*)")
+    return stated
 
 
 def bert_fields(source: HFSource, layer_norm_eps: float | None = None) -> dict[str, Any]:
@@ -271,7 +293,7 @@ def read_answers(path: str | Path) -> list[str]:
     answer -> index object (trainval_ans2label.json) whose indices are 0..N-1."""
     path = Path(path)
     try:
-        table = json.loads(path.read_text(encoding="utf-8"))
+        table = json.loads(path.read_text(encoding="utf-8-sig"))  # skips a byte-order mark, as Windows editors write
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise HFImportError(f"{path}: unreadable answer table ({exc})") from None
     if isinstance(table, list) and all(isinstance(a, dict) and isinstance(a.get("ans"), str) for a in table):

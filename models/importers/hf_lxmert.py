@@ -30,6 +30,7 @@ from .hf_common import (
     name_answers,
     pretraining_heads,
     read_source,
+    stated_layers,
     write_checkpoint,
 )
 from .keymap import KeyMap, bert_embeddings, bert_layer, cross_attention, feed_forward, linear, self_attention
@@ -92,14 +93,14 @@ def import_lxmert(src: str | Path, out: str | Path, answers: Path | None = None)
     architecture = source.architecture(ARCHITECTURES, FORMAT)
     if source.get("visual_pos_dim", default=4) != 4:
         raise HFImportError(f"{source.config_path}: visual_pos_dim must be 4 (normalized x1, y1, x2, y2)")
+    p = source.prefix("lxmert")
     fields = bert_fields(source, layer_norm_eps=LAYER_NORM_EPS) | dict(
-        num_layers=source.get("l_layers"),
-        num_image_layers=source.get("r_layers"),
-        num_cross_layers=source.get("x_layers"),
+        num_layers=stated_layers(source, "l_layers", f"{p}encoder.layer"),
+        num_image_layers=stated_layers(source, "r_layers", f"{p}encoder.r_layers"),
+        num_cross_layers=stated_layers(source, "x_layers", f"{p}encoder.x_layers"),
         visual_feat_dim=source.get("visual_feat_dim"),
     )
     encoder = build_encoder_config(source, "lxmert", fields)
-    p = source.prefix("lxmert")
     keymap = encoder_keymap(p, encoder.num_layers, encoder.num_image_layers, encoder.num_cross_layers)
 
     heads, head_keys = pretraining_heads(source, f"{p}embeddings.word_embeddings.weight")

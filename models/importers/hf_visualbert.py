@@ -27,6 +27,7 @@ from .hf_common import (
     name_answers,
     pretraining_heads,
     read_source,
+    stated_layers,
     write_checkpoint,
 )
 from .keymap import KeyMap, bert_embeddings, bert_layer, linear
@@ -86,11 +87,12 @@ def import_visualbert(src: str | Path, out: str | Path, answers: Path | None = N
     architecture = source.architecture(ARCHITECTURES, FORMAT)
     if source.get("bypass_transformer", bool, default=False):
         raise HFImportError(f"{source.config_path}: bypass_transformer=true is not supported")
+    p = source.prefix("visual_bert")
     fields = bert_fields(source) | dict(
-        num_layers=source.get("num_hidden_layers"), visual_feat_dim=source.get("visual_embedding_dim")
+        num_layers=stated_layers(source, "num_hidden_layers", f"{p}encoder.layer"),
+        visual_feat_dim=source.get("visual_embedding_dim"),
     )
     encoder = build_encoder_config(source, "visualbert", fields)
-    p = source.prefix("visual_bert")
     keymap = encoder_keymap(p, encoder.num_layers)
 
     heads, head_keys = pretraining_heads(source, f"{p}embeddings.word_embeddings.weight")

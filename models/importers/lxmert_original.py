@@ -39,6 +39,7 @@ from .hf_common import (
 from .hf_lxmert import LAYER_NORM_EPS, answer_head, encoder_keymap, object_heads
 
 FORMAT = "lxmert"
+FILES = "snap/vqa/BEST.pth, model_LXRT.pth"  # its files, named when a directory is given
 BERT_CONFIG = "bert_config.json"
 BERT_BASE_UNCASED = dict(  # bert-base-uncased's bert_config.json: LXRTEncoder and LXRTPretraining build from it
     vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
@@ -58,11 +59,12 @@ OTHER_FORMATS = {  # first key prefix of a checkpoint this importer does not rea
 }
 
 
-def read_original(src: str | Path) -> HFSource:
-    """The tensors of an original LXMERT .pth file and the BERT config it was built with."""
+def read_original(src: str | Path, files: str = FILES) -> HFSource:
+    """The tensors of an original LXMERT .pth file and the BERT config it was built with; `files`: the names of the
+    format's files, said when a directory is given."""
     path = Path(src)
     if path.is_dir():
-        raise HFImportError(f"{path}: a directory; give the .pth file (snap/vqa/BEST.pth, model_LXRT.pth)")
+        raise HFImportError(f"{path}: a directory; give the .pth file ({files})")
     if not path.is_file():
         raise HFImportError(f"{path}: no such file")
     state = load_weight_file(path)

@@ -57,6 +57,7 @@ from .keymap import KeyMap, bert_embeddings, bert_layer, linear
 from .lxmert_original import read_original, word_embedding_size
 
 FORMAT = "u-visualbert"
+FILES = "snap/vqa.pth, CC_Unsupervised_LXRT.pth"  # its published files, named when a directory is given
 # where LXRTModel's tensors sit -> where the pretraining heads sit, None for a fine-tuned VQA model (head: logit_fc)
 LAYOUTS = {
     "module.bert.": "module.",  # LXRTPretraining under nn.DataParallel (the published *_LXRT.pth)
@@ -204,6 +205,6 @@ def convert(source: HFSource, answers: Path | None = None) -> tuple[ModelConfig,
 def import_u_visualbert(src: str | Path, out: str | Path, answers: Path | None = None) -> Path:
     """Convert a uclanlp/visualbert unsupervised_visualbert .pth file into a vlserve checkpoint directory; returns
     `out`. `answers`: the answer table of its VQA head (hf_common.read_answers)."""
-    source = read_original(src)
+    source = read_original(src, FILES)
     config, weights, labels, model = convert(source, answers)
     return write_checkpoint(source, out, config, weights, labels, FORMAT, model, answers)

@@ -32,6 +32,7 @@ tensor is an error: the reference saves nothing else.
 """
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -46,6 +47,7 @@ from .hf_common import (
     load_weight_file,
     name_answers,
     read_config,
+    stated_layers,
     write_checkpoint,
 )
 from .keymap import KeyMap, bert_embeddings, bert_layer, feed_forward, fused, linear
@@ -136,8 +138,8 @@ def check_format(source: HFSource) -> None:
     )
 
 
-def setting(source: HFSource, name: str, kind: type = int):
-    return source.get(name, kind, default=REFERENCE_DEFAULTS[name])
+def setting(source: HFSource, name: str, kind: type = int, least: int | None = None):
+    return source.get(name, kind, default=REFERENCE_DEFAULTS[name], least=least)
 
 
 def ids(source: HFSource, name: str) -> tuple[int, ...]:
@@ -162,18 +164,20 @@ def encoder_fields(source: HFSource) -> dict:
     if len(text_ids) != len(image_ids):
         raise HFImportError(f"{source.config_path}: t_biattention_id and v_biattention_id differ in length")
     task = "bert.embeddings.task_embeddings.weight"
+    size = partial(setting, source, least=1)  # EncoderConfig reads a 0 width or head count as another stream's
     return bert_fields(source, layer_norm_eps=LAYER_NORM_EPS) | dict(
-        num_layers=source.get("num_hidden_layers"),
+        num_layers=stated_layers(source, "num_hidden_layers", "bert.encoder.layer"),
         visual_feat_dim=setting(source, "v_feature_size"),
-        image_hidden_size=setting(source, "v_hidden_size"),
-        image_num_heads=setting(source, "v_num_attention_heads"),
-        image_intermediate_size=setting(source, "v_intermediate_size"),
-        num_image_layers=setting(source, "v_num_hidden_layers"),
+        image_hidden_size=size("v_hidden_size"),
+        image_num_heads=size("v_num_attention_heads"),
+        image_intermediate_size=size("v_intermediate_size"),
+        num_image_layers=stated_layers(source, "v_num_hidden_layers", "bert.encoder.v_layer",
+                                       REFERENCE_DEFAULTS["v_num_hidden_layers"]),
         num_cross_layers=len(text_ids),
         coattention_text_layers=text_ids,
         coattention_image_layers=image_ids,
-        coattention_hidden_size=setting(source, "bi_hidden_size"),
-        coattention_num_heads=setting(source, "bi_num_attention_heads"),
+        coattention_hidden_size=size("bi_hidden_size"),
+        coattention_num_heads=size("bi_num_attention_heads"),
         task_tokens=source.rows(task) if source.has(task) else 0,
         img_from_regions=True,  # [IMG] = the mean of the regions' features (ImageFeaturesH5Reader), never the detector's
     )

@@ -191,7 +191,8 @@ def encoder_fields(source: HFSource, p: str) -> dict[str, Any]:
         vocab_size=vocab, hidden_size=hidden, num_layers=found["num_hidden_layers"], num_heads=heads,
         intermediate_size=found["intermediate_size"], max_position_embeddings=found["max_position_embeddings"],
         type_vocab_size=found["type_vocab_size"], layer_norm_eps=1e-12, visual_feat_dim=visual_in - GEOMETRY,
-        dropout=float(cfg.get("hidden_dropout_prob", 0.1)), attention_dropout=float(cfg.get("attention_probs_dropout_prob", 0.1)),
+        dropout=source.get("hidden_dropout_prob", float, default=0.1),
+        attention_dropout=source.get("attention_probs_dropout_prob", float, default=0.1),
         vlbert_embedding="reference", geometry_dim=GEOMETRY, pooler=source.has(f"{v}pooler.dense.weight"),
     )
 
@@ -265,7 +266,7 @@ def answer_names(source: HFSource, heads: dict[str, HeadConfig], answers: Path |
         names = [str(i) for i in range(count)]
     elif Path(answers).suffix == ".txt":
         try:
-            names = Path(answers).read_text(encoding="utf-8").splitlines()
+            names = Path(answers).read_text(encoding="utf-8-sig").splitlines()  # a byte-order mark is no answer
         except (OSError, UnicodeDecodeError) as exc:
             raise HFImportError(f"{answers}: unreadable answer list ({exc})") from None
         names = [n.strip() for n in names if n.strip()]

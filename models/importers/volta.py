@@ -313,8 +313,9 @@ def shared_fields(source: HFSource) -> dict:
 def encoder_fields(source: HFSource, lay: Layout) -> dict:
     """EncoderConfig fields of the config (the tensors' shapes are checked against them when the model is built)."""
     where = source.config_path
-    hidden, v_hidden = source.get("hidden_size"), source.get("v_hidden_size", default=768)
-    heads, v_heads = source.get("num_attention_heads"), source.get("v_num_attention_heads", default=12)
+    # EncoderConfig reads a 0 image width, head count or pooler width as another stream's
+    hidden, v_hidden = source.get("hidden_size"), source.get("v_hidden_size", default=768, least=1)
+    heads, v_heads = source.get("num_attention_heads"), source.get("v_num_attention_heads", default=12, least=1)
     widths, t_heads = _overrides(source, "sublayer2attn_hidden_size"), _overrides(source, "sublayer2num_attention_heads")
     v_widths, vt_heads = _overrides(source, "sublayer2v_attn_hidden_size"), _overrides(source, "sublayer2v_num_attention_heads")
     if set(widths) - set(lay.co) or set(t_heads) - set(lay.co) or set(v_widths) - set(lay.co) or set(vt_heads) - set(lay.co):
@@ -332,7 +333,7 @@ def encoder_fields(source: HFSource, lay: Layout) -> dict:
         intermediate_size=source.get("intermediate_size"),
         image_hidden_size=v_hidden,
         image_num_heads=v_heads,
-        image_intermediate_size=source.get("v_intermediate_size", default=3072),
+        image_intermediate_size=source.get("v_intermediate_size", default=3072, least=1),
         num_layers=len(lay.text),
         num_image_layers=len(lay.image),
         num_cross_layers=len(lay.co),
@@ -341,7 +342,7 @@ def encoder_fields(source: HFSource, lay: Layout) -> dict:
         coattention_image_layers=() if lay.image_before_co == list(range(len(lay.co))) else tuple(lay.image_before_co),
         coattention_hidden_size=co_width,
         coattention_num_heads=co_heads,
-        pooler_size=source.get("pooler_size", default=768),
+        pooler_size=source.get("pooler_size", default=768, least=1),
     )
 
 
@@ -563,7 +564,7 @@ def pooling_fields(source: HFSource, hidden: int) -> dict:
     return dict(
         pooler_style="tanh" if tanh else "relu_mul" if fusion == "mul" else "relu",
         whole_image_region=source.config.get("add_global_imgfeat") == "first",
-        pooler_size=0 if tanh else source.get("pooler_size", default=768),
+        pooler_size=0 if tanh else source.get("pooler_size", default=768, least=1),  # 0 would read as hidden_size
     )
 
 

@@ -110,3 +110,40 @@ def test_an_image_the_detector_fails_on_is_reported_and_the_rest_written(detecto
         assert sorted(f) == ["a", "c"]
         alone = detector.extract([np.asarray(Image.open(folder / "a.png").convert("RGB"))])[0]
         np.testing.assert_allclose(f["a"].boxes, alone.boxes, atol=1e-3)
+
+
+def test_out_an_existing_directory_is_one_line(detector_dir, folder, tmp_path):
+    out = tmp_path / "features"
+    out.mkdir()
+    result = run(folder / "a.png", "--detector", detector_dir, "--out", out)
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert result.stderr == f"error: {out}: is a directory; --out takes the feature file to write or resume\n"
+    assert not list(out.iterdir())
+
+
+def test_out_that_cannot_be_opened_is_one_line(detector_dir, folder, tmp_path):
+    (tmp_path / "afile").write_text("not a directory")
+    result = run(folder / "a.png", "--detector", detector_dir, "--out", tmp_path / "afile" / "feats.vlfeat")
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert "Not a directory" in result.stderr
+
+
+def test_tsv_resume_cuts_a_torn_last_row(detector_dir, folder, tmp_path):
+    """An interrupted run leaves half a row: the next run cuts it off and writes the rest."""
+    out = tmp_path / "f.tsv"
+    run(folder / "a.png", "--detector", detector_dir, "--out", out, "--format", "tsv")
+    whole = out.read_bytes()
+    out.write_bytes(whole + whole[: len(whole) // 2])  # a second row, torn
+    result = run(folder / "a.png", folder / "sub", "--detector", detector_dir, "--out", out, "--format", "tsv")
+    assert result.exit_code == 0, result.output
+    assert sorted(dict(read_obj_tsv(out))) == ["a", "c"] and out.read_bytes().startswith(whole)
+
+
+@pytest.mark.parametrize("text", [b"my precious notes\nline two", b"one line, no newline"])
+def test_tsv_output_over_another_file_is_refused_and_left_as_it_is(detector_dir, folder, tmp_path, text):
+    out = tmp_path / "notes.txt"
+    out.write_bytes(text)
+    result = run(folder / "a.png", "--detector", detector_dir, "--out", out, "--format", "tsv")
+    assert result.exit_code == 2 and "notes.txt line" in result.stderr, result.output
+    assert out.read_bytes() == text

@@ -73,6 +73,29 @@ def test_changed_file_fails_its_hash(saved, name):
         load_checkpoint(path)
 
 
+MANIFESTS = {  # manifest.json -> what `vlserve info` says after "manifest.json: not a valid manifest "
+    "not UTF-8": (b"\xff\xfe{}", "('utf-8' codec can't decode byte 0xff in position 0: invalid start byte)"),
+    "files a list": (json.dumps({"format_version": 1, "files": ["config.json"]}).encode(),
+                     "('files' is a list, not an object of file name -> sha256)"),
+    "no files": (json.dumps({"format_version": 1, "files": {}}).encode(), "('files' lists no file to verify)"),
+}
+
+
+@pytest.mark.parametrize("case", list(MANIFESTS))
+def test_info_on_a_bad_manifest_exits_2_with_one_line(saved, case):
+    from typer.testing import CliRunner
+
+    from vlserve.cli import app
+
+    _, path = saved
+    text, why = MANIFESTS[case]
+    (path / "manifest.json").write_bytes(text)
+    result = CliRunner().invoke(app, ["info", str(path)])
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)  # no traceback
+    assert result.stderr == f"error: {path / 'manifest.json'}: not a valid manifest {why}\n"
+
+
 def test_expectations_name_the_field(saved):
     _, path = saved
     with pytest.raises(CheckpointError, match="encoder.preset is 'lxmert', expected 'visualbert'"):
@@ -110,6 +133,19 @@ def test_unknown_preset_and_bad_labels_are_clear(saved):
     _rewrite(path, "config.json", lambda c: c["encoder"].update(preset="resnet"))
     with pytest.raises(CheckpointError, match="unknown preset 'resnet'"):
         load_checkpoint(path)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("attention_dropout", -1.0, "attention_dropout=-1.0 is not a probability in [0, 1]"),
+    ("num_heads", 0, "num_heads=0 must be at least 1"),
+    ("hidden_size", "big", "hidden_size='big' is not an integer"),
+])
+def test_an_impossible_encoder_config_names_the_field(saved, field, value, message):
+    _, path = saved
+    _rewrite(path, "config.json", lambda c: c["encoder"].update({field: value}))
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path)
+    assert str(info.value) == f"{path / 'config.json'}: {message}"
 
 
 @pytest.mark.parametrize("pool", ["regions_geometry", "regions_count"])

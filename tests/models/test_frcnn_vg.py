@@ -188,6 +188,18 @@ def test_safetensors_source_imports_the_same(detector, tmp_path):
     assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in ours)
 
 
+def test_vocabularies_with_a_byte_order_mark_import_the_same(imported, tmp_path):
+    """Vocab files saved with a UTF-8 byte-order mark (as Windows editors write) give the same names and detector."""
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURE / "tiny", src)
+    for name in ("objects_vocab.txt", "attributes_vocab.txt"):
+        (src / name).write_bytes(b"\xef\xbb\xbf" + (src / name).read_bytes())
+    out = tmp_path / "out"
+    assert cli("frcnn-vg", src, out, *vocab_args(src)).exit_code == 0
+    assert json.loads((out / "labels.json").read_text()) == json.loads((imported / "labels.json").read_text())
+    assert load_detector(out)[1] == load_detector(imported)[1]  # the fingerprint
+
+
 # ---- batching ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("form", ["imported", "serving"])
 def test_batched_extraction_equals_per_image(form, detector, serving):

@@ -203,6 +203,11 @@ def good_src(tmp_path_factory) -> Path:
     return save_hf(visualbert("VisualBertForQuestionAnswering", num_labels=3), tmp_path_factory.mktemp("good") / "hf")
 
 
+@pytest.fixture(scope="module")
+def good_lxmert(tmp_path_factory) -> Path:
+    return save_hf(lxmert("LxmertForQuestionAnswering", num_qa_labels=3), tmp_path_factory.mktemp("good") / "hf")
+
+
 def copy_src(src: Path, dst: Path) -> Path:
     dst.mkdir()
     for f in src.iterdir():
@@ -241,10 +246,31 @@ def pickled_object(src, tmp_path):
     return path
 
 
-def write_text(name: str, text: str):
+def write_text(name: str, text: str | bytes):
     def make(src, tmp_path):
         path = bad(src, tmp_path)
-        (path / name).write_text(text)
+        (path / name).write_bytes(text.encode() if isinstance(text, str) else text)
+        return path
+    return make
+
+
+def shard_index(text: str | bytes):
+    """The weights as a sharded checkpoint whose model.safetensors.index.json holds `text`."""
+    def make(src, tmp_path):
+        path = write_text("model.safetensors.index.json", text)(src, tmp_path)
+        (path / "model.safetensors").unlink()
+        return path
+    return make
+
+
+def drop_layer(stack: str):
+    """The weights without any tensor of layer `stack` (`...encoder.layer.0`), the layers above it kept."""
+    def make(src, tmp_path):
+        from safetensors.torch import load_file, save_file
+
+        path = bad(src, tmp_path)
+        state = load_file(path / "model.safetensors")
+        save_file({k: v for k, v in state.items() if not k.startswith(f"{stack}.")}, path / "model.safetensors")
         return path
     return make
 
@@ -270,13 +296,41 @@ ERRORS = {
     "missing tensor": (drop_tensor, "model.safetensors: source checkpoint lacks visual_bert.encoder.layer.1.attention.self.key.weight"),
     "corrupt weights": (write_text("model.safetensors", "garbage"), "model.safetensors: unreadable weights"),
     "unsafe pickle": (pickled_object, "pytorch_model.bin: unreadable weights"),
+    "negative width": (corrupt_config(lambda c: c.update(hidden_size=-32)), "config.json: hidden_size=-32 must be at least 1"),
+    "no attention heads": (corrupt_config(lambda c: c.update(num_attention_heads=0)), "config.json: num_heads=0 must be at least 1"),
+    "dropout above 1": (corrupt_config(lambda c: c.update(hidden_dropout_prob=5)),
+                        "config.json: dropout=5.0 is not a probability in [0, 1]"),
+    "negative attention dropout": (corrupt_config(lambda c: c.update(attention_probs_dropout_prob=-1)),
+                                   "config.json: attention_dropout=-1.0 is not a probability in [0, 1]"),
+    "fewer layers than the weights": (corrupt_config(lambda c: c.update(num_hidden_layers=1)),
+                                      "config.json: num_hidden_layers is 1, but the weights have 2 (visual_bert.encoder.layer.*)"),
+    "more layers than the weights": (corrupt_config(lambda c: c.update(num_hidden_layers=3)),
+                                     "config.json: num_hidden_layers is 3, but the weights have 2 (visual_bert.encoder.layer.*)"),
+    "a billion layers": (corrupt_config(lambda c: c.update(num_hidden_layers=10**9)),  # refused before any layer is built
+                         "config.json: num_hidden_layers is 1000000000, but the weights have 2 (visual_bert.encoder.layer.*)"),
+    "weights without a lower layer": (drop_layer("visual_bert.encoder.layer.0"),
+                                      "model.safetensors: tensors of visual_bert.encoder.layer.1 but none of visual_bert.encoder.layer.0"),
+    "shard index naming a number": (shard_index(json.dumps({"weight_map": {"visual_bert.pooler.dense.weight": 3}})),
+                                    "model.safetensors.index.json: not a valid shard index (weight_map gives 3, not a file name)"),
+    "shard index not UTF-8": (shard_index(b"\xff\xfe{}"), "model.safetensors.index.json: not a valid shard index ('utf-8' codec "
+                                                           "can't decode byte 0xff in position 0: invalid start byte)"),
 }
+LXMERT_ERRORS = {  # hf-lxmert: each of its layer counts is checked against the weights
+    "fewer language layers": (corrupt_config(lambda c: c.update(l_layers=1)),
+                              "config.json: l_layers is 1, but the weights have 2 (lxmert.encoder.layer.*)"),
+    "fewer cross-modality layers": (corrupt_config(lambda c: c.update(x_layers=1)),
+                                    "config.json: x_layers is 1, but the weights have 2 (lxmert.encoder.x_layers.*)"),
+    "more object-relationship layers": (corrupt_config(lambda c: c.update(r_layers=2)),
+                                        "config.json: r_layers is 2, but the weights have 1 (lxmert.encoder.r_layers.*)"),
+}
+SOURCES = {"hf-visualbert": ("good_src", ERRORS), "hf-lxmert": ("good_lxmert", LXMERT_ERRORS)}  # format -> fixture, cases
 
 
-@pytest.mark.parametrize("case", list(ERRORS))
-def test_bad_source_exits_2_with_one_clear_message(case, good_src, tmp_path):
-    make, message = ERRORS[case]
-    result = cli("hf-visualbert", make(good_src, tmp_path), tmp_path / "out")
+@pytest.mark.parametrize("fmt, case", [(fmt, case) for fmt, (_, cases) in SOURCES.items() for case in cases])
+def test_bad_source_exits_2_with_one_clear_message(fmt, case, request, tmp_path):
+    fixture, cases = SOURCES[fmt]
+    make, message = cases[case]
+    result = cli(fmt, make(request.getfixturevalue(fixture), tmp_path), tmp_path / "out")
     assert result.exit_code == 2, result.output
     assert isinstance(result.exception, SystemExit)  # no traceback
     assert message in result.stderr
@@ -353,6 +407,13 @@ def test_bad_answers_exit_2(case, good_src, tmp_path):
     assert result.exit_code == 2, result.output
     assert message in result.stderr and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_answers_with_a_byte_order_mark(good_src, tmp_path):
+    """An answer table saved with a UTF-8 byte-order mark (as Windows editors write) reads as one without."""
+    (tmp_path / "answers.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(["yes", "no", "red"]).encode())
+    ckpt = imported("hf-visualbert", good_src, tmp_path / "out", "--answers", tmp_path / "answers.json")
+    assert ckpt.labels["heads"]["vqa"] == ["yes", "no", "red"]
 
 
 def test_answers_without_an_answer_head_exit_2(tmp_path):

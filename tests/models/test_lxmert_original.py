@@ -147,6 +147,12 @@ def without_bert_config(tmp_path):
     return src
 
 
+def bert_config(**changes):
+    """BEST.pth beside a bert_config.json with `changes`."""
+    config = json.loads((FIXTURE / "bert_config.json").read_text()) | changes
+    return lambda tmp: resaved(FIXTURE, tmp, "BEST.pth", copied=BESIDE, written={"bert_config.json": json.dumps(config)})
+
+
 def answers(table):
     def make(tmp_path):
         (tmp_path / "answers.json").write_text(json.dumps(table))
@@ -156,7 +162,7 @@ def answers(table):
 
 KEY = "module.bert.encoder.layer.1.attention.self.key.weight"
 ERRORS = {
-    "directory": (lambda tmp: FIXTURE, "a directory; give the .pth file"),
+    "directory": (lambda tmp: FIXTURE, "a directory; give the .pth file (snap/vqa/BEST.pth, model_LXRT.pth)"),
     "no file": (lambda tmp: tmp / "BEST.pth", "BEST.pth: no such file"),
     "truncated file": (truncated, "BEST.pth: unreadable weights, truncated or corrupt"),
     "pickled object": (pickled_object, "BEST.pth: unreadable weights: the pickle holds pathlib.PosixPath"),
@@ -175,6 +181,9 @@ ERRORS = {
                       "BEST.pth: not an airsplay/lxmert checkpoint"),
     "nlvr2 model": (lambda tmp: rewrite(tmp, "BEST.pth", nlvr2), "BEST.pth: logit_fc reads 32 values, not the pooled 16"),
     "tiny without bert_config.json": (without_bert_config, "BEST.pth: hidden size 16, not bert-base-uncased's 768"),
+    "bert_config.json without heads": (bert_config(num_attention_heads=0), "bert_config.json: num_heads=0 must be at least 1"),
+    "bert_config.json dropout above 1": (bert_config(hidden_dropout_prob=5),
+                                         "bert_config.json: dropout=5.0 is not a probability in [0, 1]"),
     "answers of another size": (answers(["yes", "no"]), "answers.json: 2 answers, but the checkpoint's vqa head has 7"),
     "not an answer table": (answers({"yes": "no"}), "answers.json: not an answer table"),
     "ans2label with gaps": (answers({"yes": 0, "no": 2}), "answers.json: the answer -> index object's indices"),

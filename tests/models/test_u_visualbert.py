@@ -214,6 +214,7 @@ def bert_config(**changes):
 
 KEY = "module.bert.encoder.layer.1.attention.self.key.weight"
 ERRORS = {
+    "directory": (lambda tmp: FIXTURE, "a directory; give the .pth file (snap/vqa.pth, CC_Unsupervised_LXRT.pth)"),
     "truncated file": (truncated, "vqa.pth: unreadable weights, truncated or corrupt"),
     "another format: airsplay/lxmert": (lxmert_checkpoint, "BEST.pth: an airsplay/lxmert checkpoint (regions embedded by "
                                                            "encoder.visn_fc, no tag embeddings): import it with `vlserve import lxmert`"),
@@ -224,6 +225,8 @@ ERRORS = {
     "config disagrees: hidden size": (bert_config(hidden_size=32), "bert_config.json: hidden_size is 32, but the weights' is 16"),
     "config disagrees: heads": (bert_config(num_attention_heads=3), "bert_config.json: hidden_size=16 is not a multiple of its number of heads (3)"),
     "config disagrees: vocabulary": (bert_config(vocab_size=30522), "bert_config.json: vocab_size is 30522, but the weights' is 128"),
+    "negative attention dropout": (bert_config(attention_probs_dropout_prob=-1),
+                                   "bert_config.json: attention_dropout=-1.0 is not a probability in [0, 1]"),
     "missing tensor": (lambda tmp: rewrite(tmp, "pretrained_LXRT.pth", drop("module.bert.embeddings.tag_layer_norm.bias")),
                        "pretrained_LXRT.pth: source checkpoint lacks module.bert.embeddings.tag_layer_norm.bias"),
     "extra tensor": (lambda tmp: rewrite(tmp, "pretrained_LXRT.pth", add("module.bert.encoder.adapter.weight", torch.zeros(2))),

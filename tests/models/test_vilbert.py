@@ -218,7 +218,15 @@ ERRORS = {
                                       "tensor bert.v_embeddings.image_embeddings.weight has shape (24, 2048), the model "
                                       "needs (1024, 2048)", HINT),
     "config with more layers": (setting(num_hidden_layers=5, t_biattention_id=[5, 5]),
-                                "source checkpoint lacks bert.encoder.layer.4.attention.self.query.weight", HINT),
+                                "config.json: num_hidden_layers is 5, but the weights have 4 (bert.encoder.layer.*)"),
+    "config with fewer image layers": (setting(v_num_hidden_layers=1, v_biattention_id=[0, 1]),
+                                       "config.json: v_num_hidden_layers is 1, but the weights have 2 (bert.encoder.v_layer.*)"),
+    "config with a billion layers": (setting(num_hidden_layers=10**9),  # refused before any layer is built
+                                     "config.json: num_hidden_layers is 1000000000, but the weights have 4 (bert.encoder.layer.*)"),
+    "config without image-stream heads": (setting(v_num_attention_heads=0),
+                                          "config.json: field 'v_num_attention_heads' is 0, expected at least 1"),
+    "co-attention heads that do not divide": (setting(bi_num_attention_heads=3),
+                                              "config.json: coattention_hidden_size=16 is not a multiple of its number of heads (3)"),
     "config with fewer co-attention layers": (setting(v_biattention_id=[0], t_biattention_id=[4]),
                                               "unexpected tensor bert.encoder.c_layer.1.", HINT),
     "sum pooling": (setting(fusion_method="sum"), "config.json: fusion_method 'sum' is not supported"),

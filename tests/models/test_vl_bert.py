@@ -161,6 +161,14 @@ def test_served_heads(imported):
     assert not task_specs({t: h.kind for t, h in pretrain.model.config.heads.items()}, {}, pretrain.labels)
 
 
+def test_answer_list_with_a_byte_order_mark(imported, tmp_path):
+    """answers_vqa.txt saved with a UTF-8 byte-order mark (as Windows editors write) names the answers the same."""
+    (tmp_path / "answers.txt").write_bytes(b"\xef\xbb\xbf" + (FIXTURE / "answers_vqa.txt").read_bytes())
+    result = cli(FIXTURE / "vqa.model", tmp_path / "out", "--answers", tmp_path / "answers.txt")
+    assert result.exit_code == 0, result.output
+    assert load_checkpoint(tmp_path / "out").labels == imported["vqa"].labels
+
+
 def test_released_configs_have_no_pooler(imported):
     for ckpt in imported.values():
         assert ckpt.model.encoder.pooler is None and not ckpt.model.config.encoder.pooler
@@ -312,6 +320,10 @@ ERRORS = {
     "2fc classifier": (lambda tmp: rewrite(tmp, "vqa.model", add("module.final_mlp.4.weight", torch.zeros(7, 16))),
                        "vqa.model: its VQA classifier is the '2fc' one, which vlserve does not build"),
     "answers of another size": (answers("yes\nno\n"), "answers.txt: 2 answers, but the checkpoint's vqa head has 7"),
+    "config dropout not a number": (lambda tmp: rewrite(tmp, "vqa.model", yaml_edit=network(lambda v: {**v, "hidden_dropout_prob": "high"})),
+                                    "vqa.yaml: field 'hidden_dropout_prob' is 'high', expected float"),
+    "config dropout above 1": (lambda tmp: rewrite(tmp, "vqa.model", yaml_edit=network(lambda v: {**v, "hidden_dropout_prob": 5})),
+                               "vqa.yaml: dropout=5.0 is not a probability in [0, 1]"),
 }
 
 

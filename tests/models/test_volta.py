@@ -271,6 +271,10 @@ ERRORS = {
                                                           "sublayers 4-6 are not an LXMERT cross-modality layer"),
     "VisualBERT-style config of two LayerNorms": (changed_config("ctrl_visualbert", {"single_ln_sublayers": []}),
                                                   "a VisualBERT-style config whose sublayers are not one shared stack"),
+    "dropout above 1": (lambda tmp: rewrite(tmp, TASKS, config={"hidden_dropout_prob": 7}),
+                        "vilbert_tiny.json: dropout=7.0 is not a probability in [0, 1]"),
+    "no image-stream heads": (lambda tmp: rewrite(tmp, TASKS, config={"v_num_attention_heads": 0}),
+                              "vilbert_tiny.json: field 'v_num_attention_heads' is 0, expected at least 1"),
     "answers of another size": (lambda tmp: (tmp.joinpath("answers.json").write_text('["yes", "no"]'), rewrite(tmp, TASKS))[1],
                                 "answers.json: 2 answers, but the checkpoint's vqa head has 7"),
 }

@@ -50,7 +50,7 @@ def export(
     except ExportError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1 if isinstance(exc, ParityError) else 2) from None
-    except (CheckpointError, FileNotFoundError, ValueError) as exc:
+    except (CheckpointError, OSError, ValueError) as exc:  # OSError: --out or the disk, not the graphs' parity
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     summary = {task: {k: v for k, v in p.items() if isinstance(v, dict) and "max_abs_diff" in v}

@@ -12,7 +12,9 @@ def extract(
     images: Annotated[list[Path], typer.Argument(help="image files and/or folders (searched recursively)")],
     detector: Annotated[Path, typer.Option(help="detector checkpoint directory")],
     out: Annotated[Path, typer.Option(help="output file; an existing one is resumed")],
-    fmt: Annotated[str, typer.Option("--format", help="vlfeat (our record file) or tsv (LXMERT obj36 TSV)")] = "vlfeat",
+    fmt: Annotated[str, typer.Option("--format", help="vlfeat (our record file, which names its detector and refuses "
+                                                    "resuming with another) or tsv (LXMERT obj36 TSV; it names no "
+                                                    "detector: resume a TSV only with the one that began it)")] = "vlfeat",
     batch_size: Annotated[int, typer.Option(min=1, help="images per detector batch")] = 8,
     ids: Annotated[str, typer.Option(help="image ids: stem (file name) or sha256 (of the bytes, as the service)")] = "stem",
     threads: Annotated[int, typer.Option(min=1, help="torch threads")] = 2,
@@ -31,11 +33,14 @@ def extract(
     if fmt not in ("vlfeat", "tsv") or ids not in ("stem", "sha256"):
         typer.echo("error: --format must be vlfeat or tsv and --ids stem or sha256", err=True)
         raise typer.Exit(2)
+    if out.is_dir():  # before the detector loads: --out names the feature file itself
+        typer.echo(f"error: {out}: is a directory; --out takes the feature file to write or resume", err=True)
+        raise typer.Exit(2)
     torch.set_num_threads(threads)
     try:
         det, fingerprint = load_detector(detector)
         report = extract_folder(det, fingerprint, images, out, fmt=fmt, batch_size=batch_size, ids=ids)
-    except (CheckpointError, FeatureFormatError, FileNotFoundError, ValueError) as exc:
+    except (CheckpointError, FeatureFormatError, OSError, ValueError) as exc:  # OSError: the output file, the disk
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     for path, reason in report.failed:

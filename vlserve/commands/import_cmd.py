@@ -1,11 +1,15 @@
 """`vlserve import FORMAT SRC OUT`: public checkpoints into vlserve checkpoints, frcnn-vg into a detector."""
 from __future__ import annotations
 
+import errno
 import json
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -25,21 +29,76 @@ Answers = Annotated[Path | None, typer.Option(
     "trainval_label2ans.json), LXMERT's all_ans.json, or an answer -> index object (trainval_ans2label.json)")]
 
 
-def _convert(convert: Callable[[Path, Path], Path], src: Path, out: Path, force: bool) -> Path:
-    """Run one importer into OUT; any import error becomes one line on stderr and exit code 2."""
-    from models.checkpoint import CheckpointError
+def _fail(message: str) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
 
-    if out.resolve() == src.resolve():
-        typer.echo(f"error: {out}: OUT must differ from SRC", err=True)
-        raise typer.Exit(2)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not force)):
-        typer.echo(f"error: {out}: already exists and is not empty (pass --force to write into it)", err=True)
-        raise typer.Exit(2)
+
+def _convert(convert: Callable[[Path, Path], Path], src: Path, out: Path, force: bool) -> Path:
+    """Run one importer into a new directory beside OUT, then move its files into OUT; returns OUT.
+
+    A failed import leaves OUT as it was (and a previous import in it intact); any import or write error becomes
+    one line on stderr and exit code 2.
+    """
+    from models.checkpoint import CheckpointError
+    from safetensors import SafetensorError
+
     try:
-        return convert(src, out)
+        if out.resolve() == src.resolve():
+            _fail(f"{out}: OUT must differ from SRC")
+        if out.exists() and not out.is_dir():
+            _fail(f"{out}: is a file, not a directory (OUT is the directory to write)")
+        if out.exists() and any(out.iterdir()) and not force:
+            _fail(f"{out}: already exists and is not empty (pass --force to write into it)")
+        target = out.resolve()  # the staging directory sits beside OUT: its files are renamed, never copied
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    except FileExistsError as exc:  # a file where a parent directory should be
+        _fail(f"{out}: cannot write there: {exc.filename} is a file, not a directory")
+    except OSError as exc:  # a read-only file system, no permission
+        _fail(f"{out}: cannot write there ({exc.strerror})")
+    staged = staging / "new"
+    try:
+        convert(src, staged)
+        _move_into(staging, out)
     except (CheckpointError, OSError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        _fail(str(exc).replace(str(staged), str(out)))  # name a file as it would have been in OUT
+    except SafetensorError as exc:  # safetensors' writer reports a failed write (a full disk) this way
+        _fail(f"{out}: writing the weights failed ({exc})")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _move_into(staging: Path, out: Path) -> None:
+    """Move the files of staging/new into OUT (created if missing), manifest.json last; files of OUT the import did
+    not write stay. If a move fails, the files it replaced (kept in staging/old) are put back."""
+    from models.checkpoint import MANIFEST
+
+    new, old = staging / "new", staging / "old"
+    old.mkdir()
+    created = not out.exists()
+    out.mkdir(exist_ok=True)
+    names = sorted((p.name for p in new.iterdir()), key=lambda name: name == MANIFEST)
+    for name in names:  # --force replaces files; a directory of that name is the user's, not an older import's
+        if (out / name).is_dir() and not (out / name).is_symlink():
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(out / name))
+    moved = []
+    try:
+        for name in names:
+            if (out / name).exists() or (out / name).is_symlink():
+                os.replace(out / name, old / name)
+            moved.append(name)
+            os.replace(new / name, out / name)
+    except BaseException:
+        for name in reversed(moved):
+            if (old / name).exists() or (old / name).is_symlink():
+                os.replace(old / name, out / name)
+            elif (out / name).exists():
+                (out / name).unlink()
+        if created:
+            out.rmdir()
+        raise
 
 
 def _run(convert: Callable[[Path, Path], Path], src: Path, out: Path, force: bool) -> None:

@@ -1,4 +1,4 @@
-"""`vlserve info DIR`: verify a checkpoint directory and print what it holds."""
+"""`vlserve info DIR`: verify a checkpoint, detector or model repository directory and print what it holds."""
 from __future__ import annotations
 
 import json
@@ -7,27 +7,98 @@ from typing import Annotated
 
 import typer
 
+CHECKPOINT, DETECTOR = "checkpoint", "detector"  # manifest kinds; save_checkpoint writes none: CHECKPOINT
 
-def info(path: Annotated[Path, typer.Argument(help="checkpoint directory")]) -> None:
-    """Verify a checkpoint directory (manifest hashes, config, weights) and print its summary."""
-    from models.checkpoint import CheckpointError, load_checkpoint
 
+def manifest_kind(path: Path) -> str | None:
+    """The manifest's "kind" (CHECKPOINT when it names none), read without verifying anything; None when the
+    manifest cannot be read, so that the kind's loader reports why."""
     try:
-        ckpt = load_checkpoint(path)
-    except CheckpointError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        manifest = json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return str(manifest.get("kind", CHECKPOINT)) if isinstance(manifest, dict) else None
+
+
+def checkpoint_summary(path: Path) -> dict:
+    from models.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(path)
     enc = ckpt.model.config.encoder
-    params = sum(p.numel() for p in ckpt.model.parameters())
-    summary = {
+    return {
         "path": str(path),
+        "kind": CHECKPOINT,
         "preset": enc.preset,
         "size": enc.size,
         "hidden_size": enc.hidden_size,
         "visual_feat_dim": enc.visual_feat_dim,
-        "parameters": params,
+        "parameters": sum(p.numel() for p in ckpt.model.parameters()),
         "heads": {name: h.kind for name, h in ckpt.model.config.heads.items()},
         "detector": ckpt.manifest.get("detector", {}),
         "verified_files": sorted(ckpt.manifest["files"]),
     }
+
+
+def detector_summary(path: Path) -> dict:
+    from models.detector.io import load_detector
+
+    detector, fingerprint = load_detector(path)
+    cfg = detector.config
+    files = json.loads((path / "manifest.json").read_text())["files"]  # verified by load_detector
+    return {
+        "path": str(path),
+        "kind": DETECTOR,
+        "fingerprint": fingerprint,
+        "family": cfg.family,
+        "backbone": cfg.backbone,
+        "classes": len(cfg.classes),
+        "attributes": len(cfg.attributes),
+        "feature_dim": cfg.feature_dim,
+        "regions": f"{cfg.min_boxes}-{cfg.max_boxes}" if cfg.adaptive else cfg.num_boxes,
+        "parameters": sum(p.numel() for p in detector.parameters()),
+        "verified_files": sorted(files),
+    }
+
+
+def repository_summary(path: Path) -> dict:
+    from models.repository import KIND, load_repository
+
+    repo = load_repository(path)
+    manifest, enc = repo.manifest, repo.config.encoder
+    return {
+        "path": str(path),
+        "kind": KIND,
+        "format": manifest.get("format"),
+        "preset": enc.preset,
+        "size": enc.size,
+        "visual_feat_dim": enc.visual_feat_dim,
+        "opset": manifest["opset"],
+        "precision": manifest.get("precision"),
+        "optimized": manifest.get("optimized", False),
+        "graphs": {task: {"kind": spec.kind, "file": manifest["graphs"][task]["file"],
+                          "fp16": repo.has_fp16(task)} for task, spec in repo.graphs.items()},
+        "engines": sorted(repo.engines.get("graphs", {})),
+        "detector": manifest.get("detector", {}),
+        "verified_files": sorted(manifest["files"]),
+    }
+
+
+def info(path: Annotated[Path, typer.Argument(
+        help="checkpoint directory (vlserve import, train), detector directory (vlserve import frcnn-vg) or model "
+             "repository (vlserve export)")]) -> None:
+    """Verify a checkpoint, detector or model repository directory (manifest hashes, config, weights or graph
+    entries) and print its summary."""
+    from models.checkpoint import CheckpointError
+    from models.repository import KIND
+
+    summaries = {CHECKPOINT: checkpoint_summary, DETECTOR: detector_summary, KIND: repository_summary}
+    kind = manifest_kind(path)
+    try:
+        if kind is not None and kind not in summaries:
+            raise CheckpointError(f"{path / 'manifest.json'}: kind {kind!r} is not one `vlserve info` reads "
+                                  f"(a checkpoint, {DETECTOR} or {KIND} directory)")
+        summary = summaries[kind or CHECKPOINT](path)
+    except CheckpointError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(json.dumps(summary, indent=2))
