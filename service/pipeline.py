@@ -234,12 +234,17 @@ class Pipeline:
 
     # ---- inputs ----
 
+    @property
+    def endpoints(self) -> list[str]:
+        """The task endpoints this model answers (a kind without a spec answers 404 no-head), in SERVED_KINDS order."""
+        return [ENDPOINT_OF[kind] for kind in SERVED_KINDS if kind in self.specs]
+
     def spec(self, kind: str) -> TaskSpec:
         spec = self.specs.get(kind)
         if spec is None:
             endpoint = ENDPOINT_OF.get(kind, kind)
             raise NoHeadError(f"this model has no {kind} head, so it does not serve {endpoint}; "
-                              f"it serves: {', '.join(ENDPOINT_OF[k] for k in self.specs) or 'nothing'}")
+                              f"it serves: {', '.join(self.endpoints) or 'nothing'}")
         return spec
 
     def check_top_k(self, top_k: int) -> None:

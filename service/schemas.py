@@ -198,6 +198,16 @@ class ModelInfo(BaseModel):
     precision: str = Field("fp32", description="the encoder's arithmetic: fp32, bf16, fp16 or int8", examples=["bf16"])
 
 
+class ReadyResponse(BaseModel):
+    """GET /readyz once the service is ready: the model loaded, and the task endpoints its heads answer."""
+
+    status: Literal["ready"] = "ready"
+    model: ModelInfo
+    endpoints: list[str] = Field(description=(
+        "the task endpoints this model answers, in the order /vqa, /refer, /retrieve, /nlvr2; the others answer "
+        "404 `/problems/no-head` (the checkpoint has no head of their kind)"), examples=[["/vqa", "/retrieve"]])
+
+
 class Timings(BaseModel):
     """Per-stage wall time in milliseconds (only with ?timings=true). Stages run for several images add up."""
 

@@ -4,7 +4,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 
 from ..errors import ProblemError
-from ..schemas import ModelInfo
+from ..schemas import ReadyResponse
 from .common import Services, get_services, problems
 
 router = APIRouter(tags=["operations"])
@@ -17,12 +17,13 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz", responses=problems("not-ready"))
-async def readyz(request: Request, services: Annotated[Services, Depends(get_services)]) -> dict[str, str | ModelInfo]:
-    """200 once the models are loaded and warmed up (readiness); 503 before that and while shutting down.
+async def readyz(request: Request, services: Annotated[Services, Depends(get_services)]) -> ReadyResponse:
+    """200 once the models are loaded and warmed up (readiness), with the task endpoints the model answers; 503
+    before that and while shutting down.
 
     After SIGTERM, 503 already during the drain period, while task requests are still served: load balancers
     stop routing here before the listener closes (service/shutdown.py)."""
     if request.app.state.draining:
         raise ProblemError(503, "the service is shutting down; requests are still served until it stops accepting",
                            "not-ready", headers={"Retry-After": "1"})
-    return {"status": "ready", "model": services.model}
+    return ReadyResponse(model=services.model, endpoints=services.pipeline.endpoints)

@@ -361,15 +361,27 @@ onSubmit("nlvr2-form", async (button) => {
 
 // ---- start -------------------------------------------------------------------------------------------------------
 
+// Hides the tasks of the endpoints the model does not answer (a checkpoint without their heads: they would answer
+// 404 no-head), with the controls only they use, and says which they are.
+function showEndpoints(served) {
+  for (const node of document.querySelectorAll("[data-endpoint]")) node.hidden = !served.includes(node.dataset.endpoint);
+  const missing = [...new Set([...document.querySelectorAll(".task[hidden]")].map((form) => form.dataset.endpoint))];
+  $("tasks-missing").textContent = `This model answers no ${missing.join(", ")}: its checkpoint has no such head.`;
+  $("tasks-missing").hidden = !missing.length;
+}
+
 async function showModel() {
+  let ready;
   try {
-    const ready = await api("/readyz");
-    const m = ready.model;
-    $("model").textContent = `${m.preset} ${m.size} · ${m.runtime} ${m.precision} · checkpoint ${m.checkpoint} · detector ${m.detector}`;
+    ready = await api("/readyz");
   } catch (err) {
     $("model").textContent = `Not ready yet (${err.title}); retrying…`;
     setTimeout(showModel, 2000);
+    return;
   }
+  const m = ready.model;
+  $("model").textContent = `${m.preset} ${m.size} · ${m.runtime} ${m.precision} · checkpoint ${m.checkpoint} · detector ${m.detector}`;
+  showEndpoints(ready.endpoints);
 }
 
 function init() {

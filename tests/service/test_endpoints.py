@@ -62,6 +62,22 @@ def test_health_ready_and_model_info(client):
     assert model["preset"] == "visualbert" and model["size"] == "tiny" and model["runtime"] == "torch"
     assert len(model["checkpoint"]) == 12 and model["detector"] == regions_of(client).fingerprint
     assert model["precision"] == ("bf16" if cpu_has_native_bf16() else "fp32")  # the default, VLSERVE_PRECISION=auto
+    assert ready["endpoints"] == ["/vqa", "/refer", "/retrieve", "/nlvr2"]  # a head of every served kind
+
+
+def test_readyz_lists_only_the_endpoints_whose_heads_the_model_has(tmp_path, tiny_detector, make_settings,
+                                                                   make_checkpoint, image_png):
+    # heads listed out of the endpoints' order: /readyz keeps /vqa, /refer, /retrieve, /nlvr2 whatever the checkpoint's
+    heads = {"itm": {"kind": "itm"}, "vqa": {"kind": "vqa", "num_labels": len(VQA_ANSWERS)}}
+    two = make_checkpoint(tmp_path / "two", tiny_detector.fingerprint, heads=heads)
+    app = create_app(make_settings(model_dir=two))
+    with TestClient(app) as c:
+        assert c.get("/readyz").json()["endpoints"] == ["/vqa", "/retrieve"]
+        assert c.post("/vqa", json={"image": b64(image_png), "question": "what?"}).status_code == 200
+        assert c.post("/refer", json={"image": b64(image_png), "expression": "the red one"}).status_code == 404
+    # and the OpenAPI schema states the field
+    ready = app.openapi()["components"]["schemas"]["ReadyResponse"]
+    assert "endpoints" in ready["required"] and ready["properties"]["endpoints"]["items"] == {"type": "string"}
 
 
 def test_vqa_inline_then_by_id_skips_the_detector(client, make_png):
@@ -247,6 +263,7 @@ def test_a_replica_answers_an_image_registered_on_another_from_redis(make_settin
 def test_endpoint_without_its_head_is_a_404_problem(tmp_path, tiny_detector, make_settings, problem, make_checkpoint):
     vqa_only = make_checkpoint(tmp_path / "vqa", tiny_detector.fingerprint, heads={"vqa": {"kind": "vqa", "num_labels": 5}})
     with TestClient(create_app(make_settings(model_dir=vqa_only))) as c:
+        assert c.get("/readyz").json()["endpoints"] == ["/vqa"]  # what the page shows, and what the rest answers
         body = problem(c.post("/refer", json={"image_id": "a" * 64, "expression": "the red one"}), 404, "no-head")
         assert "no refer head" in body["detail"]
         problem(c.post("/retrieve", json={"text": "x", "image_ids": ["a" * 64]}), 404, "no-head")

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -16,7 +17,7 @@ import pytest
 
 from service.routes.page import STATIC, file_of
 from service.security import PAGE_PATHS
-from tests.service.conftest import free_port, wait_until_ready
+from tests.service.conftest import SERVED_HEADS, build_tiny_checkpoint, free_port, wait_until_ready
 
 KEY = "page-test-key"
 
@@ -41,14 +42,14 @@ def model_set(tiny_checkpoint: Path, tiny_dir: Path) -> tuple[Path, Path]:
     return (demo / "encoder", demo / "detector") if is_built(demo) else (tiny_checkpoint, tiny_dir)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint, tiny_detector, tmp_path_factory) -> Iterator[str]:
-    model_dir, detector_dir = model_set(tiny_checkpoint, tiny_detector.dir)
+@contextmanager
+def serving(model_dir: Path, detector_dir: Path, log_dir: Path) -> Iterator[str]:
+    """`vlserve serve` of this model with the API key, on a free port; its base URL once ready."""
     port = free_port()
     env = {**os.environ, "VLSERVE_API_KEYS": KEY, "VLSERVE_REDIS_URL": "", "VLSERVE_PRECISION": "fp32"}
     cmd = [sys.executable, "-m", "vlserve.cli", "serve", "--model-dir", str(model_dir), "--detector-dir",
            str(detector_dir), "--port", str(port), "--threads", "1", "--log-level", "warning"]
-    log_path = tmp_path_factory.mktemp("page") / "serve.log"
+    log_path = log_dir / "serve.log"
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
         base = f"http://127.0.0.1:{port}"
@@ -58,6 +59,12 @@ def server(tiny_checkpoint, tiny_detector, tmp_path_factory) -> Iterator[str]:
         finally:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tiny_detector, tmp_path_factory) -> Iterator[str]:
+    with serving(*model_set(tiny_checkpoint, tiny_detector.dir), tmp_path_factory.mktemp("page")) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -71,19 +78,28 @@ def browser():
         browser.close()
 
 
-@pytest.fixture
-def page(browser, server):
+@contextmanager
+def opened(browser, server: str):
+    """The page of `server` in a fresh browser context, its key typed in; fails on any script error it logged."""
     context = browser.new_context(viewport={"width": 1280, "height": 1000})
     page = context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
-    page.goto(f"{server}/")
-    page.fill("#api-key", KEY)
-    yield page
-    context.close()
+    try:
+        page.goto(f"{server}/")
+        page.fill("#api-key", KEY)
+        yield page
+    finally:
+        context.close()
     # a problem+json answer the page shows is not a script error; anything else logged is
     assert not [e for e in errors if "status of 4" not in e], errors
+
+
+@pytest.fixture
+def page(browser, server):
+    with opened(browser, server) as page:
+        yield page
 
 
 def api(server: str, method: str, path: str, **kwargs) -> httpx.Response:
@@ -246,3 +262,25 @@ def test_keyboard_and_phone_width(browser, server):
         assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
     finally:
         context.close()
+
+
+def test_a_model_without_some_heads_shows_only_the_tasks_it_answers(browser, tiny_detector, tmp_path):
+    """A checkpoint with only a VQA head (as an imported LXMERT-VQA one): the other tasks' panels, and the refer box
+    toggle, are hidden, a line names their endpoints, and the question panel answers as the API does."""
+    vqa_only = build_tiny_checkpoint(tmp_path / "vqa", tiny_detector.fingerprint, heads={"vqa": SERVED_HEADS["vqa"]})
+    with serving(vqa_only, tiny_detector.dir, tmp_path) as server, opened(browser, server) as page:
+        expect(page.locator("#tasks-missing")).to_have_text(
+            "This model answers no /refer, /retrieve, /nlvr2: its checkpoint has no such head.")
+        for hidden in ("#refer-form", "#t2i-form", "#i2t-form", "#nlvr2-form", "label:has(#show-refer)"):
+            expect(page.locator(hidden)).to_be_hidden()
+            assert page.get_attribute(hidden, "hidden") is not None, hidden  # hidden from assistive technology too
+        for shown in ("#vqa-form", "#show-regions", "#show-attention"):
+            expect(page.locator(shown)).to_be_visible()
+
+        shapes = upload_sample(page, "sample-shapes.png")
+        question = page.input_value("#vqa-question")
+        page.click("#vqa-form button[type=submit]")
+        page.wait_for_selector("#vqa-answers li")
+        answered = api(server, "POST", "/vqa", json={"image_id": shapes, "question": question, "top_k": 5}).json()
+        assert page.locator("#vqa-answers li .name").all_text_contents() == [a["answer"] for a in answered["answers"]]
+        assert page.is_hidden("#error")
