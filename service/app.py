@@ -159,6 +159,13 @@ def text_token_limit(settings: Settings, checkpoint: Checkpoint | Repository) ->
     return positions
 
 
+def detector_batch_size(settings: Settings, detector) -> int:
+    """detector_max_batch_size, or 1 for a detector that batching does not speed up (batch_gain: the butd family on
+    a CPU, an exported graph): each new image then gets its regions as soon as they are computed, and the encoder's
+    batches, which share the one inference thread, wait for one image at most, not for a whole batch of them."""
+    return settings.detector_max_batch_size if detector.batch_gain else 1
+
+
 def model_info(loaded: Loaded, runtime_name: str, precision: str = "fp32") -> ModelInfo:
     enc = model_config(loaded.checkpoint).encoder
     manifest = loaded.checkpoint.manifest
@@ -223,7 +230,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
         regions = RegionService(
             loaded.detector, loaded.fingerprint, store,
-            BatcherConfig(settings.detector_max_batch_size, settings.detector_max_wait_ms, settings.max_queue),
+            BatcherConfig(detector_batch_size(settings, loaded.detector), settings.detector_max_wait_ms,
+                          settings.max_queue),
             settings.max_pixels, inference, on_batch=metrics.on_batch("detector"),
             max_pixels_in_flight=settings.decode_max_pixels_in_flight, reduced_decoding=settings.decode_reduced)
         config = model_config(loaded.checkpoint)

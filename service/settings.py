@@ -60,7 +60,8 @@ class Settings(BaseSettings):
     # one full batch ahead doubles what an accepted request waits (docs/RELIABILITY.md, Overload)
     max_queue_wait_ms: float = Field(5.0, ge=0)
     # batching (detector)
-    detector_max_batch_size: int = Field(8, ge=1)  # images per detector batch
+    detector_max_batch_size: int = Field(8, ge=1)  # images per detector batch (1 where batching gains nothing:
+    # app.detector_batch_size)
     detector_max_wait_ms: float = Field(5.0, ge=0)  # while the detector is busy, how long a batch may wait to fill
     # request limits
     max_body_bytes: int = Field(10 * MiB, gt=0)  # larger request bodies get 413

@@ -18,6 +18,8 @@ from .preprocess import prepare_image
 class OnnxDetector:
     """RegionDetector.extract on an onnxruntime session of the exported graph."""
 
+    batch_gain = False  # one run per image: a batch would only make each image wait for the last (RegionDetector's)
+
     def __init__(self, session, config):
         self.session = session
         self.config = config

@@ -463,3 +463,44 @@ def test_retrieve_ranks_with_the_ranking_head_beside_the_itm_head(tmp_path, tiny
     served = scores(both)
     assert served == pytest.approx(scores(only_itm("rank_as_itm", RANK_HEAD)), abs=1e-5)
     assert served != pytest.approx(scores(only_itm("itm_alone", "itm")), abs=1e-3)
+
+
+@pytest.mark.parametrize("family", ["demo-family", "frcnn-vg"])
+def test_new_images_are_batched_only_where_batching_gains(family, tmp_path, make_settings, make_png):
+    """Four new images queued while the detector is busy: the demo family's detector takes them as one batch; frcnn-vg
+    on a CPU, which batching does not speed up, takes them one at a time (each answered when its regions are ready,
+    and a request that needs only the encoder waits for one image at most)."""
+    import json
+    import threading
+
+    from models.detector.io import fingerprint_of
+    from tests.models.frcnn_vg_reference import import_fixture
+    from tests.service.conftest import build_tiny_checkpoint
+
+    settings = {}
+    if family == "frcnn-vg":
+        detector = import_fixture(tmp_path / "detector")
+        fingerprint = fingerprint_of(json.loads((detector / "manifest.json").read_text()))
+        feature_dim = json.loads((detector / "config.json").read_text())["feature_dim"]
+        settings = dict(model_dir=build_tiny_checkpoint(tmp_path / "checkpoint", fingerprint, feature_dim=feature_dim),
+                        detector_dir=detector)
+    with TestClient(create_app(make_settings(**settings))) as c:
+        regions = c.app.state.services.pipeline.regions
+        batcher, sizes, release = regions._batcher, [], threading.Event()
+        run = batcher.fn
+        batcher.fn = lambda items: (sizes.append(len(items)), release.wait(10), run(items))[2]
+
+        def post(seed: int):
+            return c.post("/images", json={"image": b64(make_png(seed))})
+
+        with ThreadPoolExecutor(5) as pool:
+            first = pool.submit(post, 70)
+            while not sizes:  # the first image holds the detector
+                time.sleep(0.01)
+            rest = [pool.submit(post, seed) for seed in (71, 72, 73, 74)]
+            while regions.queue_depth < 4:
+                time.sleep(0.01)
+            release.set()
+            assert all(f.result().status_code == 200 for f in [first, *rest])
+        batcher.fn = run
+    assert sizes == ([1, 4] if family == "demo-family" else [1, 1, 1, 1, 1])
