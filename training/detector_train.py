@@ -19,6 +19,7 @@ from .data.shapes_cache import ShapesConfig, ShapesSplit, load_split
 from .data.shapes_world import COLOR_NAMES, SHAPES, SIZES
 from .detector_eval import evaluate_map
 from .device import resolve_device
+from .finetune import diverged, finite_weights
 
 log = logging.getLogger(__name__)
 ATTRIBUTES = (*COLOR_NAMES, *SIZES)
@@ -125,6 +126,9 @@ def train_detector(cfg: DetectorTrainConfig, progress: bool = True) -> dict:
             group["lr"] = lr_at(step, cfg)
         # eval
         if step and step % cfg.eval_every == 0:
+            if not finite_weights(detector):  # the last step's loss was finite, its update need not be
+                bar.close()
+                raise diverged(step, "the weights are not finite")
             history.append({"step": step, **evaluate_map(detector, val, range(cfg.eval_images))})
             detector.train()
             log.info("step %d: %s", step, history[-1])
@@ -140,8 +144,14 @@ def train_detector(cfg: DetectorTrainConfig, progress: bool = True) -> dict:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 10.0)
         opt.step()
-        bar.set_postfix(loss=f"{loss.item():.3f}", cls=f"{losses['loss_classifier'].item():.3f}")
+        value = loss.item()
+        if not math.isfinite(value):
+            bar.close()
+            raise diverged(step + 1, f"the loss is {value}")
+        bar.set_postfix(loss=f"{value:.3f}", cls=f"{losses['loss_classifier'].item():.3f}")
     train_seconds = time.perf_counter() - start
+    if not finite_weights(detector):
+        raise diverged(cfg.steps, "the weights are not finite")
     final = evaluate_map(detector, val, range(min(len(val), cfg.final_eval_images or len(val))))
     metrics = {"val": final, "history": history, "train_seconds": round(train_seconds, 1), "steps": cfg.steps,
                "batch_size": cfg.batch_size, "data": asdict(cfg.data)}

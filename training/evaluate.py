@@ -37,7 +37,8 @@ def predictions(model: VLModel, task: str, examples: list[Example], table, token
     slots = table.mask.shape[1]
     out = []
     for s in range(0, len(examples), batch_size):
-        inputs, _ = collate(head.kind, examples[s : s + batch_size], table, tokenizer, head, tokenizer.max_length)
+        inputs, _ = collate(head.kind, examples[s : s + batch_size], table, tokenizer, head, tokenizer.max_length,
+                            with_labels=False)
         logits = model(inputs.to(device), task).logits.to("cpu", torch.float32)
         if head.kind == "refer":
             logits = F.pad(logits, (0, slots - logits.shape[-1]), value=NEG)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, replace
@@ -166,8 +167,15 @@ def adamw(groups: list[dict], lr: float) -> torch.optim.AdamW:
 
 
 def check_lead(cfg: FinetuneConfig) -> None:
-    """The lead phase trains some of the run's tasks (with a weight above 0), then the curriculum's phases train
-    known tasks, all together for fewer steps than the run."""
+    """The run's tasks have finite weights above 0; the lead phase trains some of them, then the curriculum's phases
+    train known tasks, all together for fewer steps than the run."""
+    weights = list(cfg.tasks.values())
+    if not weights:
+        raise ValueError("tasks is empty: give at least one task:weight (e.g. vqa:1)")
+    # NaN and inf pass a `> 0` test and give no sampling probabilities; neither may their sum
+    if not all(math.isfinite(w) and w > 0 for w in weights) or not math.isfinite(sum(weights)):
+        given = ", ".join(f"{t}:{w:g}" for t, w in cfg.tasks.items())
+        raise ValueError(f"task weights must be finite numbers above 0, got {given}")
     if cfg.lead_steps < 0 or cfg.lead_steps >= max(1, cfg.steps):
         raise ValueError(f"lead_steps={cfg.lead_steps} must be 0 or more and fewer than steps={cfg.steps}")
     if cfg.lead_steps and not cfg.lead_tasks:
@@ -181,9 +189,9 @@ def check_lead(cfg: FinetuneConfig) -> None:
         raise ValueError(f"lead_retries={cfg.lead_retries} and lead_takeoff={cfg.lead_takeoff:g} must be 0 or more")
     if cfg.retrieval_pool is not None and not 2 <= cfg.retrieval_pool <= cfg.eval_scenes:
         raise ValueError(f"retrieval_pool={cfg.retrieval_pool} must be None or from 2 to eval_scenes={cfg.eval_scenes}")
-    if cfg.query_bank < 0 or cfg.query_bank_temperature <= 0:
+    if cfg.query_bank < 0 or not (math.isfinite(cfg.query_bank_temperature) and cfg.query_bank_temperature > 0):
         raise ValueError(f"query_bank={cfg.query_bank} must be 0 or more and query_bank_temperature="
-                         f"{cfg.query_bank_temperature:g} above 0")
+                         f"{cfg.query_bank_temperature:g} above 0 and finite")
     if cfg.rank_hard < 0 or cfg.rank_partial < 0 or cfg.rank_hard + cfg.rank_partial > RANK_GROUP - 1:
         raise ValueError(f"rank_hard={cfg.rank_hard} and rank_partial={cfg.rank_partial} must be 0 or more and together "
                          f"at most {RANK_GROUP - 1} (the negatives of a ranking group)")
@@ -225,23 +233,90 @@ def lr_scale(step: int, cfg: FinetuneConfig) -> float:
     return max(0.0, (cfg.steps - step) / max(1, cfg.steps - cfg.warmup))
 
 
-def save_state(path: Path, model, opt, step: int, rng: np.random.Generator, losses: list[float]) -> None:
+class TrainingError(ValueError):
+    """A run that cannot go on, in one line: a train_state.pt it cannot resume, or a loss or weights no longer
+    finite."""
+
+
+def diverged(step: int, what: str, state: Path | None = None) -> TrainingError:
+    """The error a run stops with once its loss or weights are not finite: nothing is written after that, and
+    save_state never writes such weights, so a train_state.pt already there holds an earlier, finite step."""
+    kept = f"; {state} holds an earlier step (delete it to start over)" if state is not None and state.exists() else ""
+    return TrainingError(f"training diverged at step {step}: {what}; no checkpoint written (try a lower learning "
+                         f"rate){kept}")
+
+
+def finite_weights(model: torch.nn.Module) -> bool:
+    """Whether every parameter is finite, in one device sync: a step with a finite loss may still leave inf or NaN
+    weights."""
+    return bool(torch.stack([p.isfinite().all() for p in model.parameters()]).all())
+
+
+# RunConfig fields a train_state.pt must share with the run that resumes it: they build the model and its optimizer,
+# or the state brings them back (each optimizer group's peak_lr and weight_decay), or its step is a point of their
+# schedule (steps)
+RESUME_FIELDS = ("preset", "size", "num_layers", "box_embedding", "embedding_style", "feature_norm", "lr", "head_lr",
+                 "weight_decay", "steps")
+
+
+def resume_key(cfg: FinetuneConfig) -> dict:
+    """What a fine-tuning run's train_state.pt records of it, and a run resuming it must share: RESUME_FIELDS, the
+    heads' settings and the tasks."""
+    fields = (*RESUME_FIELDS, "region_tags", "vqa_pool", "itm_pool", "nlvr2_pool", "rank_pool",
+              "freeze_word_embeddings")
+    return {**{name: getattr(cfg, name) for name in fields}, "tasks": training_tasks(cfg)}
+
+
+def save_state(path: Path, model, opt, step: int, rng: np.random.Generator, losses: list, run: dict) -> None:
+    """Write the resumable state of `run` (resume_key) at `step`; TrainingError (diverged) instead when the weights
+    are not finite."""
+    if not finite_weights(model):
+        raise diverged(step, "the weights are not finite", path)
     tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "run": run,
                 "numpy_rng": rng.bit_generator.state, **rng_state(model_device(model)), "losses": losses}, tmp)
     tmp.replace(path)  # never a half-written state file
 
 
-def load_state(path: Path, model, opt, rng: np.random.Generator) -> tuple[int, list[float]]:
-    """Restore a save_state file into model and opt (on whatever device the model is: the file may come from
-    another)."""
-    device = model_device(model)
-    # our own file, still never unpickled beyond plain data; tensors land on the CPU, load_state_dict moves them
-    state = torch.load(path, weights_only=True, map_location="cpu")
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
+def _cannot_resume(path: Path, why: str) -> TrainingError:
+    return TrainingError(f"{path} {why}: delete it to start the run over, or resume with the options it was started "
+                         f"with")
+
+
+def read_state(path: Path, run: dict, mmap: bool = False) -> dict:
+    """The save_state file at path, if `run` (resume_key) can resume it; TrainingError when it cannot be read, is
+    another run's or is past the run's steps. `mmap` leaves its tensors on disk (a check before the data work)."""
+    try:
+        # our own file, still never unpickled beyond plain data; tensors land on the CPU, load_state_dict moves them
+        state = torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
+    except OSError as exc:
+        raise _cannot_resume(path, f"cannot be read ({exc.strerror})") from None
+    except Exception:  # torch.load raises whatever its reader met in a torn or foreign file, with advice not for us
+        raise _cannot_resume(path, "cannot be read: it is torn, or not a training state") from None
+    if not isinstance(state, dict) or not {"model", "optimizer", "step", "numpy_rng", "losses"} <= state.keys():
+        raise _cannot_resume(path, "is not a resumable training state")
+    recorded = state.get("run")  # None in a state written before runs were recorded: its step and tensors are checked
+    if recorded is not None:
+        changed = [f"{name} {recorded.get(name)!r}, not {value!r}" for name, value in run.items()
+                   if recorded.get(name) != value]
+        if changed:
+            raise _cannot_resume(path, f"is from another run ({'; '.join(changed)})")
+    if int(state["step"]) > run["steps"]:
+        raise _cannot_resume(path, f"is at step {state['step']}, past steps={run['steps']}")
+    return state
+
+
+def load_state(path: Path, model, opt, rng: np.random.Generator, run: dict) -> tuple[int, list]:
+    """Restore a save_state file of `run` (read_state) into model and opt (on whatever device the model is: the
+    file may come from another)."""
+    state = read_state(path, run)
+    try:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError):  # another model's tensors, in a state that records no run
+        raise _cannot_resume(path, "does not fit the run's model or optimizer") from None
     rng.bit_generator.state = state["numpy_rng"]
-    set_rng_state(state, device)
+    set_rng_state(state, model_device(model))
     return int(state["step"]), list(state["losses"])
 
 
@@ -300,7 +375,9 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
     check_lead(cfg)  # before any data is prepared
     resolve_device(cfg.device)
     out = Path(cfg.out)
-    if not (out / STATE).exists():  # a new run: nothing of an earlier one's restarts
+    if (out / STATE).exists():  # a state the run cannot resume fails it now, not after the data work
+        read_state(out / STATE, resume_key(cfg), mmap=True)
+    else:  # a new run: nothing of an earlier one's restarts
         (out / RESTARTS).unlink(missing_ok=True)
     # a run resumed after an interruption goes on with the seed its restarts had reached
     restarts = int((out / RESTARTS).read_text()) if (out / RESTARTS).exists() else 0
@@ -340,7 +417,8 @@ def _train(cfg: FinetuneConfig, data: TaskData | None, progress: bool, stop_afte
     opt = adamw(param_groups(model, cfg), cfg.lr)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    step, losses = (load_state(out / STATE, model, opt, rng) if (out / STATE).exists() else (0, []))
+    run = resume_key(cfg)
+    step, losses = (load_state(out / STATE, model, opt, rng, run) if (out / STATE).exists() else (0, []))
     tasks, phases = training_tasks(cfg), phase_weights(cfg)
     history: list[dict] = []
     precision, bf16 = eval_precision(cfg.bf16, device), train_precision(cfg.bf16, device) == "bf16"
@@ -356,7 +434,7 @@ def _train(cfg: FinetuneConfig, data: TaskData | None, progress: bool, stop_afte
                 history.append({"step": step, **evaluate_tasks(model, data, tokenizer, cfg.eval_examples)})
             log.info("step %d: %s", step, history[-1])
         if step and step % cfg.checkpoint_every == 0:
-            save_state(out / STATE, model, opt, step, rng, losses)
+            save_state(out / STATE, model, opt, step, rng, losses, run)
         if step and step == cfg.lead_steps and cfg.lead_retries:
             stalled, first, last = lead_stalled(cfg, losses)
             if stalled and restarts < cfg.lead_retries:
@@ -382,14 +460,19 @@ def _train(cfg: FinetuneConfig, data: TaskData | None, progress: bool, stop_afte
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
         opt.step()
         losses.append(round(loss.item(), 6))
+        if not math.isfinite(losses[-1]):  # no sync of its own: the loss was read for the log above
+            bar.close()
+            raise diverged(step + 1, f"the {task} loss is {losses[-1]}", out / STATE)
         step += 1
         bar.update(1)
         bar.set_postfix(task=task, loss=f"{loss.item():.3f}")
         if stop_after is not None and step >= stop_after:  # simulated interruption (tests)
-            save_state(out / STATE, model, opt, step, rng, losses)
+            save_state(out / STATE, model, opt, step, rng, losses, run)
             return {"losses": losses, "interrupted_at": step}
     bar.close()
     train_seconds = time.perf_counter() - start
+    if not finite_weights(model):  # the last step's loss was finite, its update need not be
+        raise diverged(step, "the weights are not finite", out / STATE)
     bank = training_bank(data.train[RANK_TASK], cfg.query_bank, cfg.query_bank_temperature, cfg.seed) if cfg.query_bank else None
     with gemm_precision(model, precision):
         final = evaluate_tasks(model, data, tokenizer, cfg.final_eval_examples)

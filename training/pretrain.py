@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,7 +36,10 @@ from models.tokenizer import VLTokenizer
 from .data.region_table import tags_of
 from .evaluate import evaluate_tasks
 from .device import autocast, model_device, resolve_device, to_device
-from .finetune import STATE, _jsonable, adamw, fit_feature_norm, load_state, lr_scale, param_groups, save_state, train_precision
+from .finetune import (
+    RESUME_FIELDS, STATE, TrainingError, _jsonable, adamw, diverged, finite_weights, fit_feature_norm, load_state, lr_scale,
+    param_groups, read_state, save_state, train_precision,
+)
 from .run_config import DEFAULT_OBJECTIVES, MLM_WORDS, PretrainConfig, embedding_override  # noqa: F401 (DEFAULT_OBJECTIVES: read from here)
 from .objectives import (
     IGNORE, TokenIds, grounded_token_ids, image_only_batch, image_qa_labels, itm_pairs, mask_regions, mask_tokens, pretraining_losses,
@@ -51,7 +55,8 @@ WEAK_HEADS = ("mlm", "mrc", "tag")  # text-only batches train mlm, image-only ba
 
 
 class PretrainConfigError(ValueError):
-    """A configuration or data set pretraining cannot run with; raised before the first step."""
+    """A configuration, data set or train_state.pt pretraining cannot run with (raised before the first step), or a
+    run that diverged: the command's one `error:` line."""
 
 
 def validate_config(cfg: PretrainConfig) -> DetectorConfig:
@@ -116,6 +121,12 @@ def check_data(cfg: PretrainConfig, data: TaskData, detector: DetectorConfig) ->
 def captions(data: TaskData) -> list:
     return [e for e in data.train.get("itm", []) if e.label == 1]
 
+
+
+def resume_key(cfg: PretrainConfig) -> dict:
+    """What a pretraining run's train_state.pt records of it, and a run resuming it must share: RESUME_FIELDS and the
+    objectives (the heads)."""
+    return {**{name: getattr(cfg, name) for name in RESUME_FIELDS}, "objectives": list(cfg.objectives)}
 
 
 def pretraining_heads(objectives: tuple[str, ...], num_classes: int, num_answers: int) -> dict[str, HeadConfig]:
@@ -248,7 +259,17 @@ class BatchBuilder:
 
 def pretrain(cfg: PretrainConfig, data: TaskData | None = None, progress: bool = True, stop_after: int | None = None) -> dict:
     """Pretrain; resumes from out/train_state.pt when present. Returns the metrics and the per-step losses."""
+    try:
+        return _pretrain(cfg, data, progress, stop_after)
+    except TrainingError as exc:  # a train_state.pt the run cannot resume, or a diverged run
+        raise PretrainConfigError(str(exc)) from None
+
+
+def _pretrain(cfg: PretrainConfig, data: TaskData | None, progress: bool, stop_after: int | None) -> dict:
     detector = validate_config(cfg)
+    out, run = Path(cfg.out), resume_key(cfg)
+    if (out / STATE).exists():  # a state the run cannot resume fails it now, not after the data work
+        read_state(out / STATE, run, mmap=True)
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
@@ -262,10 +283,9 @@ def pretrain(cfg: PretrainConfig, data: TaskData | None = None, progress: bool =
     model.to(device)
     batches = BatchBuilder(cfg, data, tokenizer)
     opt = adamw(param_groups(model, cfg), cfg.lr)
-    out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     # records: one {objective: loss, "total": loss} per step; resumed with the state
-    step, records = (load_state(out / STATE, model, opt, rng) if (out / STATE).exists() else (0, []))
+    step, records = (load_state(out / STATE, model, opt, rng, run) if (out / STATE).exists() else (0, []))
     precision = train_precision(cfg.bf16, device)
     start = time.perf_counter()
     bar = tqdm(total=cfg.steps, initial=step, desc=f"pretrain {cfg.preset}", disable=not progress)
@@ -275,7 +295,7 @@ def pretrain(cfg: PretrainConfig, data: TaskData | None = None, progress: bool =
             group["lr"] = group["peak_lr"] * lr_scale(step, cfg)
         # checkpoint / log
         if step and step % cfg.checkpoint_every == 0:
-            save_state(out / STATE, model, opt, step, rng, records)
+            save_state(out / STATE, model, opt, step, rng, records, run)
         if step and step % cfg.log_every == 0:
             log.info("step %d: %s", step, window_means(records[-cfg.log_every :]))
         # forward / backward
@@ -289,14 +309,19 @@ def pretrain(cfg: PretrainConfig, data: TaskData | None = None, progress: bool =
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
         opt.step()
         records.append({name: round(loss.item(), 6) for name, loss in losses.items()})
+        if not math.isfinite(records[-1]["total"]):  # no sync of its own: the losses were read for the log above
+            bar.close()
+            raise diverged(step + 1, f"the loss is {records[-1]['total']} ({batch.kind} batch)", out / STATE)
         step += 1
         bar.update(1)
         bar.set_postfix(batch=batch.kind, loss=f"{records[-1]['total']:.3f}")
         if stop_after is not None and step >= stop_after:  # simulated interruption (tests)
-            save_state(out / STATE, model, opt, step, rng, records)
+            save_state(out / STATE, model, opt, step, rng, records, run)
             return {"losses": [r["total"] for r in records], "records": records, "interrupted_at": step}
     bar.close()
     train_seconds = time.perf_counter() - start
+    if not finite_weights(model):  # the last step's loss was finite, its update need not be
+        raise diverged(step, "the weights are not finite", out / STATE)
     history = [{"step": min(s + cfg.log_every, len(records)), **window_means(records[s : s + cfg.log_every])}
                for s in range(0, len(records), cfg.log_every)]
     final = evaluate_tasks(model, data, tokenizer, cfg.eval_examples)  # zero-shot ITM accuracy when there is an itm head

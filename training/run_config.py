@@ -1,14 +1,16 @@
 """The fields every training run shares (`RunConfig`), and the command-line options built from run configs' fields.
 
 Each field is written once, with its default and help (`option`); `config_command` turns a config dataclass into a
-typer command's options (name, type, default, help, bounds; the choices of a `Literal` type in the help), as vLLM
-builds its engine arguments from its config classes. Adding a field to a run config adds its option.
+typer command's options (name, type, default, help, bounds; the choices of a `Literal` type in the help; a float
+option is finite), as vLLM builds its engine arguments from its config classes. Adding a field to a run config adds
+its option.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import inspect
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,15 +24,30 @@ EmbeddingStyle = Literal["published", "vlserve"]  # models.config.EMBEDDING_STYL
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
-           flag: str | None = None, min: float | None = None, parse: Callable[[str], Any] | None = None,
-           show: Callable[[Any], str] | None = None) -> Any:
+           flag: str | None = None, min: float | None = None, max: float | None = None,
+           parse: Callable[[str], Any] | None = None, show: Callable[[Any], str] | None = None) -> Any:
     """A config field with its command-line option: `help` documents the field; `flag` renames the option (default:
-    the field's name); `min` bounds it; a field whose type has no option type of its own is given as a string
+    the field's name); `min` and `max` bound it; a field whose type has no option type of its own is given as a string
     (`show` writes the default, `parse` reads it back)."""
-    metadata = {"help": help, "flag": flag, "min": min, "parse": parse, "show": show}
+    metadata = {"help": help, "flag": flag, "min": min, "max": max, "parse": parse, "show": show}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+def finite(value: float | None) -> float | None:
+    """A float option's callback: no nan or inf (a learning rate or loss weight of inf trains NaN weights)."""
+    import typer
+
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"must be a finite number, not {value}")
+    return value
+
+
+# torch.set_num_threads takes a C int; more threads than any machine here has cores only oversubscribes it
+MAX_THREADS = 1024
+# torch.manual_seed takes up to 2**64 - 1; a 32-bit seed leaves room for the seed + n of a restarted run
+MAX_SEED = 2**32 - 1
 
 
 def embedding_override(cfg) -> dict[str, str]:
@@ -49,6 +66,9 @@ class RunConfig:
     out: Path = option(Path("run"), "checkpoint directory to write (resumed if it holds train_state.pt)")
     detector_dir: Path = option(Path("detector"), "detector checkpoint directory (regions are extracted once and cached)",
                                 flag="detector")
+    # the command's check of --out reads it; the run itself writes wherever it is sent
+    force: bool = option(False, "write over the finished model or detector --out holds (its files are replaced); "
+                                "without it such an --out is refused")
     preset: Preset = option("visualbert", "encoder preset")
     size: Size = option("small", "encoder size (small: the text side from MiniLM)")
     num_layers: int | None = option(None, "encoder (text) layers (default: the size's; small: MiniLM's 6, fewer start "
@@ -75,8 +95,8 @@ class RunConfig:
     weight_decay: float = option(0.01, "AdamW weight decay", min=0.0)
     clip: float = option(1.0, "gradient norm clip", min=0.0)
     checkpoint_every: int = option(250, "steps between resumable-state saves", min=1)
-    seed: int = option(0, "seed of data order and initialisation")
-    threads: int = option(2, "torch threads", min=1)
+    seed: int = option(0, "seed of data order and initialisation", min=0, max=MAX_SEED)
+    threads: int = option(2, "torch threads", min=1, max=MAX_THREADS)
     device: str = option("cpu", "cpu, cuda or cuda:N: where the model runs (batches are collated on the CPU; metrics "
                                 "and checkpoints come back to it)")
     max_length: int = option(40, "text tokens", min=1)
@@ -235,13 +255,15 @@ def _parameter(f: dataclasses.Field, hint: Any, required: bool) -> inspect.Param
     if allowed and not all(value in text for value in allowed):
         text += f" (one of {', '.join(allowed)})"
     decls = [f"--{meta['flag'].replace('_', '-')}"] if meta.get("flag") else []
-    bounds = {} if meta.get("min") is None else {"min": meta["min"]}
+    checks = {name: meta[name] for name in ("min", "max") if meta.get(name) is not None}
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
     if meta.get("parse"):
         kind, default = str, meta["show"](default)
     else:
         kind = _option_type(hint)
-    annotation = Annotated[kind, typer.Option(*decls, help=text, **bounds)]
+    if kind in (float, float | None):
+        checks["callback"] = finite
+    annotation = Annotated[kind, typer.Option(*decls, help=text, **checks)]
     return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
                              default=inspect.Parameter.empty if required else default)
 

@@ -36,6 +36,35 @@ def test_root_is_the_cache_root_of_the_whole_build(tmp_path, monkeypatch):
     assert "VLSERVE_CACHE" not in os.environ
 
 
+@pytest.mark.parametrize("where", ["--root", "VLSERVE_CACHE"])
+def test_a_cache_root_it_cannot_write_exits_2_before_building(tmp_path, monkeypatch, where):
+    def build_zoo(*args, **kwargs):
+        raise AssertionError("the build started")
+
+    def build(root):
+        """zoo build's stderr, with `root` as --root or as $VLSERVE_CACHE, and the error line it should be."""
+        if where == "--root":
+            result, label = runner.invoke(app, ["zoo", "build", "--root", str(root)]), f"--root {root}"
+        else:
+            monkeypatch.setenv("VLSERVE_CACHE", str(root))
+            result, label = runner.invoke(app, ["zoo", "build"]), f"VLSERVE_CACHE={root}"
+        assert result.exit_code == 2, result.output
+        return result.stderr, f"error: {label}: not a writable directory"
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(training.zoo, "build_zoo", build_zoo)
+    (tmp_path / "afile").touch()
+    said, expected = build(tmp_path / "afile")
+    assert said == f"{expected} (it is a file)\n"
+    said, expected = build(tmp_path / "afile" / "cache")
+    assert said == f"{expected} ({tmp_path / 'afile'} is a file)\n"
+    monkeypatch.setattr("tempfile.mkdtemp", refused)  # as in a read-only directory (root may write in any other)
+    said, expected = build(tmp_path / "cache")
+    assert said == f"{expected} (cannot create it in {tmp_path}: Permission denied)\n"
+
+
 def test_unknown_profile_exits_2():
     result = runner.invoke(app, ["zoo", "build", "--profile", "huge"])
     assert result.exit_code == 2 and "unknown profile 'huge'" in result.output

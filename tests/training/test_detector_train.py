@@ -1,10 +1,16 @@
-"""`vlserve train detector` end to end at a tiny size: trains, saves a loadable detector, scores it on the val split."""
+"""`vlserve train detector` end to end at a tiny size: trains, saves a loadable detector, scores it on the val split;
+a diverging run stops with one message and saves nothing."""
 import json
+import math
+
+import pytest
+import torch
 
 from models.detector.io import load_detector
 from training.data.shapes_cache import ShapesConfig
 from training.data.shapes_world import WorldConfig
 from training.detector_train import DetectorTrainConfig, train_detector
+from training.finetune import TrainingError
 
 SMALL = ShapesConfig(world=WorldConfig(seed=3, height=64, width=64), splits=(("train", 8), ("val", 6)))
 TINY = {"min_size": 64, "max_size": 64, "rpn_pre_nms_top_n": 50, "rpn_post_nms_top_n": 20, "num_boxes": 4}
@@ -51,3 +57,34 @@ def test_the_attribute_loss_weight_scales_the_attribute_gradient_only(tmp_path, 
     with pytest.raises(ValueError, match="attribute_weight=-1 must be 0 or more"):
         train_detector(DetectorTrainConfig(out=tmp_path / "bad", attribute_weight=-1.0, data=SMALL, detector=TINY),
                        progress=False)
+
+
+def test_a_run_whose_loss_diverges_stops_at_that_step_and_saves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLSERVE_CACHE", str(tmp_path / "cache"))
+    cfg = DetectorTrainConfig(out=tmp_path / "det", steps=4, batch_size=2, warmup=1, lr=1e30, eval_every=10,
+                              final_eval_images=2, threads=1, data=SMALL, detector=TINY)
+    with pytest.raises(TrainingError, match=r"^training diverged at step \d+: the loss is (nan|inf); no checkpoint "
+                                            r"written \(try a lower learning rate\)$"):
+        train_detector(cfg, progress=False)
+    assert not (tmp_path / "det").exists()
+
+
+@pytest.mark.parametrize("steps, eval_every", [(2, 1), (1, 10)])  # the periodic evaluation after step 1, the final one
+def test_weights_a_step_leaves_non_finite_are_never_evaluated_or_saved(tmp_path, monkeypatch, steps, eval_every):
+    """The step's loss was finite, its update left a NaN weight: the run stops before the next evaluation (periodic or
+    final) would feed it NaN region features."""
+    monkeypatch.setenv("VLSERVE_CACHE", str(tmp_path / "cache"))
+    sgd = torch.optim.SGD
+
+    class Poisoning(sgd):
+        def step(self, closure=None):
+            super().step(closure)
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].view(-1)[0] = math.nan
+
+    monkeypatch.setattr(torch.optim, "SGD", Poisoning)
+    cfg = DetectorTrainConfig(out=tmp_path / "det", steps=steps, batch_size=2, warmup=1, eval_every=eval_every,
+                              eval_images=2, final_eval_images=2, threads=1, data=SMALL, detector=TINY)
+    with pytest.raises(TrainingError, match=r"^training diverged at step 1: the weights are not finite"):
+        train_detector(cfg, progress=False)
+    assert not (tmp_path / "det").exists()

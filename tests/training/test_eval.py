@@ -94,6 +94,35 @@ def test_val_numbers_are_those_training_reported(trained):
     assert "retrieval" not in report and "easy_vqa_acc" not in report
 
 
+def test_a_vqa_head_that_knows_fewer_answers_than_the_data_is_scored_over_its_own_list(trained, tmp_path):
+    """A checkpoint's VQA head may list fewer answers (labels.json) than the eval data's answer ids reach: each
+    prediction is read through the head's list, and a gold answer the head does not know scores 0."""
+    from collections import Counter
+
+    from training.vl_data import prepare_eval_data, shapes_config_from_dir
+
+    root, _ = trained
+    data, shapes_root = shapes_config_from_dir(dataset_dir(SHAPES, root))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLSERVE_CACHE", str(root))
+        eval_data = prepare_eval_data(root / "detector", "val", 10, 0, 0, data=data, shapes_root=shapes_root)
+    gold = [eval_data.answers[e.label] for e in eval_data.eval["vqa"]]
+    common = Counter(gold).most_common(1)[0][0]
+    known = [a for a in eval_data.answers if a != common][:2] + [common]  # the head always answers its last column
+    assert max(e.label for e in eval_data.eval["vqa"]) >= len(known)  # gold ids past the head's columns
+    model = create_model("visualbert", "tiny", heads={"vqa": HeadConfig(kind="vqa", num_labels=len(known))},
+                         visual_feat_dim=16)
+    with torch.no_grad():
+        model.heads["vqa"].cls[-1].weight.zero_()
+        model.heads["vqa"].cls[-1].bias.copy_(torch.tensor([0.0, 0.0, 1.0]))
+    save_checkpoint(model, tmp_path / "small-vqa", VLTokenizer.pretrained_minilm(max_length=40),
+                    labels={"heads": {"vqa": known}})
+    result = evaluate(root, "--split", "val", "--scenes", 10, "--easy-vqa-images", 0, "--retrieval-pool", 0,
+                      checkpoint=tmp_path / "small-vqa")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["vqa_acc"] == round(gold.count(common) / len(gold), 4)
+
+
 def test_zero_shot_retrieval_from_an_itm_only_checkpoint(trained):
     root, _ = trained
     result = evaluate(root, "--scenes", 10, "--easy-vqa-images", 0, "--retrieval-pool", 12, "--retrieval-queries", 12,

@@ -1,8 +1,9 @@
-"""Multi-task fine-tuning: a tiny end-to-end run learns, saves and loads; resume reproduces the loss curve; multiple
-choice; starting from a checkpoint."""
+"""Multi-task fine-tuning: a tiny end-to-end run learns, saves and loads; resume reproduces the loss curve and refuses
+another run's state; a diverging run writes nothing; multiple choice; starting from a checkpoint."""
 import collections
 import json
 import dataclasses
+import math
 import re
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+import training.finetune as finetune_module
 from models import HeadConfig
 from models.checkpoint import CheckpointError, load_checkpoint
 from models.detector import DetectorConfig, RegionDetector
@@ -23,7 +25,8 @@ from training.data.shapes_tasks import (
 )
 from training.data.vl_tasks import Example, collate
 from training.finetune import (
-    FinetuneConfig, build_model, eval_precision, gemm_precision, head_of, init_from_checkpoint, phase_weights, train, training_tasks,
+    STATE, FinetuneConfig, TrainingError, build_model, eval_precision, gemm_precision, head_of, init_from_checkpoint,
+    phase_weights, train, training_tasks,
 )
 from training.vl_data import prepare_task_data, tagged
 from vlserve.cli import app
@@ -115,6 +118,125 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(task_data, tmp_path):
     assert scored == {"vqa_acc", "refer_acc", "itm_acc", "nlvr2_acc", "mc_acc", "positions_acc"}  # the data has position questions
 
 
+def no_data_work(monkeypatch):
+    """A run that gets as far as preparing its data fails the test."""
+    monkeypatch.setattr(finetune_module, "run_data", lambda *a, **k: pytest.fail("the run prepared its data"))
+
+
+def test_a_state_another_run_wrote_or_a_torn_one_is_refused_before_the_data_work(task_data, tmp_path, monkeypatch):
+    """Another preset, task set, learning rate or step count than the state's run, or a torn file: one TrainingError
+    naming the state and what to do; the state stays, and its own run still resumes from it."""
+    detector, data = task_data
+    cfg = tiny(tmp_path / "enc", detector, steps=8)
+    train(cfg, data=data, progress=False, stop_after=3)
+    state = tmp_path / "enc" / STATE
+    saved = state.read_bytes()
+    fix = ": delete it to start the run over, or resume with the options it was started with"
+    no_data_work(monkeypatch)
+    for changes, why in [
+        (dict(preset="visualbert"), "is from another run (preset 'lxmert', not 'visualbert')"),
+        (dict(tasks={"vqa": 1.0, "nlvr2": 1.0, "refer": 1.0}),
+         "is from another run (tasks ['vqa', 'nlvr2'], not ['vqa', 'nlvr2', 'refer'])"),
+        (dict(lr=1e-5), "is from another run (lr 0.002, not 1e-05)"),  # the state would bring its own back
+        (dict(steps=2), "is from another run (steps 8, not 2)"),  # past them, or on another schedule
+    ]:
+        with pytest.raises(TrainingError, match=re.escape(f"{state} {why}{fix}")):
+            train(dataclasses.replace(cfg, **changes), progress=False)
+    state.write_bytes(saved[: len(saved) // 2])
+    torn = f"{state} cannot be read: it is torn, or not a training state{fix}"
+    with pytest.raises(TrainingError, match=re.escape(torn)):
+        train(cfg, progress=False)
+    state.write_bytes(saved)
+    monkeypatch.undo()
+    assert len(train(cfg, data=data, progress=False)["losses"]) == 8
+
+
+def test_a_state_that_records_no_run_is_checked_by_its_step_and_its_tensors(task_data, tmp_path):
+    """A state written before states recorded their run still resumes; past the run's steps, or of another model, it
+    is refused as the others are."""
+    detector, data = task_data
+    cfg = tiny(tmp_path / "enc", detector, steps=8)
+    train(cfg, data=data, progress=False, stop_after=3)
+    state = tmp_path / "enc" / STATE
+    unrecorded = torch.load(state, weights_only=True)
+    del unrecorded["run"]
+    torch.save(unrecorded, state)
+    with pytest.raises(TrainingError, match=re.escape(f"{state} is at step 3, past steps=2: delete it")):
+        train(dataclasses.replace(cfg, steps=2), data=data, progress=False)
+    with pytest.raises(TrainingError, match=re.escape(f"{state} does not fit the run's model or optimizer: delete it")):
+        train(dataclasses.replace(cfg, preset="visualbert"), data=data, progress=False)
+    assert len(train(cfg, data=data, progress=False)["losses"]) == 8
+
+
+def test_a_run_whose_loss_diverges_stops_at_that_step_and_writes_nothing(task_data, tmp_path):
+    detector, data = task_data
+    with pytest.raises(TrainingError, match=r"^training diverged at step \d+: the (vqa|nlvr2) loss is (nan|inf); no "
+                                            r"checkpoint written \(try a lower learning rate\)$"):
+        train(tiny(tmp_path / "enc", detector, steps=20, lr=1e30, head_lr=1e30), data=data, progress=False)
+    assert list((tmp_path / "enc").iterdir()) == []
+
+
+def test_cli_a_diverging_run_and_a_foreign_state_exit_2_with_one_line(task_data, tmp_path, monkeypatch):
+    detector, data = task_data
+    monkeypatch.setattr(finetune_module, "prepare_task_data", lambda *a, **k: data)  # no shapes-world extraction
+    out = tmp_path / "enc"
+    common = ["train", "finetune", "--out", str(out), "--detector", str(detector), "--preset", "lxmert", "--size",
+              "tiny", "--no-init-text", "--tasks", "vqa:1,nlvr2:1", "--batch-size", "32", "--threads", "1"]
+    result = CliRunner().invoke(app, [*common, "--steps", "20", "--lr", "1e30", "--head-lr", "1e30"])
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert errors[0].startswith("error: training diverged at step ") and list(out.iterdir()) == []
+    train(tiny(out, detector, steps=4), data=data, progress=False, stop_after=2)  # an interrupted run's state
+    result = CliRunner().invoke(app, [*common, "--steps", "4", "--preset", "visualbert"])
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert errors[0].startswith(f"error: {out / STATE} is from another run (preset 'lxmert', not 'visualbert'")
+
+
+def nan_from_step(monkeypatch, first: int) -> None:
+    """From its `first` step on (1-based), each optimizer's update leaves a NaN in one weight: the loss of that step
+    was finite."""
+    make = finetune_module.adamw
+
+    def adamw(groups, lr):
+        opt, steps = make(groups, lr), []
+        update = opt.step
+
+        def step():
+            update()
+            steps.append(1)
+            if len(steps) >= first:
+                with torch.no_grad():
+                    opt.param_groups[0]["params"][0].view(-1)[0] = math.nan
+
+        opt.step = step
+        return opt
+
+    monkeypatch.setattr(finetune_module, "adamw", adamw)
+
+
+def test_weights_a_step_leaves_non_finite_are_never_saved(task_data, tmp_path, monkeypatch):
+    """A step's loss can be finite and its update still leave NaN weights: the run stops before it would save them,
+    in a resumable state or in the checkpoint, and the state saved before stays."""
+    detector, data = task_data
+    cfg = tiny(tmp_path / "enc", detector, steps=8, checkpoint_every=1)
+    train(cfg, data=data, progress=False, stop_after=2)
+    nan_from_step(monkeypatch, 1)  # the resumed run's first step, the run's third
+    state = tmp_path / "enc" / STATE
+    message = (f"training diverged at step 3: the weights are not finite; no checkpoint written (try a lower learning "
+               f"rate); {state} holds an earlier step (delete it to start over)")
+    with pytest.raises(TrainingError, match=re.escape(message)):
+        train(cfg, data=data, progress=False)
+    kept = torch.load(state, weights_only=True)
+    assert kept["step"] == 2 and all(t.isfinite().all() for t in kept["model"].values() if t.is_floating_point())
+    assert [p.name for p in (tmp_path / "enc").iterdir()] == [STATE]
+    monkeypatch.undo()
+    nan_from_step(monkeypatch, 6)  # the last step's update: only the checkpoint would have held it
+    with pytest.raises(TrainingError, match=re.escape("training diverged at step 6: the weights are not finite")):
+        train(tiny(tmp_path / "last", detector, steps=6), data=data, progress=False)
+    assert list((tmp_path / "last").iterdir()) == []
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -124,6 +246,9 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(task_data, tmp_path):
                                            "multiple_choice, itm_rank, itm_rank_text, positions, positions_one_side, relations, attributes, "
                                            "related_attributes, related_refer)"),
         (["--tasks", "vqa:0"], "task weights must be positive"),
+        (["--tasks", "vqa:nan"], "task weights must be finite numbers above 0, got vqa:nan"),
+        (["--tasks", "vqa:inf,itm:1"], "task weights must be finite numbers above 0, got vqa:inf, itm:1"),
+        (["--tasks", ""], "tasks is empty: give at least one task:weight"),
         (["--size", "tiny"], "--init-text needs size small"),
         (["--vqa-loss", "mse"], "--vqa-loss must be bce or ce"),
         (["--vqa-pool", "mean"], "--vqa-pool must be pooled, answer_slot, answer_segment, regions or regions_film"),
@@ -151,6 +276,25 @@ def test_bad_configs_fail_before_training(task_data, tmp_path, args, message):
     detector, _ = task_data
     result = CliRunner().invoke(app, ["train", "finetune", "--out", str(tmp_path / "x"), "--detector", str(detector), *args])
     assert result.exit_code == 2 and message in result.stderr, result.output
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(tasks={"vqa": math.nan}), "task weights must be finite numbers above 0, got vqa:nan"),
+    (dict(tasks={"vqa": math.inf, "nlvr2": 1.0}), "task weights must be finite numbers above 0, got vqa:inf, nlvr2:1"),
+    (dict(tasks={"vqa": 1e308, "nlvr2": 1e308}), "task weights must be finite numbers above 0"),  # their sum is not
+    (dict(tasks={}), "tasks is empty"),
+    (dict(tasks={"itm_rank": 1.0}, query_bank=4, query_bank_temperature=math.nan),
+     "query_bank_temperature=nan above 0 and finite"),
+    (dict(tasks={"itm_rank": 1.0}, query_bank=4, query_bank_temperature=math.inf),
+     "query_bank_temperature=inf above 0 and finite"),
+])
+def test_weights_or_a_temperature_that_are_not_finite_fail_before_the_data_work(task_data, tmp_path, monkeypatch,
+                                                                                changes, message):
+    detector, _ = task_data
+    no_data_work(monkeypatch)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train(tiny(tmp_path / "x", detector, **changes), progress=False)
     assert not (tmp_path / "x").exists()
 
 

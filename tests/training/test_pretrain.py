@@ -1,5 +1,5 @@
-"""Pretraining: every preset runs its paper objectives end to end, resume reproduces the loss curve, weak mode
-never pairs text with images, bad configs fail before training with one message."""
+"""Pretraining: every preset runs its paper objectives end to end, resume reproduces the loss curve and refuses another
+run's state, weak mode never pairs text with images, bad configs and a diverging run fail with one message."""
 import math
 import re
 
@@ -16,6 +16,7 @@ from models.detector.io import save_detector
 from models.tokenizer import VLTokenizer
 from training.data.region_table import RegionTable
 from training.data.vl_tasks import Example
+from training.finetune import STATE
 from training.objectives import IGNORE, grounded_token_ids
 from training.pretrain import (
     DEFAULT_OBJECTIVES, BatchBuilder, PretrainConfig, PretrainConfigError, pretrain, pretraining_heads,
@@ -95,6 +96,40 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(preset, detector_dir, da
     assert [r.keys() for r in resumed] == [r.keys() for r in straight]
     for a, b in zip(resumed, straight):
         assert a == pytest.approx(b, abs=1e-5)
+
+
+def test_a_state_another_run_wrote_or_a_torn_one_is_refused_before_the_data_work(detector_dir, data, tmp_path,
+                                                                                  monkeypatch):
+    cfg = tiny(tmp_path / "enc", detector_dir, preset="lxmert", steps=8)
+    pretrain(cfg, data=data, progress=False, stop_after=3)
+    state = tmp_path / "enc" / STATE
+    saved = state.read_bytes()
+    monkeypatch.setattr(pretrain_module, "prepare_task_data", lambda *a, **k: pytest.fail("the run prepared its data"))
+    with pytest.raises(PretrainConfigError, match=re.escape(f"{state} is from another run (preset 'lxmert', not "
+                                                            f"'vl-bert'; objectives ['mlm', 'mrfr', 'mrc', 'itm', "
+                                                            f"'image_qa'], not ['mlm', 'mrc']): delete it")):
+        pretrain(tiny(tmp_path / "enc", detector_dir, preset="vl-bert", steps=8), progress=False)
+    state.write_bytes(saved[: len(saved) // 2])
+    torn = f"{state} cannot be read: it is torn, or not a training state"
+    with pytest.raises(PretrainConfigError, match=re.escape(torn)):
+        pretrain(cfg, progress=False)
+    state.write_bytes(saved)
+    monkeypatch.undo()
+    assert len(pretrain(cfg, data=data, progress=False)["losses"]) == 8
+
+
+def test_cli_a_diverging_run_exits_2_with_one_line_and_writes_no_checkpoint(detector_dir, data, tmp_path, monkeypatch):
+    monkeypatch.setattr(pretrain_module, "prepare_task_data", lambda *a, **k: data)  # no shapes-world extraction
+    out = tmp_path / "enc"
+    result = CliRunner().invoke(app, ["train", "pretrain", "--out", str(out), "--detector", str(detector_dir),
+                                      "--preset", "vl-bert", "--size", "tiny", "--no-init-text", "--steps", "6",
+                                      "--batch-size", "4", "--threads", "1", "--lr", "1e30", "--head-lr", "1e30"])
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, errors
+    assert re.search(r"^error: training diverged at step \d+: the loss is (nan|inf) \(\w+ batch\); no checkpoint written",
+                     errors[0]), errors
+    assert list(out.iterdir()) == []
 
 
 def test_weak_batches_are_never_paired_and_reconstruct_tags(detector_dir, data, tmp_path):

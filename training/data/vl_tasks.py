@@ -177,14 +177,16 @@ def collate(
     tokenizer: VLTokenizer,
     head: HeadConfig,
     max_length: int = 40,
-) -> tuple[VLInputs, torch.Tensor]:
-    """One padded batch of a task (head kind) and its labels in the head's format."""
+    with_labels: bool = True,
+) -> tuple[VLInputs, torch.Tensor | None]:
+    """One padded batch of a task (head kind) and its labels in the head's format (None without `with_labels`: an
+    evaluation scores the logits itself, and a VQA head may know fewer answers than the data's ids reach)."""
     if kind in ("itm_rank", "itm_rank_text"):  # groups, flattened: a caption with each of its images (itm_rank) or
         # an image with each of its captions (itm_rank_text); label = the true pair's place in its group
         flat = ([Example((row,), e.text, 0) for e in examples for row in e.rows] if kind == "itm_rank" else
                 [Example(e.rows, text, 0) for e in examples for text in (e.text, *e.choices)])
-        inputs, _ = collate("itm", flat, table, tokenizer, head, max_length)
-        return inputs, torch.tensor([e.label for e in examples], dtype=torch.long)
+        inputs, _ = collate("itm", flat, table, tokenizer, head, max_length, with_labels=False)
+        return inputs, torch.tensor([e.label for e in examples], dtype=torch.long) if with_labels else None
     if kind == "multiple_choice":
         text = encode_choices(tokenizer, examples, max_length)
     else:
@@ -198,6 +200,8 @@ def collate(
         token_type_ids=torch.from_numpy(text["token_type_ids"]),
         **table.tensors(rows, width),  # NLVR2 rows (B, 2) give (B, 2, width, ...) region tensors
     )
+    if not with_labels:
+        return inputs, None
     if kind in ("vqa", "image_qa"):
         labels = torch.zeros(len(examples), head.num_labels)
         labels[torch.arange(len(examples)), torch.tensor([e.label for e in examples])] = 1.0

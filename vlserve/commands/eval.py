@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from training.run_config import RunConfig, config_command
+from vlserve.commands.checks import check_cache_root, fail
 
 app = typer.Typer(help="Evaluate detectors and encoders.", no_args_is_help=True)
 
@@ -34,8 +35,8 @@ def detector(
     try:
         det, fingerprint = load_detector(path)
     except CheckpointError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        fail(str(exc))
+    check_cache_root()
     test = load_split("test")
     result = {"detector": fingerprint, "shapes_test": evaluate_map(det, test, range(min(scenes, len(test))))}
     if easy_vqa_images:
@@ -80,10 +81,6 @@ def encoder(
     from training.retrieval import DIRECTIONS, evaluate_retrieval
     from training.vl_data import prepare_eval_data, shapes_config_from_dir, tagged
 
-    def fail(message: str):
-        typer.echo(f"error: {message}", err=True)
-        raise typer.Exit(2)
-
     if split not in ("val", "test"):
         fail(f"--split must be val or test, got {split!r}")
     if precision not in ("fp32", "bf16"):
@@ -110,6 +107,7 @@ def encoder(
         fail(f"{path} was trained on regions of detector {expected['fingerprint']}, but {detector_dir} is {fingerprint}")
     if enc.visual_feat_dim != detector.config.feature_dim:
         fail(f"{path} reads {enc.visual_feat_dim}-d region features, but {detector_dir} produces {detector.config.feature_dim}-d")
+    check_cache_root()
     shapes = {}
     if shapes_dir is not None:
         try:

@@ -9,9 +9,11 @@ import tempfile
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
+
+from vlserve.commands.checks import fail
 
 app = typer.Typer(
     help="Convert public checkpoints (transformers' VisualBERT, LXMERT; the original LXMERT code's; vilbert-multi-task's "
@@ -29,11 +31,6 @@ Answers = Annotated[Path | None, typer.Option(
     "trainval_label2ans.json), LXMERT's all_ans.json, or an answer -> index object (trainval_ans2label.json)")]
 
 
-def _fail(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
-
-
 def _convert(convert: Callable[[Path, Path], Path], src: Path, out: Path, force: bool) -> Path:
     """Run one importer into a new directory beside OUT, then move its files into OUT; returns OUT.
 
@@ -45,26 +42,26 @@ def _convert(convert: Callable[[Path, Path], Path], src: Path, out: Path, force:
 
     try:
         if out.resolve() == src.resolve():
-            _fail(f"{out}: OUT must differ from SRC")
+            fail(f"{out}: OUT must differ from SRC")
         if out.exists() and not out.is_dir():
-            _fail(f"{out}: is a file, not a directory (OUT is the directory to write)")
+            fail(f"{out}: is a file, not a directory (OUT is the directory to write)")
         if out.exists() and any(out.iterdir()) and not force:
-            _fail(f"{out}: already exists and is not empty (pass --force to write into it)")
+            fail(f"{out}: already exists and is not empty (pass --force to write into it)")
         target = out.resolve()  # the staging directory sits beside OUT: its files are renamed, never copied
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     except FileExistsError as exc:  # a file where a parent directory should be
-        _fail(f"{out}: cannot write there: {exc.filename} is a file, not a directory")
+        fail(f"{out}: cannot write there: {exc.filename} is a file, not a directory")
     except OSError as exc:  # a read-only file system, no permission
-        _fail(f"{out}: cannot write there ({exc.strerror})")
+        fail(f"{out}: cannot write there ({exc.strerror})")
     staged = staging / "new"
     try:
         convert(src, staged)
         _move_into(staging, out)
     except (CheckpointError, OSError) as exc:
-        _fail(str(exc).replace(str(staged), str(out)))  # name a file as it would have been in OUT
+        fail(str(exc).replace(str(staged), str(out)))  # name a file as it would have been in OUT
     except SafetensorError as exc:  # safetensors' writer reports a failed write (a full disk) this way
-        _fail(f"{out}: writing the weights failed ({exc})")
+        fail(f"{out}: writing the weights failed ({exc})")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out

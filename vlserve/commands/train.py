@@ -7,43 +7,53 @@ from typing import Annotated
 
 import typer
 
-from training.run_config import FinetuneConfig, PretrainConfig, config_command, embedding_override, field_choices
+from training.run_config import (FinetuneConfig, PretrainConfig, RunConfig, config_command, embedding_override,
+                                 field_choices, finite)
+from vlserve.commands.checks import check_cache_root, check_out, fail
 
 app = typer.Typer(help="Train the detector and the encoders.", no_args_is_help=True)
 
 
 @app.command("detector")
+@config_command(RunConfig, only=("seed", "threads", "force"), build=False)
 def detector(
     out: Annotated[Path, typer.Option(help="checkpoint directory to write")],
     steps: Annotated[int, typer.Option(min=1, help="optimizer steps")] = 1200,
     batch_size: Annotated[int, typer.Option(min=1, help="images per step")] = 8,
-    lr: Annotated[float, typer.Option(min=0.0, help="peak SGD learning rate")] = 0.01,
+    lr: Annotated[float, typer.Option(min=0.0, callback=finite, help="peak SGD learning rate")] = 0.01,
     eval_every: Annotated[int, typer.Option(min=1, help="steps between val mAP evaluations")] = 400,
     train_scenes: Annotated[int, typer.Option(min=1, help="shapes-world training scenes")] = 20_000,
     val_scenes: Annotated[int, typer.Option(min=1, help="shapes-world validation scenes")] = 2_000,
     test_scenes: Annotated[int, typer.Option(min=1, help="shapes-world test scenes")] = 2_000,
     feature_dim: Annotated[int, typer.Option(min=8, help="region feature dimension D")] = 512,
     num_boxes: Annotated[int, typer.Option(min=1, help="regions per image (fixed mode)")] = 36,
-    seed: Annotated[int, typer.Option(help="seed of data order and initialisation")] = 0,
-    threads: Annotated[int, typer.Option(min=1, help="torch threads")] = 2,
-    attribute_weight: Annotated[float, typer.Option(min=0.0, help="weight of the colour/size attribute loss beside "
-                                                                   "the box and class losses")] = 1.0,
+    attribute_weight: Annotated[float, typer.Option(min=0.0, callback=finite, help="weight of the colour/size "
+                                                    "attribute loss beside the box and class losses")] = 1.0,
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N: where the model trains")] = "cpu",
+    *,
+    seed: int,  # RunConfig's options
+    threads: int,
+    force: bool,
 ) -> None:
     """Fine-tune the EfficientNet-Lite0 Faster R-CNN region detector on shapes-world scenes."""
     from training.data.shapes_cache import ShapesConfig
     from training.detector_train import DetectorTrainConfig, train_detector
     from training.device import resolve_device
+    from training.finetune import TrainingError
 
     try:
         resolve_device(device)
     except ValueError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        fail(str(exc))
+    check_out(out, force=force)
+    check_cache_root()
     data = ShapesConfig(splits=(("train", train_scenes), ("val", val_scenes), ("test", test_scenes)))
     cfg = DetectorTrainConfig(out=out, steps=steps, batch_size=batch_size, lr=lr, eval_every=eval_every, seed=seed, threads=threads,
                               device=device, attribute_weight=attribute_weight, data=data, detector={"feature_dim": feature_dim, "num_boxes": num_boxes})
-    metrics = train_detector(cfg)
+    try:
+        metrics = train_detector(cfg)
+    except TrainingError as exc:  # diverged: nothing written
+        fail(str(exc))
     typer.echo(json.dumps({"out": str(out), "val": metrics["val"], "train_seconds": metrics["train_seconds"],
                            "fingerprint": metrics["fingerprint"]}, indent=2))
 
@@ -52,14 +62,18 @@ def detector(
 @config_command(FinetuneConfig, required=("out", "detector_dir"))
 def finetune(cfg: FinetuneConfig) -> None:
     """Multi-task fine-tuning: one shared encoder with vqa, refer, itm, nlvr2 and multiple_choice heads."""
-    from training.finetune import train
+    from training.finetune import TrainingError, train
 
     try:
         validate_finetune(cfg)
     except ValueError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    metrics = train(cfg)
+        fail(str(exc))
+    check_out(cfg.out, reads={"--detector": cfg.detector_dir, "--init-from": cfg.init_from}, resumes=True, force=cfg.force)
+    check_cache_root()
+    try:
+        metrics = train(cfg)
+    except TrainingError as exc:  # diverged, or a train_state.pt of another run: nothing written
+        fail(str(exc))
     typer.echo(json.dumps({"out": str(cfg.out), "final": metrics["final"], "train_seconds": metrics["train_seconds"]}, indent=2))
 
 
@@ -70,11 +84,12 @@ def pretrain(cfg: PretrainConfig) -> None:
     from training.pretrain import PretrainConfigError
     from training.pretrain import pretrain as run_pretrain
 
+    check_out(cfg.out, reads={"--detector": cfg.detector_dir}, resumes=True, force=cfg.force)
+    check_cache_root()
     try:
         metrics = run_pretrain(cfg)  # validates the config, then the data, before the first step
     except PretrainConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        fail(str(exc))
     typer.echo(json.dumps({"out": str(cfg.out), "objectives": list(cfg.objectives), "final": metrics["final"],
                            "last": metrics["history"][-1], "train_seconds": metrics["train_seconds"]}, indent=2))
 

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from training.run_config import RunConfig, config_command
+from vlserve.commands.checks import check_cache_root, fail
 
 app = typer.Typer(help="Build the model sets the service runs on.", no_args_is_help=True)
 
@@ -29,13 +30,12 @@ def build(
     from training.zoo import PROFILES, build_zoo
 
     if profile not in PROFILES:
-        typer.echo(f"error: unknown profile {profile!r}; choose one of {', '.join(PROFILES)}", err=True)
-        raise typer.Exit(2)
+        fail(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
     try:
         resolve_device(device)
     except ValueError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        fail(str(exc))
+    check_cache_root(root)
     if root is not None:  # data and feature caches read the cache root from the environment
         os.environ["VLSERVE_CACHE"] = str(root)
     path = build_zoo(profile, root, force=force, threads=threads, device=device)
