@@ -163,9 +163,11 @@ def _load_weights(src: Path) -> tuple[dict[str, torch.Tensor], str]:
                 shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
             except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
                 raise HFImportError(f"{index}: not a valid shard index ({exc})") from None
-            other = next((shard for shard in shards if not isinstance(shard, str)), None)
+            # a shard is a file beside the index: no other type, no directory part (nothing read outside SRC)
+            other = next((shard for shard in shards if not isinstance(shard, str) or Path(shard).name != shard), None)
             if other is not None:
-                raise HFImportError(f"{index}: not a valid shard index (weight_map gives {other!r}, not a file name)")
+                raise HFImportError(f"{index}: not a valid shard index (weight_map gives {other!r}, not a file name "
+                                    "beside it)")
             state: dict[str, torch.Tensor] = {}
             for shard in sorted(shards):
                 if not (src / shard).is_file():

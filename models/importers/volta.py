@@ -172,7 +172,11 @@ def _ints(source: HFSource, name: str) -> set[int]:
 
 def _overrides(source: HFSource, name: str) -> dict[int, int]:
     value = source.get(name, dict, default={})
-    return {int(k): v for k, v in value.items()}
+    try:
+        return {int(k): v for k, v in value.items()}
+    except ValueError:
+        raise HFImportError(f"{source.config_path}: field {name!r} is {value!r}, expected layer numbers as its "
+                            "keys") from None
 
 
 def style(source: HFSource) -> str:

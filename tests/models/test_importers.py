@@ -311,7 +311,11 @@ ERRORS = {
     "weights without a lower layer": (drop_layer("visual_bert.encoder.layer.0"),
                                       "model.safetensors: tensors of visual_bert.encoder.layer.1 but none of visual_bert.encoder.layer.0"),
     "shard index naming a number": (shard_index(json.dumps({"weight_map": {"visual_bert.pooler.dense.weight": 3}})),
-                                    "model.safetensors.index.json: not a valid shard index (weight_map gives 3, not a file name)"),
+                                    "model.safetensors.index.json: not a valid shard index (weight_map gives 3, not a file name"),
+    "shard index naming a file elsewhere": (
+        shard_index(json.dumps({"weight_map": {"visual_bert.pooler.dense.weight": "../model.safetensors"}})),
+        "model.safetensors.index.json: not a valid shard index (weight_map gives '../model.safetensors', not a file "
+        "name beside it)"),
     "shard index not UTF-8": (shard_index(b"\xff\xfe{}"), "model.safetensors.index.json: not a valid shard index ('utf-8' codec "
                                                            "can't decode byte 0xff in position 0: invalid start byte)"),
 }

@@ -275,6 +275,9 @@ ERRORS = {
                         "vilbert_tiny.json: dropout=7.0 is not a probability in [0, 1]"),
     "no image-stream heads": (lambda tmp: rewrite(tmp, TASKS, config={"v_num_attention_heads": 0}),
                               "vilbert_tiny.json: field 'v_num_attention_heads' is 0, expected at least 1"),
+    "sublayer overrides not by layer number": (
+        lambda tmp: rewrite(tmp, TASKS, config={"sublayer2attn_hidden_size": {"first": 16}}),
+        "vilbert_tiny.json: field 'sublayer2attn_hidden_size' is {'first': 16}, expected layer numbers as its keys"),
     "answers of another size": (lambda tmp: (tmp.joinpath("answers.json").write_text('["yes", "no"]'), rewrite(tmp, TASKS))[1],
                                 "answers.json: 2 answers, but the checkpoint's vqa head has 7"),
 }
