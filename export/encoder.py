@@ -29,6 +29,11 @@ from models.repository import DEFAULT_OPSET, GraphSpec, InputSpec, graph_feed
 EXPORTED_KINDS = ("vqa", "image_qa", "nlvr2", "refer", "itm", "multiple_choice", "grounding")  # task heads
 IMAGE_FEATURE_PRESETS = ("vl-bert", "vilbert")  # presets whose encoder reads image_feature
 EXPORTERS = ("torchscript", "dynamo")
+# the TorchScript exporter writes every preset's attention (scaled_dot_product_attention) from opset 14 on
+MIN_OPSET = 14
+# torch's dynamo exporter builds opset-18 graphs; asked for less, it down-converts them and leaves opset-18
+# operators in (Split with num_outputs), which onnxruntime rejects
+DYNAMO_MIN_OPSET = 18
 INT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "region_mask", "tag_ids", "phrase_index")
 MAX_TEXT = 512  # upper bound of the symbolic text length given to the dynamo exporter
 
@@ -102,6 +107,9 @@ def synthetic_batch(
     """
     spec = graph_spec(config, task)
     head, enc = config.heads[task], config.encoder
+    if text_len > enc.text_positions:  # a longer row would index past the position table
+        raise ValueError(f"a text of {text_len} tokens is longer than the {enc.text_positions} positions this "
+                         f"{enc.preset} encoder places")
     rng = np.random.default_rng(seed)
     text_shape = (batch, choices) if spec.kind == "multiple_choice" else (batch,)
     region_shape = (batch, 2) if spec.kind == "nlvr2" else (batch,)

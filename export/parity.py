@@ -2,7 +2,8 @@
 
 Batches are synthetic but shaped like the service's (export/encoder.py synthetic_batch) at sizes other than
 the export sizes (batch 2, 8 tokens, 6 regions): batch 1 and odd batches, short and long texts, few and many
-regions, every batch right-padded.
+regions, every batch right-padded. No text is longer than the encoder's position table places (its
+text_positions; imported checkpoints may have as few as 20).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ FP16_MIN_AGREEMENT = 0.99
 # (batch, text length, regions) of the shape-checking batches; none equals the export sizes
 SHAPES = ((1, 5, 3), (3, 13, 10), (5, 21, 4), (7, 9, 17))
 TEXT_CYCLE, REGION_CYCLE = (8, 24), (4, 33)  # later batches: text 8 + (i*5) % 24, regions 4 + (i*7) % 33
-MEASURED_TEXT = TEXT_CYCLE[0] + TEXT_CYCLE[1] - 1  # the longest text of any parity batch (31)
+MEASURED_TEXT = TEXT_CYCLE[0] + TEXT_CYCLE[1] - 1  # the longest text of any parity batch (31), unless capped
 MEASURED_REGIONS = REGION_CYCLE[0] + REGION_CYCLE[1] - 1  # the most regions of any parity batch (36)
 
 
@@ -55,8 +56,14 @@ def torch_logits(model: VLModel, task: str, feed: dict[str, np.ndarray]) -> np.n
         return model(to_torch(feed), task).logits.float().numpy()
 
 
-def parity_shapes(examples: int) -> list[tuple[int, int, int]]:
-    """(batch, text length, regions) of the parity batches: the SHAPES, then batches of 32 up to `examples`."""
+def measured_text(text_positions: int) -> int:
+    """The longest text of any parity batch of an encoder whose position table places `text_positions` tokens."""
+    return min(MEASURED_TEXT, text_positions)
+
+
+def parity_shapes(examples: int, text_positions: int = MEASURED_TEXT) -> list[tuple[int, int, int]]:
+    """(batch, text length, regions) of the parity batches: the SHAPES, then batches of 32 up to `examples`;
+    texts at most measured_text(text_positions) long."""
     shapes = list(SHAPES)
     total = sum(s[0] for s in shapes)
     while total < examples:
@@ -64,12 +71,13 @@ def parity_shapes(examples: int) -> list[tuple[int, int, int]]:
         i = len(shapes)
         shapes.append((b, TEXT_CYCLE[0] + (i * 5) % TEXT_CYCLE[1], REGION_CYCLE[0] + (i * 7) % REGION_CYCLE[1]))
         total += b
-    return shapes
+    longest = measured_text(text_positions)
+    return [(b, min(t, longest), n) for b, t, n in shapes]
 
 
 def parity_batches(model: VLModel, task: str, examples: int, seed: int = 0):
-    """(shape, feed, torch logits) of each of the parity_shapes(examples) batches."""
-    for i, (b, t, n) in enumerate(parity_shapes(examples)):
+    """(shape, feed, torch logits) of each of the parity_shapes(examples) batches for `model`'s position table."""
+    for i, (b, t, n) in enumerate(parity_shapes(examples, model.config.encoder.text_positions)):
         feed = synthetic_batch(model.config, task, batch=b, text_len=t, regions=n, seed=seed + i)
         yield (b, t, n), feed, torch_logits(model, task, feed)
 

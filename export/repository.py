@@ -25,11 +25,11 @@ from models.tokenizer import TOKENIZER_FILES
 
 from . import engines
 from .detector import detector_parity, export_detector, parity_images
-from .encoder import export_task, exportable_tasks
+from .encoder import DYNAMO_MIN_OPSET, EXPORTERS, MIN_OPSET, export_task, exportable_tasks
 from .fused import fused_attention
 from .optimize import float16_graph, optimize_graph, quantize_graph
-from .parity import (FP16_MAX_ABS_DIFF, FP16_MIN_AGREEMENT, MAX_ABS_DIFF, MEASURED_REGIONS, MEASURED_TEXT,
-                     MIN_AGREEMENT, MIN_INT8_AGREEMENT, Parity, measure)
+from .parity import (FP16_MAX_ABS_DIFF, FP16_MIN_AGREEMENT, MAX_ABS_DIFF, MEASURED_REGIONS, MIN_AGREEMENT,
+                     MIN_INT8_AGREEMENT, Parity, measure, measured_text)
 
 FORMATS = ("onnx", "tensorrt")
 
@@ -57,6 +57,12 @@ def runner(sess) -> Callable[[dict[str, np.ndarray]], np.ndarray]:
 
 # ---- export -------------------------------------------------------------------------------------------
 
+def _first_line(exc: Exception) -> str:
+    """`Type: message`, the message's first line (exporter errors run on with the traced graph)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
 def _check(task: str, variant: str, parity, max_diff: float | None, min_agreement: float) -> str | None:
     """The parity failure of one graph variant, or None."""
     if max_diff is not None and parity.max_abs_diff > max_diff:
@@ -71,13 +77,24 @@ def _check(task: str, variant: str, parity, max_diff: float | None, min_agreemen
 DETECTOR_BOX_PX = 1e-3  # exported detector boxes may differ from torch's by this many pixels
 
 
-def _export_detector(detector_dir: Path, tmp: Path, source: dict, opset: int, threads: int) -> tuple[dict, dict]:
-    """Export the detector into tmp/detector/ -> (parity report, manifest fields)."""
+def _load_detector(detector_dir: Path, source: dict, visual_feat_dim: int):
+    """The detector at `detector_dir` -> (detector, fingerprint), refused unless it gives the region features the
+    checkpoint reads: their width always, the detector itself where the checkpoint's manifest records one (imported
+    checkpoints do not)."""
     detector, fingerprint = load_detector(detector_dir)
+    if detector.config.feature_dim != visual_feat_dim:
+        raise ExportError(f"the checkpoint reads {visual_feat_dim}-d region features, but {detector_dir} gives "
+                          f"{detector.config.feature_dim}-d")
     expected = (source.get("detector") or {}).get("fingerprint")
     if expected and expected != fingerprint:
         raise ExportError(f"the checkpoint expects region features of detector {expected}, but {detector_dir} is "
                           f"detector {fingerprint}")
+    return detector, fingerprint
+
+
+def _export_detector(detector, fingerprint: str, detector_dir: Path, tmp: Path, opset: int,
+                     threads: int) -> tuple[dict, dict]:
+    """Export the detector into tmp/detector/ -> (parity report, manifest fields)."""
     out = tmp / DETECTOR_DIR
     out.mkdir()
     export_detector(detector, out / "detector.onnx", opset=opset)
@@ -219,7 +236,7 @@ def _build_engines(model, specs: dict[str, GraphSpec], work: Path, out: Path, ra
     return {**env, "precision": "fp16", "ranges": asdict(ranges), "graphs": entries}, report, failures
 
 
-def _check_options(fmt: str, quantize: str | None, opset: int, ranges: engine_runner.Ranges) -> None:
+def _check_options(fmt: str, quantize: str | None, opset: int, exporter: str) -> None:
     """ExportError for options this export cannot honour here, before any work."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -229,14 +246,26 @@ def _check_options(fmt: str, quantize: str | None, opset: int, ranges: engine_ru
             raise ExportError(f"--format tensorrt builds TensorRT engines on a CUDA GPU, but {reason}; "
                               "export --format onnx here (VLSERVE_RUNTIME=tensorrt then builds engines at start-up "
                               "through onnxruntime's TensorRT execution provider)")
-        if ranges.max_batch < 1 or ranges.max_text < MEASURED_TEXT or ranges.max_regions < MEASURED_REGIONS:
-            raise ExportError(f"engine ranges need --max-batch >= 1, --max-text >= {MEASURED_TEXT} and --max-regions "
-                              f">= {MEASURED_REGIONS} (the parity batches reach those sizes), got {asdict(ranges)}")
     if quantize not in (None, "int8"):
         raise ExportError(f"unknown quantization {quantize!r}; the only one is int8")
+    if exporter not in EXPORTERS:
+        raise ExportError(f"unknown exporter {exporter!r}; choose one of {', '.join(EXPORTERS)}")
+    if opset < MIN_OPSET:
+        raise ExportError(f"opset {opset} is too old: the graphs' attention needs opset {MIN_OPSET} or newer")
+    if exporter == "dynamo" and opset < DYNAMO_MIN_OPSET:
+        raise ExportError(f"--exporter dynamo writes opset {DYNAMO_MIN_OPSET} graphs: pass --opset {DYNAMO_MIN_OPSET} "
+                          f"or newer, or use the torchscript exporter for opset {opset}")
     if opset > supported_opset():
         raise ExportError(f"opset {opset} is newer than onnxruntime {versions()['onnxruntime']} supports "
                           f"(up to {supported_opset()})")
+
+
+def _check_ranges(ranges: engine_runner.Ranges, text_positions: int) -> None:
+    """ExportError unless TensorRT engines over `ranges` hold every parity batch of an encoder with `text_positions`."""
+    longest = measured_text(text_positions)
+    if ranges.max_batch < 1 or ranges.max_text < longest or ranges.max_regions < MEASURED_REGIONS:
+        raise ExportError(f"engine ranges need --max-batch >= 1, --max-text >= {longest} and --max-regions "
+                          f">= {MEASURED_REGIONS} (the parity batches reach those sizes), got {asdict(ranges)}")
 
 
 def export_repository(
@@ -271,7 +300,7 @@ def export_repository(
     exported too and must give the torch detector's regions (features within `max_abs_diff`, boxes within
     DETECTOR_BOX_PX pixels). Raises ExportError, leaving `out_dir` untouched, when any graph misses.
     """
-    _check_options(fmt, quantize, opset, engine_ranges)
+    _check_options(fmt, quantize, opset, exporter)
     bounds = Bounds(max_abs_diff, min_agreement, int8_min_agreement, fp16_max_abs_diff, fp16_min_agreement)
     model_dir, out = Path(model_dir), Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -281,6 +310,10 @@ def export_repository(
     tasks = exportable_tasks(config)
     if not tasks:
         raise ExportError(f"{model_dir} has no task head to export (heads: {', '.join(config.heads) or 'none'})")
+    if fmt == "tensorrt":
+        _check_ranges(engine_ranges, config.encoder.text_positions)
+    if detector_dir is not None:
+        detector, fingerprint = _load_detector(Path(detector_dir), checkpoint.manifest, config.encoder.visual_feat_dim)
     torch.set_num_threads(threads)
 
     try:
@@ -297,8 +330,14 @@ def export_repository(
         graphs, specs, parity, failures = {}, {}, {}, []
         for task, kind in tasks.items():
             log(f"exporting {task} ({kind})")
-            specs[task], parity[task], entry, failed = _export_graph(
-                model, task, tmp / GRAPHS, work, opset, exporter, optimize, quantize, fp16, examples, threads, bounds)
+            try:
+                specs[task], parity[task], entry, failed = _export_graph(
+                    model, task, tmp / GRAPHS, work, opset, exporter, optimize, quantize, fp16, examples, threads,
+                    bounds)
+            except ExportError:
+                raise
+            except Exception as exc:  # the exporter's or onnxruntime's own failure: one line, not a traceback
+                raise ExportError(f"graph {task!r}: {_first_line(exc)}") from exc
             failures += failed
             graphs[task] = {**entry, **specs[task].to_dict()}
             measured = {k: v for k, v in parity[task].items() if k in ("fp32", "optimized", "int8", "fp16")}
@@ -306,7 +345,11 @@ def export_repository(
                                           for k, v in measured.items()))
         detector_fields, extra_reports = {}, {}
         if detector_dir is not None:
-            report, detector_fields = _export_detector(Path(detector_dir), tmp, checkpoint.manifest, opset, threads)
+            try:
+                report, detector_fields = _export_detector(detector, fingerprint, Path(detector_dir), tmp, opset,
+                                                           threads)
+            except Exception as exc:
+                raise ExportError(f"detector: {_first_line(exc)}") from exc
             extra_reports["detector"] = report
             failures.append(_check_detector(report, max_abs_diff))
             log(f"  detector: boxes max|diff| {report['boxes_px']:.2e} px, features {report['features']:.2e}")

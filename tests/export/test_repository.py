@@ -1,5 +1,6 @@
 """`vlserve export` and load_repository: the repository's files, manifest and parity report; a failed parity
-writes nothing; a tampered or missing file, or an opset onnxruntime cannot run, is one clear error."""
+writes nothing; a tampered or missing file, an opset onnxruntime cannot run or the exporter cannot write, or a failure
+while exporting a graph, is one clear error."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from export.encoder import DYNAMO_MIN_OPSET, MIN_OPSET
 from export.repository import ExportError, ParityError, export_repository
 from models import create_model
 from models.checkpoint import MANIFEST, save_checkpoint, sha256_file
@@ -210,3 +212,55 @@ def test_the_detector_must_be_the_one_the_checkpoint_expects(checkpoint, tmp_pat
     with pytest.raises(ExportError, match=f"expects region features of detector 0123456789abcdef, but .* is detector {other.fingerprint}"):
         export_repository(checkpoint, tmp_path / "repo", examples=16, detector_dir=other.dir)
     assert not (tmp_path / "repo").exists()
+
+
+def one_line_exit_2(result, message: str) -> None:
+    """A usage error: exit 2 and one `error:` line containing `message` (after the progress lines), no traceback."""
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    lines = result.stderr.splitlines()
+    assert [line for line in lines if line.startswith("error: ")] == lines[-1:], result.stderr
+    assert message in lines[-1] and "Traceback" not in result.output, result.stderr
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--opset", str(MIN_OPSET - 1)], f"opset {MIN_OPSET - 1} is too old"),
+    (["--exporter", "dynamo"], f"--exporter dynamo writes opset {DYNAMO_MIN_OPSET} graphs"),  # at the default opset
+    (["--exporter", "dynamo", "--opset", str(DYNAMO_MIN_OPSET - 1)], f"pass --opset {DYNAMO_MIN_OPSET}"),
+    (["--exporter", "foo"], "unknown exporter 'foo'; choose one of torchscript, dynamo"),
+], ids=["old-opset", "dynamo-default-opset", "dynamo-opset-17", "unknown-exporter"])
+def test_cli_refuses_exporter_and_opset_it_cannot_honour_before_any_graph(checkpoint, tmp_path, options, message):
+    result = CliRunner().invoke(app, ["export", str(checkpoint), "--out", str(tmp_path / "repo"), "--examples", "4",
+                                      *options])
+    one_line_exit_2(result, message)
+    assert result.stderr.count("\n") == 1 and not list(tmp_path.iterdir())  # refused before exporting a graph
+
+
+def test_the_oldest_accepted_opset_exports_every_head(checkpoint, tmp_path):
+    """MIN_OPSET holds the attention of both streams and the cross-attention, for every served head kind."""
+    repo = export_repository(checkpoint, tmp_path / "repo", opset=MIN_OPSET, examples=16)
+    assert repo.manifest["opset"] == MIN_OPSET and set(repo.graphs) == {"vqa", "refer", "itm", "nlvr2"}
+    for task, report in repo.parity["graphs"].items():
+        assert report["fp32"]["max_abs_diff"] <= 1e-4 and report["fp32"]["agreement"] == 1.0, task
+
+
+def test_an_unexpected_error_in_a_graph_is_one_line_exit_2_and_leaves_nothing(checkpoint, tmp_path, monkeypatch):
+    import export.repository
+
+    def broken(*args, **kwargs):
+        raise IndexError("index out of range in self\n(the rest of a long message)")
+
+    monkeypatch.setattr(export.repository, "measure", broken)
+    result = CliRunner().invoke(app, ["export", str(checkpoint), "--out", str(tmp_path / "repo"), "--examples", "4"])
+    one_line_exit_2(result, "error: graph 'vqa': IndexError: index out of range in self")
+    assert result.stderr.endswith("self\n")  # the first line of the message only
+    assert not list(tmp_path.iterdir())  # neither the repository nor its temporary directory
+
+
+def test_the_cli_default_opset_is_the_repositorys():
+    """vlserve/commands/export.py writes the default out (importing models there would slow every command's start)."""
+    import inspect
+
+    from models.repository import DEFAULT_OPSET
+    from vlserve.commands.export import export
+
+    assert inspect.signature(export).parameters["opset"].default == DEFAULT_OPSET

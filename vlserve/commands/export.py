@@ -16,8 +16,9 @@ def export(
     optimize: Annotated[bool, typer.Option("--optimize", help="onnxruntime transformer fusions (attention, skip-LayerNorm, GELU)")] = False,
     quantize: Annotated[str | None, typer.Option(help="int8: dynamic quantization (per-channel weights) of MatMul/Gemm and the fused self-attention")] = None,
     fp16: Annotated[bool, typer.Option("--fp16", help="also fp16 graphs (fp32 inputs/outputs) for the CUDA and TensorRT execution providers")] = False,
-    opset: Annotated[int, typer.Option(help="ONNX opset of the graphs")] = 17,
-    exporter: Annotated[str, typer.Option(help="torchscript (default) or dynamo")] = "torchscript",
+    opset: Annotated[int, typer.Option(help="ONNX opset of the graphs")] = 17,  # models.repository.DEFAULT_OPSET,
+    # written out: importing models (torch) here would slow every vlserve command's start by 1.4 s; a test keeps them equal
+    exporter: Annotated[str, typer.Option(help="torchscript (default) or dynamo (which needs a newer --opset than the default; the error says which)")] = "torchscript",
     examples: Annotated[int, typer.Option(min=1, help="examples in the top-1 agreement check")] = 1000,
     max_abs_diff: Annotated[float, typer.Option(help="fail past this max abs fp32 logit difference to torch")] = 1e-4,
     min_agreement: Annotated[float, typer.Option(help="fail below this top-1 agreement with torch (fp32)")] = 0.995,
