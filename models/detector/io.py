@@ -12,6 +12,8 @@ from ..checkpoint import CONFIG, LABELS, WEIGHTS, CheckpointError, load_state_st
 from .config import DetectorConfig
 from .model import RegionDetector
 
+KIND = "detector"  # manifest.json's kind of a detector directory
+
 
 def fingerprint_of(manifest: dict) -> str:
     """Detector identity for feature-cache keys: changes whenever its weights or config change."""
@@ -28,7 +30,7 @@ def save_detector(detector: RegionDetector, out_dir: str | Path, extra: dict | N
     state = {k: v.detach().cpu().contiguous() for k, v in detector.state_dict().items()}
     save_file(state, str(out / WEIGHTS))
     (out / LABELS).write_text(json.dumps({"objects": cfg.classes, "attributes": cfg.attributes}, indent=2))
-    manifest = write_manifest(out, [CONFIG, WEIGHTS, LABELS], {"kind": "detector", "feature_dim": cfg.feature_dim, **(extra or {})})
+    manifest = write_manifest(out, [CONFIG, WEIGHTS, LABELS], {"kind": KIND, "feature_dim": cfg.feature_dim, **(extra or {})})
     return fingerprint_of(manifest)
 
 
@@ -36,7 +38,7 @@ def load_detector(path: str | Path, device: str = "cpu") -> tuple[RegionDetector
     """Verify and load a detector directory -> (detector in eval mode, fingerprint)."""
     path = Path(path)
     manifest = verify_manifest(path)
-    if manifest.get("kind") != "detector":
+    if manifest.get("kind") != KIND:
         raise CheckpointError(f"{path}: not a detector directory (manifest kind {manifest.get('kind')!r})")
     try:
         cfg = DetectorConfig.from_dict(json.loads((path / CONFIG).read_text()))

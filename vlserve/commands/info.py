@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-CHECKPOINT, DETECTOR = "checkpoint", "detector"  # manifest kinds; save_checkpoint writes none: CHECKPOINT
+CHECKPOINT = "checkpoint"  # the kind of a manifest that names none (save_checkpoint writes none)
 
 
 def manifest_kind(path: Path) -> str | None:
@@ -40,14 +40,14 @@ def checkpoint_summary(path: Path) -> dict:
 
 
 def detector_summary(path: Path) -> dict:
-    from models.detector.io import load_detector
+    from models.detector.io import KIND, load_detector
 
     detector, fingerprint = load_detector(path)
     cfg = detector.config
     files = json.loads((path / "manifest.json").read_text())["files"]  # verified by load_detector
     return {
         "path": str(path),
-        "kind": DETECTOR,
+        "kind": KIND,
         "fingerprint": fingerprint,
         "family": cfg.family,
         "backbone": cfg.backbone,
@@ -89,14 +89,15 @@ def info(path: Annotated[Path, typer.Argument(
     """Verify a checkpoint, detector or model repository directory (manifest hashes, config, weights or graph
     entries) and print its summary."""
     from models.checkpoint import CheckpointError
-    from models.repository import KIND
+    from models.detector.io import KIND as DETECTOR
+    from models.repository import KIND as REPOSITORY
 
-    summaries = {CHECKPOINT: checkpoint_summary, DETECTOR: detector_summary, KIND: repository_summary}
+    summaries = {CHECKPOINT: checkpoint_summary, DETECTOR: detector_summary, REPOSITORY: repository_summary}
     kind = manifest_kind(path)
     try:
         if kind is not None and kind not in summaries:
             raise CheckpointError(f"{path / 'manifest.json'}: kind {kind!r} is not one `vlserve info` reads "
-                                  f"(a checkpoint, {DETECTOR} or {KIND} directory)")
+                                  f"(a checkpoint, {DETECTOR} or {REPOSITORY} directory)")
         summary = summaries[kind or CHECKPOINT](path)
     except CheckpointError as exc:
         typer.echo(f"error: {exc}", err=True)
