@@ -14,12 +14,16 @@ from starlette.datastructures import State
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .batcher import QueueFullError
+from .metrics import ENDPOINT
 from .errors import PROBLEM_JSON, is_v2, problem_body, queue_full, request_id
 from .routes.v2 import MODELS, VERSION
 
 TASK_KINDS = {"/vqa": "vqa", "/refer": "refer", "/retrieve": "itm", "/nlvr2": "nlvr2"}  # path -> head kind
-TASK_KINDS |= {f"/v2/models/{name}{version}/infer": model.kind  # the same, KServe v2
-               for name, model in MODELS.items() for version in ("", f"/versions/{VERSION}")}
+ROUTES = {path: path for path in TASK_KINDS}  # path -> the route template its answers are counted under (metrics)
+for name, model in MODELS.items():  # the same, KServe v2
+    for version, template in (("", "/v2/models/{name}/infer"), (f"/versions/{VERSION}", "/v2/models/{name}/versions/{version}/infer")):
+        TASK_KINDS[f"/v2/models/{name}{version}/infer"] = model.kind
+        ROUTES[f"/v2/models/{name}{version}/infer"] = template
 
 
 class AdmissionMiddleware:
@@ -35,6 +39,7 @@ class AdmissionMiddleware:
             try:
                 services.pipeline.batchers[spec.task].admit()
             except QueueFullError as exc:
+                scope[ENDPOINT] = ROUTES[scope["path"]]  # refused before routing: counted under its route all the same
                 return await refuse(scope, send, exc)
         await self.app(scope, receive, send)
 

@@ -55,8 +55,15 @@ class FeatureStore(ABC):
     def __init__(self) -> None:
         self.hits = 0
         self.misses = 0
-        self.errors = 0  # store unreachable or failing (the request went on without cache)
+        self.errors = 0  # operations tried that failed: store unreachable, failing or its pool busy (no cache used)
+        self.skipped = 0  # operations not tried: the store was backed off after a failure (no cache used)
+        self.pool_waits = 0  # of the errors, commands that found no free connection in time
         self.corrupt = 0  # values that were not readable region features (counted as misses too)
+
+    @property
+    def available(self) -> bool:
+        """False while the store is backed off after a failure (an in-process store always is available)."""
+        return True
 
     @abstractmethod
     async def get(self, image_id: str, strict: bool = False) -> RegionFeatures | None:
@@ -74,7 +81,8 @@ class FeatureStore(ABC):
         """Release connections; the store must not be used afterwards."""
 
     def stats(self) -> dict[str, Any]:
-        return {"name": self.name, "hits": self.hits, "misses": self.misses, "errors": self.errors, "corrupt": self.corrupt}
+        return {"name": self.name, "hits": self.hits, "misses": self.misses, "errors": self.errors,
+                "skipped": self.skipped, "pool_waits": self.pool_waits, "corrupt": self.corrupt, "available": self.available}
 
     def _decode(self, value: bytes, where: str) -> RegionFeatures | None:
         """Stored bytes -> regions, or None (a miss) when they are not a value this version reads."""
@@ -194,9 +202,7 @@ class RedisStore(FeatureStore):
         self.fingerprint = fingerprint
         self.ttl_s = ttl_s
         self.backoff_s = backoff_s
-        self.skipped = 0  # operations not attempted during a back-off
         self._down_until = 0.0  # time.monotonic() before which Redis is not tried
-        self.pool_waits = 0  # commands that found every pooled connection busy for timeout_s
         pool = aioredis.BlockingConnectionPool.from_url(
             url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s, decode_responses=False, client_name="vlserve",
@@ -212,11 +218,12 @@ class RedisStore(FeatureStore):
         return feature_key(self.fingerprint, image_id)
 
     async def get(self, image_id: str, strict: bool = False) -> RegionFeatures | None:
+        """A lookup not tried (back-off) counts as skipped, one that failed as an error; neither is a miss, which
+        means Redis answered and held nothing usable."""
         if not self.available:
             self.skipped += 1
             if strict:
                 raise StoreUnavailableError(self._down_until - time.monotonic())
-            self.misses += 1
             return None
         key = self.key(image_id)
         try:
@@ -225,7 +232,6 @@ class RedisStore(FeatureStore):
             self._failed("get", exc)
             if strict:
                 raise StoreUnavailableError(max(self._down_until - time.monotonic(), 1.0)) from None
-            self.misses += 1
             return None
         if value is None:
             self.misses += 1
@@ -253,9 +259,6 @@ class RedisStore(FeatureStore):
             await self._redis.aclose()
         except (RedisError, *_UNREACHABLE) as exc:  # closing a broken connection is not worth a crash at shutdown
             log.debug("feature store redis: error on close (%s)", exc)
-
-    def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "skipped": self.skipped, "available": self.available, "pool_waits": self.pool_waits}
 
     def _failed(self, op: str, exc: BaseException) -> None:
         self.errors += 1
@@ -301,6 +304,18 @@ class TieredStore(FeatureStore):
     @property
     def corrupt(self) -> int:
         return self.shared.corrupt
+
+    @property
+    def skipped(self) -> int:
+        return self.shared.skipped
+
+    @property
+    def pool_waits(self) -> int:
+        return self.shared.pool_waits
+
+    @property
+    def available(self) -> bool:
+        return self.shared.available
 
     @property
     def backoff_s(self) -> float:

@@ -9,12 +9,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# up to 2 minutes: a new photo on the bottom-up-attention detector takes 2-3 s on 2 CPU cores, and a queue of them
+# tens of seconds, which buckets ending at 10 s would report as 10 s at every quantile
+LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -30,6 +32,7 @@ class _Live(Collector):
 
 class Metrics:
     def __init__(self) -> None:
+        disable_created_metrics()  # no `*_created` series: a timestamp per label set that nothing here reads
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("vlserve_requests", "HTTP requests", ["endpoint", "method", "status"], registry=r)
@@ -65,14 +68,21 @@ class Metrics:
             out = [depth]
             for name, doc, value in (
                 ("vlserve_feature_store_hits", "feature-store lookups that found regions", store.hits),
-                ("vlserve_feature_store_misses", "feature-store lookups that found nothing usable", store.misses),
-                ("vlserve_feature_store_errors", "feature-store operations that failed (served without cache)", store.errors),
+                ("vlserve_feature_store_misses", "feature-store lookups the store answered with nothing usable", store.misses),
+                ("vlserve_feature_store_errors", "feature-store operations tried that failed (served without cache, "
+                                                 "or 503 for an image_id)", store.errors),
+                ("vlserve_feature_store_skipped", "feature-store operations not tried while the store was backed off "
+                                                  "after a failure (served without cache, or 503 for an image_id)", store.skipped),
+                ("vlserve_feature_store_pool_waits", "feature-store commands that found no free Redis connection in "
+                                                     "time (counted in errors too)", store.pool_waits),
                 ("vlserve_detector_images", "images the detector ran on", regions.detector_runs),
                 ("vlserve_detector_seconds", "time spent in the detector", regions.detector_seconds),
             ):
                 family = CounterMetricFamily(name, doc)
                 family.add_metric([], float(value))
                 out.append(family)
+            out.append(GaugeMetricFamily("vlserve_feature_store_available", "0 while the feature store is backed off "
+                                         "after a failure, else 1", value=float(store.available)))
             if streams is not None:
                 out += stream_cache_families(streams.stats())
             return out
@@ -97,10 +107,13 @@ def stream_cache_families(stats: dict) -> list:
     return [hits, misses, evictions, held]
 
 
+ENDPOINT = "vlserve.endpoint"  # scope key: the route template of a request answered before routing (admission's 429)
+
+
 def route_label(scope: Scope) -> str:
     """The matched route's path template (bounded label values), or 'unmatched'."""
     route = scope.get("route")
-    return getattr(route, "path", None) or "unmatched"
+    return getattr(route, "path", None) or scope.get(ENDPOINT) or "unmatched"
 
 
 class MetricsMiddleware:

@@ -14,12 +14,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import PROBLEM_JSON, is_v2, problem_body, request_id
 
-# probes: they carry no data and cannot always send headers (the v2 ones: the Open Inference Protocol's)
-# and the page to try it (routes/page.py): static files that hold no data; the requests it sends carry the key its
+# probes: they carry no data and cannot always send headers (the v2 ones: the Open Inference Protocol's);
+# /metrics: counts and timings, no request data, and Prometheus' pod discovery scrapes it without headers (behind a
+# key it would scrape nothing and the queue-depth autoscaler would go blind); and the page to try it (routes/page.py): static files that hold no data; the requests it sends carry the key its
 # user types in
 PAGE_PATHS = frozenset({"/", "/page/app.js", "/page/style.css", "/page/sample-shapes.png", "/page/sample-shapes-2.png",
                         "/page/sample-photo.jpg"})
-PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"}) | PAGE_PATHS
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready", "/metrics"}) | PAGE_PATHS
 
 
 async def send_problem(scope: Scope, receive: Receive, send: Send, status: int, detail: str,

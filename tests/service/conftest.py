@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import re
 import shutil
 import signal
 import socket
@@ -240,12 +241,14 @@ def while_the_encoder_is_held(batcher, send, n: int = 4, during=None) -> tuple[l
     import threading
 
     release, run = threading.Event(), batcher.fn
-    batcher.fn = lambda items: (release.wait(5), run(items))[1]  # hold the encoder until the queue has filled
+    # hold the encoder until released below (the timeout only keeps a broken test from hanging: on a loaded machine
+    # the threads' requests can take seconds to fill the queue, and a hold that ended by itself admitted during())
+    batcher.fn = lambda items: (release.wait(30), run(items))[1]
     responses: list = []
     threads = [threading.Thread(target=lambda: responses.append(send())) for _ in range(n)]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 20
     while not any(r.status_code == 429 for r in responses) and time.monotonic() < deadline:
         time.sleep(0.01)
     extra = during() if during is not None else None
@@ -296,3 +299,14 @@ def make_checkpoint():
 def make_detector():
     """build_tiny_detector(out_dir, seed=...)."""
     return build_tiny_detector
+
+
+def metric(client, name: str, **labels) -> float:
+    """A sample's value from the app's /metrics (0 when absent)."""
+    text = client.get("/metrics").text
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        m = re.match(rf"^{name}(?:\{{(.*)\}})? (\S+)$", line)
+        if m and ",".join(sorted((m.group(1) or "").split(","))) == (want or ""):
+            return float(m.group(2))
+    return 0.0

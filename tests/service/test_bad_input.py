@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from service.app import create_app
-from tests.service.conftest import while_the_encoder_is_held
+from tests.service.conftest import metric, while_the_encoder_is_held
 
 LIMITS = dict(max_body_bytes=64 * 1024, max_pixels=2_000_000, max_text_chars=80, max_text_tokens=16, max_top_k=5,
               max_candidates=3)
@@ -148,7 +148,9 @@ def test_oversized_bodies_are_413_before_they_are_read(client, problem):
 
 
 def test_queue_full_is_429_with_retry_after(make_settings, problem):
-    settings = make_settings(max_batch_size=1, max_queue=1, max_wait_ms=0.0)
+    # refused by queue length alone (no shedding by expected wait, which may refuse every request but the one
+    # running and then admit the next into the empty queue): one runs held, one waits, the rest and early are refused
+    settings = make_settings(max_batch_size=1, max_queue=1, max_wait_ms=0.0, max_queue_wait_ms=0.0)
     with TestClient(create_app(settings), raise_server_exceptions=False) as c:
         image_id = c.post("/images", json={"image": IMG}).json()["image_id"]
         batcher = c.app.state.services.pipeline.batchers["vqa"]
@@ -161,6 +163,9 @@ def test_queue_full_is_429_with_retry_after(make_settings, problem):
     for limited in (next(r for r in responses if r.status_code == 429), early):
         problem(limited, 429, "queue-full")
         assert int(limited.headers["Retry-After"]) >= 1 and limited.headers["X-Request-ID"]
+        # counted under the route it asked for, refused before routing or not (was endpoint="unmatched")
+    assert metric(c, "vlserve_requests_total", endpoint="/vqa", method="POST", status="429") == statuses.count(429) + 1
+    assert metric(c, "vlserve_requests_total", endpoint="unmatched", method="POST", status="429") == 0
 
 
 def test_a_bug_is_a_500_problem_without_a_trace(client, problem, monkeypatch):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import math
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +14,7 @@ from fastapi.testclient import TestClient
 from models.layers import cpu_has_native_bf16
 from service.app import DEMO_MISSING, StartupError, create_app
 
-from tests.service.conftest import SCORE_TOL, score_tol
+from tests.service.conftest import SCORE_TOL, metric, score_tol
 
 VQA_ANSWERS = ["red", "blue", "circle", "rectangle", "two"]  # the tiny checkpoint's answer names (conftest)
 
@@ -41,17 +40,6 @@ def client(request, make_settings):
 
 def regions_of(client):
     return client.app.state.services.pipeline.regions
-
-
-def metric(client, name: str, **labels) -> float:
-    """A sample's value from /metrics (0 when absent)."""
-    text = client.get("/metrics").text
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in text.splitlines():
-        m = re.match(rf"^{name}(?:\{{(.*)\}})? (\S+)$", line)
-        if m and ",".join(sorted((m.group(1) or "").split(","))) == (want or ""):
-            return float(m.group(2))
-    return 0.0
 
 
 def test_health_ready_and_model_info(client):
@@ -220,6 +208,10 @@ def test_metrics_cover_requests_queues_store_and_models(client):
         assert name in text, name
     assert metric(client, "vlserve_requests_total", endpoint="/vqa", method="POST", status="404") >= 1
     assert metric(client, "vlserve_queue_depth", batcher="detector") == 0
+    assert metric(client, "vlserve_feature_store_available") == 1
+    assert "_created" not in text  # a timestamp series per label set, which nothing reads
+    # the buckets reach past a queue of new photos on the bottom-up detector (2-3 s each on a CPU)
+    assert 'vlserve_request_seconds_bucket{endpoint="/vqa",le="120.0",method="POST",status="404"}' in text
 
 
 def test_redis_down_mid_test_still_serves_then_recovers(make_settings, restartable_redis, make_png, problem):
@@ -237,7 +229,10 @@ def test_redis_down_mid_test_still_serves_then_recovers(make_settings, restartab
         down = problem(b.post("/vqa", json={"image_id": on_a, "question": "q"}), 503, "store-unavailable")
         assert "feature store is unreachable" in down["detail"]
         assert int(b.post("/vqa", json={"image_id": on_a, "question": "q"}).headers["retry-after"]) >= 1
-        assert metric(b, "vlserve_feature_store_errors_total") >= 1
+        # every operation done without the store is counted, tried (errors) or not (skipped), and none is a miss
+        misses, errors, skipped = (metric(b, f"vlserve_feature_store_{name}_total") for name in ("misses", "errors", "skipped"))
+        assert errors >= 1 and skipped >= 1 and misses == 0, (misses, errors, skipped)
+        assert metric(b, "vlserve_feature_store_available") == 0
         restartable_redis.start()  # empty: nothing survived the restart
         time.sleep(b.app.state.services.pipeline.regions.store.backoff_s + 0.05)  # the store retries after its back-off
         problem(b.post("/vqa", json={"image_id": on_a, "question": "q"}), 404, "unknown-image")  # truly gone now

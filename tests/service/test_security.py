@@ -27,7 +27,7 @@ def client(make_settings):
     ({"Authorization": f"Bearer {KEYS[0]}"}, "needs an API key"),  # only X-API-Key counts
 ])
 def test_missing_or_wrong_key_is_401(client, problem, headers, detail):
-    for method, path in (("POST", "/vqa"), ("POST", "/images"), ("GET", "/metrics"), ("GET", "/openapi.json"), ("GET", "/nowhere")):
+    for method, path in (("POST", "/vqa"), ("POST", "/images"), ("GET", "/openapi.json"), ("GET", "/nowhere")):
         body = problem(client.request(method, path, json={"question": "q"}, headers=headers), 401, "unauthorized")
         assert detail in body["detail"]
         assert KEYS[0] not in body["detail"]
@@ -42,6 +42,13 @@ def test_every_key_works_and_probes_are_open(client, image_png):
         assert client.get("/metrics", headers={"X-API-Key": key}).status_code == 200
     assert client.get("/healthz").status_code == 200
     assert client.get("/readyz").status_code == 200
+
+
+def test_metrics_are_scraped_without_a_key(client):
+    """Prometheus' pod discovery sends no headers: behind a key /metrics scraped nothing, and the autoscaler that
+    reads vlserve_queue_depth from it saw no pod."""
+    r = client.get("/metrics")
+    assert r.status_code == 200 and "vlserve_queue_depth" in r.text
 
 
 def test_unauthenticated_huge_body_is_401_not_413(client, problem):

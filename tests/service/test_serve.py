@@ -93,6 +93,30 @@ def test_engine_cache_dir_option_is_documented_and_reaches_the_settings(clean_en
     assert started[0].precision == "auto"
 
 
+def test_each_option_states_the_default_the_settings_define():
+    """The defaults in `vlserve serve --help` are read from Settings, so they cannot drift from what serves (the help
+    once said --max-batch-size defaults to 32 when Settings said 8)."""
+    import typer
+
+    from service.settings import MiB, Settings
+
+    command = typer.main.get_command(cli).commands["serve"]
+    stated = 0
+    for param in command.params:
+        field = Settings.model_fields.get(param.name)
+        if field is None or field.default is None or field.default_factory is not None:
+            continue
+        value = field.default
+        text = ("on" if value else "off") if isinstance(value, bool) else \
+            f"{value // MiB} MiB" if isinstance(value, int) and value >= MiB and value % MiB == 0 else \
+            f"{value:g}" if isinstance(value, float) else str(value)
+        assert param.help.endswith(f"(default {text})"), (param.name, param.help)
+        assert param.help.count("(default") == 1, param.help
+        stated += 1
+    assert stated >= 20  # every setting with a plain default is an option (detector_settle etc. are env-only)
+    assert "(default 8)" in command.params[[p.name for p in command.params].index("max_batch_size")].help
+
+
 def test_invalid_settings_exit_2_naming_each_field(clean_env, tmp_path):
     result = serve("--threads", "0", "--redis-url", "http://nope", "--model-dir", tmp_path / "missing")
     assert result.exit_code == 2

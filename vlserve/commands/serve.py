@@ -13,6 +13,22 @@ def _opt(help_text: str, panel: str = _S, **kw: Any) -> Any:
     return typer.Option(help=help_text, rich_help_panel=panel, show_default=False, **kw)
 
 
+def _default(name: str) -> str:
+    """"(default X)" for a setting, read from service.settings.Settings, where each default is defined."""
+    from service.settings import MiB, Settings
+
+    value = Settings.model_fields[name].default
+    if isinstance(value, bool):
+        text = "on" if value else "off"
+    elif isinstance(value, int) and value >= MiB and value % MiB == 0:
+        text = f"{value // MiB} MiB"
+    elif isinstance(value, float) and value.is_integer():
+        text = str(int(value))
+    else:
+        text = str(value)
+    return f"(default {text})"
+
+
 def serve(
     model_dir: Annotated[Path | None, _opt("encoder checkpoint directory (env VLSERVE_MODEL_DIR); with no model or detector given, "
                                            "the --profile model set is used (built on first use)", "Models")] = None,
@@ -21,47 +37,48 @@ def serve(
                                         "to serve from the cache, built there on first use: demo (about 10 min on 2 cores), "
                                         "pretrained (about 14) or full (about 30) (env VLSERVE_PROFILE; default demo)", "Models",
                                         envvar="VLSERVE_PROFILE")] = None,
-    runtime: Annotated[str | None, _opt("inference backend: torch, onnxruntime or tensorrt (default torch)", "Models")] = None,
-    device: Annotated[str | None, _opt("cpu, cuda or cuda:N (default cpu)", "Models")] = None,
-    threads: Annotated[int | None, _opt("intra-op threads of the runtime (default 2)", "Models")] = None,
+    runtime: Annotated[str | None, _opt("inference backend: torch, onnxruntime or tensorrt " + _default("runtime"), "Models")] = None,
+    device: Annotated[str | None, _opt("cpu, cuda or cuda:N " + _default("device"), "Models")] = None,
+    threads: Annotated[int | None, _opt("intra-op threads of the runtime " + _default("threads"), "Models")] = None,
     precision: Annotated[str | None, _opt("torch runtime arithmetic: fp32, bf16 (GEMMs and attention in bfloat16, "
                                           "float32 LayerNorm and residuals), or auto = bf16 where the CPU/GPU has "
-                                          "native bfloat16 (default auto)", "Models")] = None,
+                                          "native bfloat16 " + _default("precision"), "Models")] = None,
     engine_cache_dir: Annotated[Path | None, _opt("TensorRT engine cache on a GPU (env VLSERVE_ENGINE_CACHE_DIR; runtime tensorrt, "
                                                   "or onnxruntime with its TensorRT provider): engines built once are reused "
                                                   "across restarts (default $XDG_CACHE_HOME/vlserve/tensorrt, else "
                                                   "~/.cache/vlserve/tensorrt)", "Models")] = None,
     redis_url: Annotated[str | None, _opt("feature store in Redis (redis://host:port/db); empty = in-process LRU", "Feature store")] = None,
-    redis_ttl_s: Annotated[int | None, _opt("lifetime of cached regions in Redis, seconds (default 604800)", "Feature store")] = None,
-    cache_max_bytes: Annotated[int | None, _opt("in-process feature store bound in bytes (default 256 MiB)", "Feature store")] = None,
+    redis_ttl_s: Annotated[int | None, _opt("lifetime of cached regions in Redis, seconds " + _default("redis_ttl_s"), "Feature store")] = None,
+    cache_max_bytes: Annotated[int | None, _opt("in-process feature store bound in bytes " + _default("cache_max_bytes"), "Feature store")] = None,
     stream_cache_max_bytes: Annotated[int | None, _opt("two-stream presets on the torch runtime: bytes of per-image and "
-                                                       "per-text encoder states /retrieve keeps; 0 = off (default 256 MiB)",
+                                                       "per-text encoder states /retrieve keeps; 0 = off " + _default("stream_cache_max_bytes"),
                                                        "Feature store")] = None,
-    max_batch_size: Annotated[int | None, _opt("requests per encoder batch; 1 turns batching off (default 32)", "Batching")] = None,
+    max_batch_size: Annotated[int | None, _opt("requests per encoder batch; 1 turns batching off " + _default("max_batch_size"), "Batching")] = None,
     max_wait_ms: Annotated[float | None, _opt("while the encoder is busy, how long a batch may wait to fill, ms; an idle "
-                                              "encoder runs a request at once (default 5)", "Batching")] = None,
-    max_queue: Annotated[int | None, _opt("queued requests per batcher before 429 (default 256)", "Batching")] = None,
-    detector_max_batch_size: Annotated[int | None, _opt("images per detector batch (default 8)", "Batching")] = None,
+                                              "encoder runs a request at once " + _default("max_wait_ms"), "Batching")] = None,
+    max_queue: Annotated[int | None, _opt("queued requests per batcher before 429 " + _default("max_queue"), "Batching")] = None,
+    detector_max_batch_size: Annotated[int | None, _opt("images per detector batch " + _default("detector_max_batch_size"), "Batching")] = None,
     detector_max_wait_ms: Annotated[float | None, _opt("while the detector is busy, how long a batch may wait to fill, ms "
-                                                       "(default 5)", "Batching")] = None,
-    max_body_bytes: Annotated[int | None, _opt("larger request bodies get 413 (default 10 MiB)", "Limits")] = None,
-    max_pixels: Annotated[int | None, _opt("larger images are refused before decoding (default 40000000)", "Limits")] = None,
+                                                       + _default("detector_max_wait_ms"), "Batching")] = None,
+    max_body_bytes: Annotated[int | None, _opt("larger request bodies get 413 " + _default("max_body_bytes"), "Limits")] = None,
+    max_pixels: Annotated[int | None, _opt("larger images are refused before decoding " + _default("max_pixels"), "Limits")] = None,
     decode_max_pixels_in_flight: Annotated[int | None, _opt("pixels of images being decoded or waiting for the detector, "
                                                             "summed over requests (about 4 bytes each while decoding); "
-                                                            "0 = unbounded (default 80000000)", "Limits")] = None,
+                                                            "0 = unbounded " + _default("decode_max_pixels_in_flight"), "Limits")] = None,
     decode_reduced: Annotated[bool | None, _opt("decode images longer than twice the detector's input side reduced; "
-                                                "boxes stay in original pixels (default on)", "Limits")] = None,
-    max_text_chars: Annotated[int | None, _opt("longest question / expression / caption in characters (default 512)", "Limits")] = None,
-    max_text_tokens: Annotated[int | None, _opt("longest text row in word pieces (default 64; at most the checkpoint's text positions)", "Limits")] = None,
-    max_top_k: Annotated[int | None, _opt("largest top_k a request may ask for (default 100)", "Limits")] = None,
-    max_candidates: Annotated[int | None, _opt("most image_ids / texts one /retrieve request may rank (default 100)", "Limits")] = None,
+                                                "boxes stay in original pixels " + _default("decode_reduced"), "Limits")] = None,
+    max_text_chars: Annotated[int | None, _opt("longest question / expression / caption in characters " + _default("max_text_chars"), "Limits")] = None,
+    max_text_tokens: Annotated[int | None, _opt("longest text row in word pieces, at most the checkpoint's text positions "
+                                                                 + _default("max_text_tokens"), "Limits")] = None,
+    max_top_k: Annotated[int | None, _opt("largest top_k a request may ask for " + _default("max_top_k"), "Limits")] = None,
+    max_candidates: Annotated[int | None, _opt("most image_ids / texts one /retrieve request may rank " + _default("max_candidates"), "Limits")] = None,
     api_keys: Annotated[str | None, _opt("comma-separated API keys for X-API-Key; none = open (prefer the env variable: "
                                          "command lines are visible to other users)", "Access")] = None,
-    host: Annotated[str | None, _opt("bind address (default 127.0.0.1)", "Server")] = None,
-    port: Annotated[int | None, _opt("bind port; 0 = any free port (default 8000)", "Server")] = None,
+    host: Annotated[str | None, _opt("bind address " + _default("host"), "Server")] = None,
+    port: Annotated[int | None, _opt("bind port; 0 = any free port " + _default("port"), "Server")] = None,
     shutdown_drain_s: Annotated[float | None, _opt("on SIGTERM, how long /readyz answers 503 while requests are still "
-                                                   "served, before the listener closes, s (default 5)", "Server")] = None,
-    shutdown_timeout_s: Annotated[float | None, _opt("after the drain, how long in-flight requests may finish, s (default 30)",
+                                                   "served, before the listener closes, s " + _default("shutdown_drain_s"), "Server")] = None,
+    shutdown_timeout_s: Annotated[float | None, _opt("after the drain, how long in-flight requests may finish, s " + _default("shutdown_timeout_s"),
                                                      "Server")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level", rich_help_panel="Server")] = "info",
 ) -> None:
