@@ -7,9 +7,11 @@ PIP := $(PYTHON) -m pip
 # torch first (pins read from pyproject.toml), so no dependency pulls another torch build.
 # redis-server comes from Debian: the tests start their own on a free loopback port. kubectl too where none is
 # installed (Debian's kubernetes-client): the tests render k8s/ with `kubectl kustomize`, which needs no cluster. And
-# chromium: the page's tests drive Debian's browser with Playwright (no browser download).
+# chromium: the page's tests drive Debian's browser with Playwright (no browser download). And prometheus: a test
+# scrapes a served vlserve with it and evaluates the autoscaler's prometheus-adapter rules there.
 install:
 	command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
+	command -v prometheus >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus)
 	command -v kubectl >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubernetes-client)
 	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 	$(PIP) install -q $$($(PYTHON) scripts/pins.py torch torchvision)

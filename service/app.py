@@ -32,7 +32,7 @@ from models.detector.io import load_detector
 from models.detector.onnx import OnnxDetector
 from models.repository import Repository, is_repository, load_repository
 
-from .admission import AdmissionMiddleware
+from .admission import ROUTES, AdmissionMiddleware
 from .batcher import Batcher, BatcherConfig, InFlight
 from .errors import PROBLEM_JSON, install_error_handlers
 from .explain import Explainer, grounding_report
@@ -363,6 +363,7 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="vlserve", version=package_version(), description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = metrics = Metrics()
+    metrics.expect_refusals(sorted(set(ROUTES.values())))
     app.state.services = None
     app.state.ready = False
     app.state.draining = False  # set on SIGTERM by service.shutdown.DrainingServer: /readyz 503, requests still served

@@ -46,6 +46,12 @@ class Metrics:
         self.ready = Gauge("vlserve_ready", "1 once models are loaded and warmed up", registry=r)
         self._live: _Live | None = None
 
+    def expect_refusals(self, endpoints: list[str]) -> None:
+        """Start each task route's 429 count at 0: Prometheus' rate() reads a counter's growth between scrapes, so the
+        refusals that create a series would count for nothing (the autoscaler's vlserve_refused_per_second)."""
+        for endpoint in endpoints:
+            self.requests.labels(endpoint, "POST", "429")
+
     def on_batch(self, task: str) -> Callable[[int, float, float], None]:
         """The Batcher callback of one task: (batch_size, wait_s, run_s)."""
         size, wait, run = self.batch_size.labels(task), self.queue_wait.labels(task), self.encoder_seconds.labels(task)

@@ -161,15 +161,16 @@ ADAPTER_VALUES = {  # the chart's values this deployment sets
 }
 
 
-def test_autoscaling_on_cpu_and_on_queue_depth_through_prometheus_adapter(rendered):
+def test_autoscaling_on_cpu_queue_depth_and_refusals_through_prometheus_adapter(rendered):
     hpa = by_kind(rendered[1], "HorizontalPodAutoscaler", "vlserve-api")
     assert hpa["apiVersion"] == "autoscaling/v2"
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "vlserve-api"}
-    metrics = {m["type"]: m for m in hpa["spec"]["metrics"]}
-    assert metrics["Resource"]["resource"]["name"] == "cpu"
-    wanted = metrics["Pods"]["pods"]["metric"]["name"]
-    assert wanted == "vlserve_queue_depth"
-    assert "vlserve_queue_depth" in (ROOT / "service" / "metrics.py").read_text()  # the service exports it
+    resources = [m["resource"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Resource"]
+    assert resources == ["cpu"]
+    wanted = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"}
+    assert wanted == {"vlserve_queue_depth", "vlserve_refused_per_second"}
+    exported = (ROOT / "service" / "metrics.py").read_text()
+    assert '"vlserve_queue_depth"' in exported and '"vlserve_requests"' in exported  # the series the rules read
 
     values = yaml.safe_load((K8S / "prometheus-adapter" / "values.yaml").read_text())
     jsonschema.Draft202012Validator(ADAPTER_VALUES).validate(values)
@@ -179,12 +180,15 @@ def test_autoscaling_on_cpu_and_on_queue_depth_through_prometheus_adapter(render
         template = re.sub(r"\$(\d)", r"\\g<\1>", rule["name"].get("as", "$0"))  # the adapter's $1 is re's \g<1>
         name = re.sub(rule["name"]["matches"], template, series) if re.search(rule["name"]["matches"], series) else None
         exposed.append(name)
-        if name == wanted:  # a per-pod metric: the series map to their namespace and pod
+        if name in wanted:  # a per-pod metric: the series map to their namespace and pod
             overrides = rule["resources"]["overrides"]
             assert overrides["namespace"]["resource"] == "namespace" and overrides["pod"]["resource"] == "pod"
             for placeholder in ("<<.Series>>", "<<.LabelMatchers>>", "<<.GroupBy>>"):
                 assert placeholder in rule["metricsQuery"]
-    assert wanted in exposed, exposed
+    assert wanted <= set(exposed), exposed
+    # the Prometheus counter is exported as <name>_total; the refusals are its 429s
+    refused = next(r for r in values["rules"]["custom"] if r["name"].get("as") == "vlserve_refused_per_second")
+    assert refused["seriesQuery"].startswith("vlserve_requests_total{") and 'status="429"' in refused["metricsQuery"]
 
 
 def test_the_deployment_docs_name_the_pinned_version_and_the_adapter():
