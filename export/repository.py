@@ -19,6 +19,7 @@ from models import engines as engine_runner
 from models.checkpoint import CONFIG, LABELS, MANIFEST, WEIGHTS, load_checkpoint, write_manifest
 from models.detector.io import load_detector
 from models.detector.onnx import OnnxDetector
+from models.file_modes import apply_umask
 from models.repository import (DEFAULT_OPSET, DETECTOR_DIR, ENGINES, GRAPHS, KIND, PARITY, GraphSpec, Repository,
                                graph_files, load_repository, session, supported_opset)
 from models.tokenizer import TOKENIZER_FILES
@@ -398,6 +399,7 @@ def export_repository(
         if engine_fields:
             fields["engines"] = engine_fields
         write_manifest(tmp, files, fields)
+        apply_umask(tmp)  # the umask's modes, not mkdtemp's 0700 (the service image's user reads the repository)
         if out.exists():
             out.rmdir()
         tmp.replace(out)

@@ -5,8 +5,10 @@ and fails with one message naming the file or field at fault.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .config import FORMAT_VERSION, ModelConfig
+from .file_modes import apply_umask
 from .query_bank import QueryBank
 from .tokenizer import TOKENIZER_FILES, VLTokenizer
 from .vl_model import VLModel
@@ -26,6 +29,26 @@ CODE_VERSION = "0.1.0"  # vlserve version that wrote the checkpoint
 
 class CheckpointError(ValueError):
     """A checkpoint directory that cannot be loaded; the message names the file or field."""
+
+
+def unreadable(exc: OSError, directory: Path, file: Path | None = None) -> CheckpointError:
+    """The loader's error for a file of the model directory `directory` that it cannot read (the one `exc` names, else
+    `file`, else the directory): one line naming it and, where permissions refuse it, the fix (a model set written by
+    another user, mounted into the service image)."""
+    where = exc.filename if exc.filename is not None else (file or directory)
+    message = f"cannot read {where} ({exc.strerror or exc})"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        message += (f": this process runs as uid {os.getuid()}; make the model files readable "
+                    f"(chmod -R a+rX {directory})")
+    return CheckpointError(message)
+
+
+def save_weights(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """Write model.safetensors whole (safetensors' save_file renames a complete temporary file over `path`), then give
+    it the mode the umask gives new files: save_file makes it 0600, which other users, such as the service image's,
+    cannot read."""
+    save_file(state, str(path), metadata=metadata)
+    apply_umask(path)
 
 
 @dataclass
@@ -86,7 +109,7 @@ def save_checkpoint(
     _check_labels(model.config, labels)
     (out / CONFIG).write_text(json.dumps(model.config.to_dict(), indent=2))
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(out / WEIGHTS), metadata={"format_version": str(FORMAT_VERSION)})
+    save_weights(state, out / WEIGHTS, metadata={"format_version": str(FORMAT_VERSION)})
     tokenizer.save(out)
     (out / LABELS).write_text(json.dumps(labels, indent=2))
     write_manifest(out, [CONFIG, WEIGHTS, LABELS, *TOKENIZER_FILES], {
@@ -100,8 +123,16 @@ def save_checkpoint(
 
 
 def verify_manifest(path: str | Path) -> dict[str, Any]:
-    """Check that every file the manifest lists exists and has its recorded sha256; return the manifest."""
+    """Check that every file the manifest lists exists and has its recorded sha256; return the manifest. A file or
+    directory this process may not read is a CheckpointError naming it (`unreadable`)."""
     path = Path(path)
+    try:
+        return _verify_manifest(path)
+    except OSError as exc:
+        raise unreadable(exc, path) from None
+
+
+def _verify_manifest(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {path}")
     mpath = path / MANIFEST
@@ -154,7 +185,9 @@ def load_checkpoint(
     model = VLModel(config)
     try:
         state = load_file(str(path / WEIGHTS), device="cpu")
-    except (SafetensorError, OSError) as exc:
+    except OSError as exc:
+        raise unreadable(exc, path, path / WEIGHTS) from None
+    except SafetensorError as exc:
         raise CheckpointError(f"{path / WEIGHTS}: unreadable ({exc})") from None
     load_state_strict(model, state, path / WEIGHTS)
     model.to(device).eval()

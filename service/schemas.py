@@ -217,7 +217,7 @@ class Timings(BaseModel):
     tokenize: float = 0.0
     queue: float = 0.0  # waiting in the task's batcher
     encoder: float = 0.0  # the batch this request ran in
-    query_bank: float = 0.0  # /retrieve text -> images: scoring the bank's captions with images first ranked
+    query_bank: float | None = None  # /retrieve text -> images, where it scored the bank for images first ranked
     total: float = 0.0
 
 

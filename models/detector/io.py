@@ -6,9 +6,10 @@ import json
 from pathlib import Path
 
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from ..checkpoint import CONFIG, LABELS, WEIGHTS, CheckpointError, load_state_strict, verify_manifest, write_manifest
+from ..checkpoint import (CONFIG, LABELS, WEIGHTS, CheckpointError, load_state_strict, save_weights, unreadable,
+                          verify_manifest, write_manifest)
 from .config import DetectorConfig
 from .model import RegionDetector
 
@@ -28,7 +29,7 @@ def save_detector(detector: RegionDetector, out_dir: str | Path, extra: dict | N
     cfg = detector.config
     (out / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2))
     state = {k: v.detach().cpu().contiguous() for k, v in detector.state_dict().items()}
-    save_file(state, str(out / WEIGHTS))
+    save_weights(state, out / WEIGHTS)
     (out / LABELS).write_text(json.dumps({"objects": cfg.classes, "attributes": cfg.attributes}, indent=2))
     manifest = write_manifest(out, [CONFIG, WEIGHTS, LABELS], {"kind": KIND, "feature_dim": cfg.feature_dim, **(extra or {})})
     return fingerprint_of(manifest)
@@ -47,7 +48,9 @@ def load_detector(path: str | Path, device: str = "cpu") -> tuple[RegionDetector
     detector = RegionDetector(cfg, pretrained_backbone=False)
     try:
         state = load_file(str(path / WEIGHTS))
-    except (SafetensorError, OSError) as exc:
+    except OSError as exc:
+        raise unreadable(exc, path, path / WEIGHTS) from None
+    except SafetensorError as exc:
         raise CheckpointError(f"{path / WEIGHTS}: unreadable ({exc})") from None
     load_state_strict(detector, state, path / WEIGHTS)
     return detector.to(device).eval(), fingerprint_of(manifest)

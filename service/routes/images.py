@@ -5,13 +5,31 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.datastructures import UploadFile
 
-from ..schemas import ImageInput, ImageResponse
+from .. import schemas
+from ..schemas import ImageInput
 from .common import TimingsQuery, open_call, problems
 
 router = APIRouter(tags=["images"])
+
+
+class ImageTimings(BaseModel):
+    """Per-stage wall time in milliseconds (only with ?timings=true): the stages registering an image runs; it
+    tokenizes no text and runs no batcher, encoder or query bank, so those stages are not listed."""
+
+    model_config = ConfigDict(from_attributes=True)  # read from the task routes' Timings (routes/common.py)
+
+    decode: float = Field(description="body read, multipart or JSON, base64")
+    regions: float = Field(description="feature store, plus image decoding and the detector on a miss")
+    cache_hit: bool | None = Field(None, description="the regions came from the feature store")
+    total: float
+
+
+class ImageResponse(schemas.ImageResponse):  # the same answer (and schema name), with the timings of this route
+    timings: ImageTimings | None = None
+
 
 _UPLOAD_SCHEMA = {
     "type": "object",

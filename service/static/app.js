@@ -5,12 +5,17 @@ const SVG = "http://www.w3.org/2000/svg";
 const $ = (id) => document.getElementById(id);
 const SPECIAL = new Set(["[CLS]", "[SEP]", "[MASK]", "[PAD]"]);
 
+const TOP_LABELS = 5;  // region labels drawn: the most confident few, the highlighted one, or all (a toggle)
+
 const state = {
-  images: new Map(),  // image_id -> {url, name, size: [h, w], regions}
+  images: new Map(),  // image_id -> {url, name, size: [h, w], regions, shown (the browser decodes it), format}
   current: null,      // image_id shown
   refer: null,        // the last /refer answer
   explain: null,      // {route, entries}
   entry: 0, head: 0, token: 0,
+  uploads: new Map(), // upload id -> {id, name, source, status: waiting|reading|failed, started, node, promise}
+  awaited: null,      // the upload a question is about: the last one started, until the user picks another image
+  highlight: null,    // region index hovered or focused (its label drawn, its box marked)
 };
 
 // ---- the API ---------------------------------------------------------------------------------------------
@@ -20,7 +25,26 @@ class Problem extends Error {
     super(body.detail || `HTTP ${status}`);
     this.title = body.title || `HTTP ${status}`;
     this.detail = body.detail || "";
+    this.status = status;
   }
+}
+
+// fetch, with a network failure (the service stopped or out of reach) as a problem the page can show
+async function send(url, init) {
+  try {
+    return await fetch(url, init);
+  } catch (err) {
+    throw new Problem({title: "Service unreachable", detail: "the service cannot be reached (stopped, restarting, or "
+                                                              + "the network is down); try again in a moment"}, 0);
+  }
+}
+
+async function problemOf(response, what) {
+  const type = response.headers.get("content-type") || "";
+  const body = type.includes("json") ? await response.json().catch(() => ({})) : {};
+  return new Problem({title: body.title || `${what} failed`,
+                      detail: body.detail || `${what} answered ${response.status} ${response.statusText}`.trim()},
+                     response.status);
 }
 
 async function api(path, {json, form, params} = {}) {
@@ -32,34 +56,60 @@ async function api(path, {json, form, params} = {}) {
   let body;
   if (json !== undefined) { headers["Content-Type"] = "application/json"; body = JSON.stringify(json); }
   if (form !== undefined) body = form;
-  const response = await fetch(url, {method: body === undefined ? "GET" : "POST", headers, body});
+  const response = await send(url, {method: body === undefined ? "GET" : "POST", headers, body});
   const type = response.headers.get("content-type") || "";
   const data = type.includes("json") ? await response.json() : {detail: await response.text()};
   if (!response.ok) throw new Problem(data, response.status);
   return data;
 }
 
-function showError(err) {
-  $("error-title").textContent = err.title || "Error";
-  $("error-detail").textContent = err.detail !== undefined ? err.detail : String(err);
-  $("error").hidden = false;
+// Each error belongs to the action that raised it (a task's form, or one upload): it stays until that action is
+// repeated or the user dismisses it, whatever other requests answer meanwhile. The banner shows the latest one.
+const errors = new Map();  // action -> {action: its name, title, detail}
+
+function showError(action, name, err) {
+  errors.delete(action);  // to the end: the latest
+  errors.set(action, {name, title: err.title || "Error", detail: err.detail !== undefined ? err.detail : String(err)});
+  renderError();
 }
 
-function clearError() { $("error").hidden = true; }
+function clearError(action) {
+  if (errors.delete(action)) renderError();
+}
 
-// Runs one request from a form: its button disabled meanwhile, errors shown, timings shown.
-async function call(button, route, work) {
+function renderError() {
+  const shown = [...errors.keys()].pop();
+  $("error").hidden = shown === undefined;
+  if (shown === undefined) return;
+  const {name, title, detail} = errors.get(shown);
+  $("error").dataset.action = shown;
+  $("error-action").textContent = name ? `${name}: ` : "";
+  $("error-title").textContent = title;
+  $("error-detail").textContent = detail;
+  const more = errors.size - 1;
+  $("error-more").textContent = !more ? "" : more === 1 ? "1 earlier error not yet resolved: dismiss this one to read it."
+    : `${more} earlier errors not yet resolved: dismiss this one to read them.`;
+  $("error-more").hidden = !more;
+}
+
+function dismissError() { clearError($("error").dataset.action); }
+
+// Runs one task request from a form: its button disabled meanwhile, its error shown (and cleared when it is asked
+// again), timings shown.
+async function call(action, name, button, route, work) {
   if (button) button.disabled = true;
+  setBusy($(action), true);
+  clearError(action);
   try {
     const result = await work();
-    clearError();
     if (result && result.timings) showTimings(route, result.timings);
     return result;
   } catch (err) {
-    showError(err);
+    showError(action, name, err);
     return null;
   } finally {
     if (button) button.disabled = false;
+    setBusy($(action), false);
   }
 }
 
@@ -109,16 +159,133 @@ function showTimings(route, timings) {
 
 // ---- images ---------------------------------------------------------------------------------------------
 
-async function register(blob, name) {
-  const form = new FormData();
-  form.append("file", blob, name);
-  const result = await call(null, "POST /images", () => api("/images", {form, params: {regions: "true", timings: "true"}}));
-  if (!result) return;
-  if (!state.images.has(result.image_id)) {
-    state.images.set(result.image_id, {url: URL.createObjectURL(blob), name, size: result.image_size, regions: result.regions});
+// Every photo chosen, dropped or sampled is an upload: listed (#uploads) while it waits, while its regions are found
+// (the seconds counted; a first photo on a full-size detector takes seconds) and when it fails (with Retry); once
+// registered it joins the gallery. Uploads run one after another: the detector is the slow part, and several at
+// once would only queue on the service, or be refused 429 by a small queue.
+let uploadCount = 0;
+let uploadChain = Promise.resolve();
+
+function upload(name, source) {
+  const entry = {id: `upload-${++uploadCount}`, name, source};
+  state.uploads.set(entry.id, entry);
+  entry.node = el("li", {"data-upload": entry.id});
+  $("uploads").append(entry.node);
+  state.awaited = entry;
+  queueUpload(entry);
+  return entry.promise;
+}
+
+function queueUpload(entry) {
+  entry.status = "waiting";
+  clearError(entry.id);  // repeated: its error goes (and comes back if it fails again)
+  renderUpload(entry);
+  entry.promise = uploadChain = uploadChain.then(() => runUpload(entry));
+}
+
+// The registered image_id, or null where it failed (its error shown, its entry kept to retry).
+async function runUpload(entry) {
+  if (!state.uploads.has(entry.id)) return null;  // removed meanwhile
+  entry.status = "reading";
+  entry.started = performance.now();
+  renderUpload(entry);
+  try {
+    const blob = await entry.source();
+    const form = new FormData();
+    form.append("file", blob, entry.name);
+    const result = await api("/images", {form, params: {regions: "true", timings: "true"}});
+    if (!state.images.has(result.image_id)) {
+      const url = URL.createObjectURL(blob);
+      state.images.set(result.image_id, {url, name: entry.name, size: result.image_size, regions: result.regions,
+                                         shown: await decodes(url), format: formatOf(blob, entry.name)});
+    }
+    if (result.timings) showTimings("POST /images", result.timings);
+    const show = state.awaited === entry || !state.current;  // not where the user has picked another image since
+    removeUpload(entry);
+    refreshGallery();
+    if (show) select(result.image_id);
+    return result.image_id;
+  } catch (err) {
+    entry.status = "failed";
+    entry.problem = err;
+    renderUpload(entry);
+    showError(entry.id, entry.name, err);
+    return null;
   }
-  refreshGallery();
-  select(result.image_id);
+}
+
+function removeUpload(entry) {
+  state.uploads.delete(entry.id);
+  entry.node.remove();
+  clearError(entry.id);
+  if (state.awaited === entry) state.awaited = null;
+  renderBusy();
+}
+
+function renderUpload(entry) {
+  const node = entry.node;
+  node.className = entry.status;
+  setBusy(node, entry.status !== "failed");
+  if (entry.status === "failed") {
+    const retry = el("button", {type: "button", class: "retry", text: "Retry"});
+    retry.addEventListener("click", () => { state.awaited = entry; queueUpload(entry); });
+    const remove = el("button", {type: "button", class: "remove", "aria-label": `Remove ${entry.name}`, text: "×"});
+    remove.addEventListener("click", () => removeUpload(entry));
+    node.replaceChildren(el("span", {class: "name", text: entry.name}),
+                         el("span", {class: "status", text: ` not registered: ${entry.problem.title}`}), retry, remove);
+  } else {
+    const status = entry.status === "waiting" ? " waiting for the photo before it…" : " finding regions…";
+    node.replaceChildren(el("span", {class: "name", text: entry.name}), el("span", {class: "status", text: status}),
+                         el("span", {class: "elapsed", "aria-hidden": "true"}));
+  }
+  renderBusy();
+  tick();
+}
+
+// The seconds each photo has been read for; aria-hidden, so the live list announces each step, not each second.
+function tick() {
+  for (const entry of state.uploads.values()) {
+    const elapsed = entry.node.querySelector(".elapsed");
+    if (elapsed && entry.status === "reading") elapsed.textContent = ` ${Math.floor((performance.now() - entry.started) / 1000)} s`;
+  }
+}
+
+function setBusy(node, busy) {
+  if (busy) node.setAttribute("aria-busy", "true"); else node.removeAttribute("aria-busy");
+}
+
+function renderBusy() {
+  const busy = [...state.uploads.values()].some((entry) => entry.status !== "failed");
+  setBusy($("gallery"), busy);
+  $("drop").classList.toggle("busy", busy);
+}
+
+async function fileSource(file) { return file; }
+
+function sampleSource(name) {
+  return async () => {
+    const response = await send(`/page/${name}`);
+    if (!response.ok) throw await problemOf(response, `GET /page/${name}`);
+    return response.blob();
+  };
+}
+
+// Whether this browser can show the image (none shows TIFF): else a blank frame of its size carries the regions.
+function decodes(url) {
+  const image = new Image();
+  image.src = url;
+  return image.decode().then(() => true, () => false);
+}
+
+function formatOf(blob, name) {
+  const type = (blob.type || "").replace(/^image\//, "");
+  const extension = name.includes(".") ? name.split(".").pop() : "";
+  return (type || extension || "this").toUpperCase();
+}
+
+function thumbnail(image) {
+  return image.shown ? el("img", {src: image.url, alt: ""})
+                     : el("span", {class: "no-thumb", "aria-hidden": "true", text: image.format});
 }
 
 function refreshGallery() {
@@ -128,8 +295,8 @@ function refreshGallery() {
   for (const [id, image] of state.images) {
     const button = el("button", {type: "button", "aria-pressed": String(id === state.current), "data-image-id": id,
                                  "aria-label": `Show ${image.name} (${shortId(id)})`},
-                      el("img", {src: image.url, alt: ""}), el("span", {text: shortId(id)}));
-    button.addEventListener("click", () => select(id));
+                      thumbnail(image), el("span", {text: shortId(id)}));
+    button.addEventListener("click", () => { state.awaited = null; select(id); });
     gallery.append(button);
     options.push([id, `${image.name} · ${shortId(id)}`]);
   }
@@ -147,19 +314,32 @@ function refreshGallery() {
 
 function select(imageId) {
   if (!state.images.has(imageId)) return;
-  if (state.current !== imageId) state.refer = null;
+  if (state.current !== imageId) { state.refer = null; state.highlight = null; }
   state.current = imageId;
   const image = state.images.get(imageId);
   const [h, w] = image.size;
   $("stage").hidden = false;
-  $("picture").src = image.url;
-  $("picture").alt = `${image.name}, ${w} by ${h} pixels`;
-  $("picture").dataset.imageId = imageId;
+  // the frame has the image's shape from its image_size, whether the browser can show the image or not
+  $("frame").style.aspectRatio = `${w} / ${h}`;
+  $("frame").classList.toggle("blank", !image.shown);
+  const picture = $("picture");
+  picture.hidden = !image.shown;
+  if (image.shown) picture.src = image.url; else picture.removeAttribute("src");
+  picture.alt = `${image.name}, ${w} by ${h} pixels`;
+  picture.dataset.imageId = imageId;
+  $("no-display").hidden = image.shown;
+  $("no-display").textContent = image.shown ? "" : `This browser cannot display ${image.format} images: the regions ` +
+    `are drawn on a blank frame of the image's size (${w} × ${h} pixels); every task works as usual.`;
   $("overlay").setAttribute("viewBox", `0 0 ${w} ${h}`);
   $("caption").textContent = `${image.name} · image_id ${imageId} · ${image.regions.length} regions`;
   for (const button of $("gallery").children) button.setAttribute("aria-pressed", String(button.dataset.imageId === imageId));
-  $("region-list").replaceChildren(...image.regions.map((r) => el("li", {
-    text: `${r.label} ${fmt(r.score, 2)}, ${r.attribute} ${fmt(r.attribute_score, 2)} · box ${r.box.map((v) => Math.round(v)).join(", ")}`})));
+  $("region-list").replaceChildren(...image.regions.map((r) => {
+    const item = el("li", {tabindex: "0", "data-index": r.index,
+      text: `${r.label} ${fmt(r.score, 2)}, ${r.attribute} ${fmt(r.attribute_score, 2)} · box ${r.box.map((v) => Math.round(v)).join(", ")}`});
+    for (const on of ["mouseenter", "focus"]) item.addEventListener(on, () => highlight(r.index));
+    for (const off of ["mouseleave", "blur"]) item.addEventListener(off, () => highlight(null));
+    return item;
+  }));
   draw();
 }
 
@@ -167,7 +347,7 @@ function select(imageId) {
 
 // Image pixels per screen pixel: lines and labels keep one size on screen whatever the image's resolution.
 function unit() {
-  const shown = $("picture").getBoundingClientRect().width;
+  const shown = $("frame").getBoundingClientRect().width;
   const width = state.images.get(state.current).size[1];
   return shown > 0 ? width / shown : 1;
 }
@@ -194,11 +374,27 @@ function draw() {
   regions.replaceChildren(); attention.replaceChildren(); refer.replaceChildren();
   $("overlay").style.setProperty("--label-size", `${12 * unit()}px`);
   if ($("show-regions").checked) {
-    for (const r of image.regions) {
-      regions.append(boxRect(r.box, "region", {"data-index": r.index}),
-                     label(r.box, `${r.index} ${r.label} ${fmt(r.score, 2)} · ${r.attribute}`, "region-label", true));
+    // every box, the largest first (a smaller one on top stays within reach of the pointer); labels only for the
+    // regions labelled() names, the highlighted one last (on top)
+    const named = labelled(image);
+    const area = (r) => (r.box[2] - r.box[0]) * (r.box[3] - r.box[1]);
+    for (const r of [...image.regions].sort((a, b) => area(b) - area(a))) {
+      const marked = r.index === state.highlight;
+      regions.append(boxRect(r.box, marked ? "region highlighted" : "region", {"data-index": r.index,
+                                                                              ...(marked ? {"stroke-width": stroke() * 2} : {})}));
     }
+    const texts = [...image.regions].sort((a, b) => b.score - a.score)
+      .filter((r) => named.has(r.index) && r.index !== state.highlight).map((r) => regionLabel(r));
+    regions.append(...texts);
+    const marked = image.regions.find((r) => r.index === state.highlight);
+    if (marked) regions.append(regionLabel(marked, " highlighted"));
+    for (const text of regions.querySelectorAll("text")) keepInside(text, image.size);
+    if (!$("all-labels").checked) spread(texts, image.size[0]);  // a few labels: none over another
   }
+  const some = image.regions.length > TOP_LABELS && !$("all-labels").checked;
+  $("labels-hint").hidden = !some || !$("show-regions").checked;
+  $("labels-hint").textContent = `Labels of the ${TOP_LABELS} most confident of ${image.regions.length} regions; ` +
+    "point at a box, or at a line of the region list, for its label.";
   const entry = explainedEntry();
   if (entry && entry.image_id === state.current && $("show-attention").checked) drawAttention(entry, attention);
   if (state.refer && state.refer.image_id === state.current && $("show-refer").checked) {
@@ -209,6 +405,53 @@ function draw() {
     refer.append(boxRect(best.box, "chosen", {"data-index": best.index, "stroke-width": stroke() * 1.5}),
                  label(best.box, `#1 ${fmt(best.score, 2)}`, "chosen-label"));
   }
+  for (const text of [...attention.querySelectorAll("text"), ...refer.querySelectorAll("text")]) keepInside(text, image.size);
+}
+
+function regionLabel(r, extra = "") {
+  return label(r.box, `${r.index} ${r.label} ${fmt(r.score, 2)} · ${r.attribute}`, `region-label${extra}`, true);
+}
+
+// The regions whose labels are drawn: all of them (the toggle, or a few regions), else the TOP_LABELS most
+// confident; the highlighted one is drawn besides.
+function labelled(image) {
+  const byScore = [...image.regions].sort((a, b) => b.score - a.score);
+  return new Set(($("all-labels").checked ? byScore : byScore.slice(0, TOP_LABELS)).map((r) => r.index));
+}
+
+function highlight(index) {
+  if (state.highlight === index) return;
+  state.highlight = index;
+  for (const item of $("region-list").children) item.classList.toggle("highlighted", Number(item.dataset.index) === index);
+  draw();
+}
+
+// Labels (most confident first) moved down, each below those it would cover, while the image has room.
+function spread(texts, height) {
+  const placed = [];
+  const over = (a, b) => a.x < b.x + b.width && b.x < a.x + a.width && a.y < b.y + b.height && b.y < a.y + a.height;
+  for (const text of texts) {
+    let box = text.getBBox();
+    for (let moves = 0; moves <= placed.length; moves++) {
+      const under = placed.find((other) => over(box, other));
+      if (!under) break;
+      const dy = under.y + under.height - box.y;
+      if (box.y + box.height + dy > height) break;  // no room below: it stays where it is
+      text.setAttribute("y", Number(text.getAttribute("y")) + dy);
+      box = text.getBBox();
+    }
+    placed.push(box);
+  }
+}
+
+// A label moved back inside the image where it would run past an edge (the frame clips what is outside).
+function keepInside(text, [h, w]) {
+  const box = text.getBBox();
+  if (!box.width) return;  // not laid out (the stage hidden)
+  const dx = box.x < 0 ? -box.x : Math.min(0, w - (box.x + box.width));
+  const dy = box.y < 0 ? -box.y : Math.min(0, h - (box.y + box.height));
+  if (dx) text.setAttribute("x", Number(text.getAttribute("x")) + dx);
+  if (dy) text.setAttribute("y", Number(text.getAttribute("y")) + dy);
 }
 
 // ---- where the model looked ----------------------------------------------------------------------------------
@@ -284,32 +527,63 @@ function renderExplain() {
 
 // ---- tasks ---------------------------------------------------------------------------------------------------
 
-function needImage() {
+// The image a question is about: the one shown, or the photo being read that will be shown (waited for).
+async function imageToAsk() {
+  const awaited = state.awaited;
+  if (awaited && state.uploads.has(awaited.id) && awaited.status !== "failed") {
+    const imageId = await awaited.promise;
+    if (!imageId) throw new Problem({title: "No image", detail: `${awaited.name} could not be registered (retry it, or `
+                                                                 + "choose another photo)"}, 0);
+    return imageId;
+  }
   if (!state.current) throw new Problem({title: "No image", detail: "choose a photo or a sample image first"}, 0);
   return state.current;
 }
 
-const TASK_PARAMS = {timings: "true", explain: "true"};
+// Every image registered, once the uploads under way are done.
+async function allImages() {
+  await uploadChain;
+  return [...state.images.keys()];
+}
 
-function onSubmit(formId, handler) {
-  $(formId).addEventListener("submit", (event) => {
+const TASK_PARAMS = {timings: "true", explain: "true"};
+const TASKS = {"vqa-form": ["Question", ["vqa-answers"]], "refer-form": ["Referring expression", ["refer-result", "refer-runners"]],
+               "t2i-form": ["Text → images", ["t2i-results"]], "i2t-form": ["Image → texts", ["i2t-results"]],
+               "nlvr2-form": ["Statement", ["nlvr2-result"]]};
+
+// A task's request: its answer shown by show(result); where it fails, the answers still shown (to the request
+// before) are marked as such.
+function onSubmit(formId, route, request, show) {
+  const [name, outputs] = TASKS[formId];
+  $(formId).addEventListener("submit", async (event) => {
     event.preventDefault();
-    handler(event.submitter || $(formId).querySelector("button[type=submit]"));
+    const button = event.submitter || $(formId).querySelector("button[type=submit]");
+    const result = await call(formId, name, button, route, request);
+    markStale(formId, outputs, !result);
+    if (result) show(result);
   });
 }
 
-onSubmit("vqa-form", async (button) => {
-  const result = await call(button, "POST /vqa", () => api("/vqa", {params: TASK_PARAMS, json: {
-    image_id: needImage(), question: $("vqa-question").value, top_k: Number($("vqa-top-k").value) || 5}}));
-  if (!result) return;
+function markStale(formId, outputs, stale) {
+  const shown = outputs.filter((id) => $(id).textContent.trim());
+  for (const id of outputs) $(id).toggleAttribute("data-stale", stale && shown.includes(id));
+  let note = $(formId).querySelector(".stale-note");
+  if (!note) {
+    note = el("p", {class: "stale-note hint", text: "The request failed (the error above): the answers below are "
+                                                   + "those to the request before it."});
+    $(outputs[0]).before(note);
+  }
+  note.hidden = !(stale && shown.length);
+}
+
+onSubmit("vqa-form", "POST /vqa", async () => api("/vqa", {params: TASK_PARAMS, json: {
+  image_id: await imageToAsk(), question: $("vqa-question").value, top_k: Number($("vqa-top-k").value) || 5}}), (result) => {
   $("vqa-answers").replaceChildren(...result.answers.map((a) => bar(a.answer, a.score, fmt(a.score))));
   setExplain("/vqa", result.explain);
 });
 
-onSubmit("refer-form", async (button) => {
-  const result = await call(button, "POST /refer", () => api("/refer", {params: TASK_PARAMS, json: {
-    image_id: needImage(), expression: $("refer-expression").value}}));
-  if (!result) return;
+onSubmit("refer-form", "POST /refer", async () => api("/refer", {params: TASK_PARAMS, json: {
+  image_id: await imageToAsk(), expression: $("refer-expression").value}}), (result) => {
   state.refer = result;
   const image = state.images.get(result.image_id);
   const name = (r) => { const d = image && image.regions[r.index]; return d ? `region ${r.index} · ${d.label}, ${d.attribute}` : `region ${r.index}`; };
@@ -319,42 +593,38 @@ onSubmit("refer-form", async (button) => {
   draw();
 });
 
-onSubmit("t2i-form", async (button) => {
-  const result = await call(button, "POST /retrieve", () => {
-    const ids = [...state.images.keys()];
-    if (!ids.length) needImage();
-    return api("/retrieve", {params: TASK_PARAMS, json: {text: $("t2i-text").value, image_ids: ids, top_k: ids.length}});
-  });
-  if (!result) return;
+onSubmit("t2i-form", "POST /retrieve", async () => {
+  const ids = await allImages();
+  if (!ids.length) await imageToAsk();
+  return api("/retrieve", {params: TASK_PARAMS, json: {text: $("t2i-text").value, image_ids: ids, top_k: ids.length}});
+}, (result) => {
   // ranked by bank_score where the model has a query bank, else by score; bars: a softmax over the images shown
   const key = (hit) => (hit.bank_score !== undefined ? hit.bank_score : hit.score);
   const top = Math.max(...result.results.map(key));
   const total = result.results.reduce((sum, hit) => sum + Math.exp(key(hit) - top), 0);
   $("t2i-results").replaceChildren(...result.results.map((hit) => {
     const image = state.images.get(hit.image_id);
-    const thumb = image ? el("img", {src: image.url, alt: ""}) : null;
-    return bar(`${image ? image.name : ""} · ${shortId(hit.image_id)}`, Math.exp(key(hit) - top) / total, fmt(key(hit), 2), thumb);
+    return bar(`${image ? image.name : ""} · ${shortId(hit.image_id)}`, Math.exp(key(hit) - top) / total, fmt(key(hit), 2),
+               image ? thumbnail(image) : null);
   }));
   setExplain("/retrieve", result.explain);
 });
 
-onSubmit("i2t-form", async (button) => {
+onSubmit("i2t-form", "POST /retrieve", async () => {
   const texts = $("i2t-texts").value.split("\n").map((t) => t.trim()).filter(Boolean);
-  const result = await call(button, "POST /retrieve", () => api("/retrieve", {params: TASK_PARAMS, json: {
-    image_id: needImage(), texts, top_k: Math.max(1, texts.length)}}));
-  if (!result) return;
+  return api("/retrieve", {params: TASK_PARAMS, json: {image_id: await imageToAsk(), texts, top_k: Math.max(1, texts.length)}});
+}, (result) => {
   $("i2t-results").replaceChildren(...result.results.map((hit) => bar(hit.text, hit.probability, fmt(hit.probability))));
   setExplain("/retrieve", result.explain);
 });
 
-onSubmit("nlvr2-form", async (button) => {
-  const result = await call(button, "POST /nlvr2", () => {
-    const left = $("nlvr2-left").value, right = $("nlvr2-right").value;
-    if (!left || !right) needImage();
-    return api("/nlvr2", {params: TASK_PARAMS, json: {statement: $("nlvr2-statement").value,
-                                                       images: [{image_id: left}, {image_id: right}]}});
-  });
-  if (!result) return;
+onSubmit("nlvr2-form", "POST /nlvr2", async () => {
+  if (!$("nlvr2-left").value || !$("nlvr2-right").value) await allImages();  // the pair fills as photos register
+  const left = $("nlvr2-left").value, right = $("nlvr2-right").value;
+  if (!left || !right) await imageToAsk();
+  return api("/nlvr2", {params: TASK_PARAMS, json: {statement: $("nlvr2-statement").value,
+                                                     images: [{image_id: left}, {image_id: right}]}});
+}, (result) => {
   $("nlvr2-result").textContent = `${result.answer ? "True" : "False"} · P(true) = ${fmt(result.probability)}`;
   setExplain("/nlvr2", result.explain);
 });
@@ -388,10 +658,9 @@ function init() {
   const key = sessionStorage.getItem("vlserve-api-key");
   if (key) $("api-key").value = key;
   $("api-key").addEventListener("change", () => sessionStorage.setItem("vlserve-api-key", $("api-key").value));
-  $("error-close").addEventListener("click", clearError);
+  $("error-close").addEventListener("click", dismissError);
   $("file").addEventListener("change", () => {
-    const file = $("file").files[0];
-    if (file) register(file, file.name);
+    for (const file of $("file").files) upload(file.name, () => fileSource(file));
     $("file").value = "";
   });
   const drop = $("drop");
@@ -400,18 +669,24 @@ function init() {
   drop.addEventListener("drop", (e) => {
     e.preventDefault();
     drop.classList.remove("over");
-    const file = e.dataTransfer.files[0];
-    if (file) register(file, file.name);
+    for (const file of e.dataTransfer.files) upload(file.name, () => fileSource(file));  // each, one after another
   });
   for (const button of document.querySelectorAll("[data-sample]")) {
-    button.addEventListener("click", async () => {
-      const name = button.dataset.sample;
-      const response = await fetch(`/page/${name}`);
-      register(await response.blob(), name);
-    });
+    button.addEventListener("click", () => upload(button.dataset.sample, sampleSource(button.dataset.sample)));
   }
-  for (const id of ["show-regions", "show-attention", "show-refer"]) $(id).addEventListener("change", draw);
-  $("picture").addEventListener("load", draw);  // its size on screen is known once it has loaded
+  for (const id of ["show-regions", "show-attention", "show-refer", "all-labels"]) $(id).addEventListener("change", draw);
+  $("picture").addEventListener("load", draw);
+  $("picture").addEventListener("error", () => {  // decoded once, and not now: shown as the formats it cannot show
+    const image = state.images.get($("picture").dataset.imageId);
+    if (!image || !image.shown || !$("picture").getAttribute("src")) return;
+    image.shown = false;
+    refreshGallery();
+    select($("picture").dataset.imageId);
+  });
+  const layer = $("layer-regions");
+  layer.addEventListener("pointerover", (e) => { if (e.target.dataset.index !== undefined) highlight(Number(e.target.dataset.index)); });
+  layer.addEventListener("pointerleave", () => highlight(null));
+  setInterval(tick, 1000);
   window.addEventListener("resize", draw);
   $("explain-image").addEventListener("change", () => { state.entry = Number($("explain-image").value); state.head = 0; renderExplain(); });
   $("explain-head").addEventListener("change", () => { state.head = Number($("explain-head").value); renderExplain(); });

@@ -274,17 +274,23 @@ def weights(path: Path) -> str:
     return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
 
 
-def test_the_same_recipe_and_seed_build_the_same_weights_to_the_bit(tmp_path, monkeypatch):
-    """A tiny recipe built twice from scratch: the detector and the encoder are the same bytes."""
+def use_tiny_recipe(monkeypatch, tmp_path: Path) -> None:
+    """The tiny recipe as the profile "tiny", its scenes prepared small (the build's run_data reads the standard
+    ones), the cache under tmp_path."""
     from training.vl_data import prepare_task_data
 
-    def run_data(cfg, progress=True, *also):  # the tiny recipe's scenes (the build's run_data reads the standard ones)
+    def run_data(cfg, progress=True, *also):
         return prepare_task_data(cfg.detector_dir, cfg.train_scenes, cfg.eval_scenes, easy_vqa=False, progress=False,
                                  data=SMALL, ranking=True)
 
     monkeypatch.setenv("VLSERVE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setitem(training.zoo.PROFILES, "tiny", TINY)
     monkeypatch.setattr(training.zoo, "run_data", run_data)
+
+
+def test_the_same_recipe_and_seed_build_the_same_weights_to_the_bit(tmp_path, monkeypatch):
+    """A tiny recipe built twice from scratch: the detector and the encoder are the same bytes."""
+    use_tiny_recipe(monkeypatch, tmp_path)
     built = [training.zoo.build_zoo("tiny", tmp_path / name, threads=1, progress=False) for name in ("a", "b")]
     assert [weights(b / "detector") for b in built] == [weights(built[0] / "detector")] * 2
     assert weights(built[0] / "encoder") == weights(built[1] / "encoder")

@@ -4,22 +4,28 @@ where it is built (`make zoo`; the image and this project's machines have it) an
 the page is checked against what the API itself answers for the same requests."""
 from __future__ import annotations
 
+import io
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
+from base64 import b64encode
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlparse
 
 import httpx
 import pytest
 
 from service.routes.page import STATIC, file_of
 from service.security import PAGE_PATHS
-from tests.service.conftest import SERVED_HEADS, build_tiny_checkpoint, free_port, wait_until_ready
+from tests.service.conftest import SERVED_HEADS, build_tiny_checkpoint, build_tiny_detector, free_port, wait_until_ready
 
 KEY = "page-test-key"
+API_ROUTES = {"/images", "/vqa", "/refer", "/retrieve", "/nlvr2"}  # what the page sends its requests to
 
 
 def chromium() -> str:
@@ -80,20 +86,35 @@ def browser():
 
 @contextmanager
 def opened(browser, server: str):
-    """The page of `server` in a fresh browser context, its key typed in; fails on any script error it logged."""
+    """The page of `server` in a fresh browser context, its key typed in; fails on any script error it logged, and on
+    any resource that failed to load but the API's error answers the page shows (and those a test made fail on
+    purpose: fail_requests)."""
     context = browser.new_context(viewport={"width": 1280, "height": 1000})
     page = context.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+    page.failed_on_purpose = set()
+    errors: list[tuple[str, str]] = []
+    page.on("pageerror", lambda exc: errors.append((f"uncaught: {exc}", "")))
+    page.on("console", lambda msg: msg.type == "error" and errors.append((msg.text, msg.location.get("url", ""))))
     try:
         page.goto(f"{server}/")
         page.fill("#api-key", KEY)
         yield page
     finally:
         context.close()
-    # a problem+json answer the page shows is not a script error; anything else logged is
-    assert not [e for e in errors if "status of 4" not in e], errors
+    # a problem+json answer of the API that the page shows is not a script error; anything else logged is (a
+    # /favicon.ico the browser asks for by itself, 404 or 401, included)
+    unexpected = [(text, url) for text, url in errors if not (
+        (re.match(r"Failed to load resource: the server responded with a status of 4\d\d", text)
+         and urlparse(url).path in API_ROUTES)
+        or (text.startswith("Failed to load resource") and urlparse(url).path in page.failed_on_purpose))]
+    assert not unexpected, errors
+
+
+def fail_requests(page, path: str, handler) -> None:
+    """Requests to `path` (the query aside) answered by handler(route) instead of the service (a network failure:
+    route.abort()); their failures are expected in the console."""
+    page.failed_on_purpose.add(path)
+    page.route(re.compile(rf"^[^?]*{re.escape(path)}(\?.*)?$"), handler)
 
 
 @pytest.fixture
@@ -119,6 +140,15 @@ def upload_sample(page, name: str) -> str:
     page.click(f"button[data-sample='{name}']")
     expect(page.locator("#gallery button")).to_have_count(before + 1)
     return page.get_attribute("#picture", "data-image-id")
+
+
+def frame_box(page, selector: str, width: int) -> list[float]:
+    """A drawn rectangle's position on screen, in the image's pixels as the frame (of the image's width) shows it."""
+    return page.evaluate("""([selector, width]) => {
+        const r = document.querySelector(selector).getBoundingClientRect();
+        const f = document.getElementById('frame').getBoundingClientRect(), s = width / f.width;
+        return [(r.left - f.left) * s, (r.top - f.top) * s, (r.right - f.left) * s, (r.bottom - f.top) * s];
+    }""", [selector, width])
 
 
 def drawn_box(page, selector: str) -> list[float]:
@@ -284,3 +314,261 @@ def test_a_model_without_some_heads_shows_only_the_tasks_it_answers(browser, tin
         answered = api(server, "POST", "/vqa", json={"image_id": shapes, "question": question, "top_k": 5}).json()
         assert page.locator("#vqa-answers li .name").all_text_contents() == [a["answer"] for a in answered["answers"]]
         assert page.is_hidden("#error")
+
+
+# ---- feedback, errors and odd images ------------------------------------------------------------------------------
+
+def sample_bytes(name: str) -> bytes:
+    return file_of(f"/page/{name}").read_bytes()
+
+
+def file_payload(name: str, data: bytes, mime: str = "image/png") -> dict:
+    return {"name": name, "mimeType": mime, "buffer": data}
+
+
+def test_the_page_loads_and_registers_without_console_errors(page):
+    """Nothing fails to load: no /favicon.ico either (the browser asks for one unless the page names an icon, a 404,
+    or a 401 counted in the 401 metrics where API keys are set). opened() checks the console."""
+    expect(page.locator("#model")).not_to_have_text("Connecting…")
+    upload_sample(page, "sample-shapes.png")
+    assert page.is_hidden("#error")
+
+
+def test_an_error_belongs_to_the_action_that_raised_it(page, server):
+    """One upload's error stays while other requests succeed; it goes when that upload is repeated and succeeds, or
+    when the user dismisses it or removes the upload. A refused upload stays listed, with Retry."""
+    page.set_input_files("#file", files=[file_payload("notes.txt", b"not an image", "text/plain")])
+    expect(page.locator("#error-title")).to_have_text("Invalid image")
+    upload_sample(page, "sample-shapes.png")  # another upload succeeds: the error is still the notes.txt one
+    page.click("#vqa-form button[type=submit]")
+    page.wait_for_selector("#vqa-answers li")  # and a task too
+    assert page.is_visible("#error") and page.text_content("#error-title") == "Invalid image"
+    assert page.text_content("#error-action") == "notes.txt: "
+    expect(page.locator("#uploads li.failed")).to_contain_text("notes.txt not registered: Invalid image")
+
+    # a second failure is shown, the first one is not lost
+    page.set_input_files("#file", files=[file_payload("empty.png", b"")])
+    expect(page.locator("#error-action")).to_have_text("empty.png: ")
+    assert "empty image" in page.text_content("#error-detail")
+    expect(page.locator("#error-more")).to_contain_text("1 earlier error")
+    page.click("#error-close")
+    expect(page.locator("#error-action")).to_have_text("notes.txt: ")
+    expect(page.locator("#error-more")).to_be_hidden()
+    page.click("#error-close")
+    expect(page.locator("#error")).to_be_hidden()
+    expect(page.locator("#uploads li.failed")).to_have_count(2)  # dismissed, still listed to retry or remove
+    page.click("#uploads li.failed:has-text('notes.txt') button.retry")  # repeated: fails again, shown again
+    expect(page.locator("#error-action")).to_have_text("notes.txt: ")
+    page.click("#uploads li.failed:has-text('notes.txt') button.remove")
+    expect(page.locator("#error")).to_be_hidden()
+    page.click("#uploads li.failed button.remove")
+    expect(page.locator("#uploads li")).to_have_count(0)
+
+    # an upload refused 429 (a full queue; the service answers it here) stays listed; Retry registers it
+    refused = []
+
+    def full_once(route):
+        if refused:
+            return route.continue_()
+        refused.append(route.request.url)
+        route.fulfill(status=429, content_type="application/problem+json", headers={"Retry-After": "1"},
+                      body='{"type": "/problems/queue-full", "title": "Too many requests", "status": 429, '
+                           '"detail": "the detector queue is full; retry in 1 s"}')
+
+    fail_requests(page, "/images", full_once)
+    page.click("button[data-sample='sample-shapes-2.png']")
+    expect(page.locator("#uploads li.failed")).to_contain_text("sample-shapes-2.png not registered: Too many requests")
+    expect(page.locator("#error-title")).to_have_text("Too many requests")
+    page.click("#uploads li.failed button.retry")
+    expect(page.locator("#gallery button")).to_have_count(2)
+    expect(page.locator("#uploads li")).to_have_count(0)
+    expect(page.locator("#error")).to_be_hidden()
+
+
+def test_a_photo_being_read_shows_progress_and_a_question_waits_for_it(page, server):
+    """While its regions are computed (seconds on a full-size detector; held here) the photo is listed as busy with
+    the seconds counted, and a question asked meanwhile waits for it and is about it."""
+    held = []
+    page.route(re.compile(r"/images\?"), lambda route: held.append(route))
+    page.set_input_files("#file", files=[file_payload("photo.jpg", sample_bytes("sample-photo.jpg"), "image/jpeg")])
+    busy = page.locator("#uploads li[aria-busy=true]")
+    expect(busy).to_contain_text("photo.jpg finding regions…")
+    expect(busy.locator(".elapsed")).to_have_text(re.compile(r"^ [1-9]\d* s$"))  # counting
+    assert page.get_attribute("#gallery", "aria-busy") is not None
+    page.click("#vqa-form button[type=submit]")  # asked while the photo is read
+    expect(page.locator("#vqa-form button[type=submit]")).to_be_disabled()
+    assert len(held) == 1 and page.is_hidden("#error")
+    held[0].continue_()
+    page.wait_for_selector("#vqa-answers li")
+    image_id = page.get_attribute("#picture", "data-image-id")
+    answered = api(server, "POST", "/vqa", json={"image_id": image_id, "question": page.input_value("#vqa-question"),
+                                                 "top_k": 5}).json()
+    assert page.locator("#vqa-answers li .name").all_text_contents() == [a["answer"] for a in answered["answers"]]
+    registered = api(server, "POST", "/images", files={"file": ("p.jpg", sample_bytes("sample-photo.jpg"))}).json()
+    assert image_id == registered["image_id"]
+    expect(page.locator("#uploads li")).to_have_count(0)
+    assert page.get_attribute("#gallery", "aria-busy") is None and page.is_hidden("#error")
+
+
+def test_an_image_the_browser_cannot_show_keeps_its_shape_and_regions(page, server):
+    """TIFF: the API takes it, no browser shows it. The frame keeps the image's shape (image_size) and its regions,
+    a line says why it is blank, and the thumbnails name the format instead of a broken image."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.open(io.BytesIO(sample_bytes("sample-photo.jpg"))).crop((0, 60, 320, 260)).save(buf, format="TIFF")
+    tiff = buf.getvalue()
+    page.set_input_files("#file", files=[file_payload("photo.tiff", tiff, "image/tiff")])
+    expect(page.locator("#gallery button")).to_have_count(1)
+    registered = api(server, "POST", "/images", params={"regions": "true"}, files={"file": ("p.tiff", tiff)}).json()
+    h, w = registered["image_size"]
+    assert (h, w) == (200, 320)
+    expect(page.locator("#no-display")).to_contain_text("This browser cannot display TIFF images")
+    assert page.is_hidden("#picture")
+    frame = page.locator("#frame").bounding_box()
+    assert abs(frame["height"] - frame["width"] * h / w) <= 1.5, frame
+    assert page.locator("#layer-regions rect.region").count() == len(registered["regions"]) >= 1
+    for region in registered["regions"]:
+        assert_box(frame_box(page, f"#layer-regions rect[data-index='{region['index']}']", w), region["box"])
+    expect(page.locator("#gallery button .no-thumb")).to_have_text("TIFF")
+    assert page.locator("#gallery img").count() == 0
+    page.click("#vqa-form button[type=submit]")  # the tasks work on it as on any image
+    page.wait_for_selector("#vqa-answers li")
+    assert page.is_hidden("#error")
+
+
+def test_requests_that_cannot_reach_the_service_or_fail_say_so(page, server):
+    """A sample that does not load is an error shown, never uploaded; a task that cannot reach the service says so
+    plainly (not "TypeError: Failed to fetch")."""
+    sent = []
+    page.on("request", lambda request: sent.append(urlparse(request.url).path))
+    fail_requests(page, "/page/sample-photo.jpg", lambda route: route.abort())
+    page.click("button[data-sample='sample-photo.jpg']")
+    expect(page.locator("#error-title")).to_have_text("Service unreachable")
+    assert "the service cannot be reached" in page.text_content("#error-detail")
+    expect(page.locator("#uploads li.failed")).to_contain_text("sample-photo.jpg not registered: Service unreachable")
+
+    fail_requests(page, "/page/sample-shapes-2.png", lambda route: route.fulfill(status=503, content_type="text/plain",
+                                                                                 body="unavailable"))
+    page.click("button[data-sample='sample-shapes-2.png']")
+    expect(page.locator("#error-action")).to_have_text("sample-shapes-2.png: ")
+    assert "503" in page.text_content("#error-detail")
+    assert "/images" not in sent  # the error answer was not sent as an image
+
+    upload_sample(page, "sample-shapes.png")
+    fail_requests(page, "/vqa", lambda route: route.abort())
+    page.click("#vqa-form button[type=submit]")
+    expect(page.locator("#error-action")).to_have_text("Question: ")
+    assert page.text_content("#error-title") == "Service unreachable"
+    assert "Failed to fetch" not in page.text_content("#error")
+
+
+def test_a_failed_question_marks_the_answers_still_shown_as_stale(page, server):
+    upload_sample(page, "sample-shapes.png")
+    page.click("#vqa-form button[type=submit]")
+    page.wait_for_selector("#vqa-answers li")
+    page.fill("#vqa-question", "x" * 600)  # over max_text_chars: 422
+    page.click("#vqa-form button[type=submit]")
+    expect(page.locator("#error-title")).to_have_text("Invalid request")
+    assert page.get_attribute("#vqa-answers", "data-stale") is not None
+    expect(page.locator("#vqa-form .stale-note")).to_be_visible()
+    page.fill("#vqa-question", "what color is the triangle?")
+    page.click("#vqa-form button[type=submit]")
+    expect(page.locator("#vqa-form .stale-note")).to_be_hidden()
+    assert page.get_attribute("#vqa-answers", "data-stale") is None and page.is_hidden("#error")
+
+
+def test_several_files_chosen_or_dropped_are_each_registered(page, server):
+    shapes, more = sample_bytes("sample-shapes.png"), sample_bytes("sample-shapes-2.png")
+    page.set_input_files("#file", files=[file_payload("a.png", shapes), file_payload("b.png", more)])
+    expect(page.locator("#gallery button")).to_have_count(2)
+    photo = sample_bytes("sample-photo.jpg")
+    dropped = page.evaluate_handle("""(files) => {
+        const transfer = new DataTransfer();
+        for (const [name, data, type] of files) {
+            transfer.items.add(new File([Uint8Array.from(atob(data), (c) => c.charCodeAt(0))], name, {type}));
+        }
+        return transfer;
+    }""", [["c.jpg", b64encode(photo).decode(), "image/jpeg"], ["d.png", b64encode(shapes).decode(), "image/png"]])
+    page.dispatch_event("#drop", "drop", {"dataTransfer": dropped})
+    expect(page.locator("#uploads li")).to_have_count(0)
+    # d.png is a.png's bytes, the same image_id: the gallery shows each image once
+    expect(page.locator("#gallery button")).to_have_count(3)
+    assert page.get_attribute("#picture", "data-image-id") == api(
+        server, "POST", "/images", files={"file": ("d.png", shapes)}).json()["image_id"]
+    assert page.is_hidden("#error")
+
+
+def test_images_timings_list_only_the_stages_it_runs(page, server):
+    timed = api(server, "POST", "/images", params={"timings": "true"},
+                files={"file": ("s.png", sample_bytes("sample-shapes-2.png"), "image/png")}).json()["timings"]
+    assert set(timed) == {"decode", "regions", "cache_hit", "total"}
+    upload_sample(page, "sample-shapes-2.png")
+    assert page.text_content("#timings-route") == "POST /images"
+    assert page.locator("#timings th").all_text_contents() == ["decode", "regions", "total", "regions cached"]
+
+
+# ---- a crowded image: 36 regions with long names, as a full-size Visual Genome detector finds them -------------
+
+@pytest.fixture(scope="module")
+def crowded(tmp_path_factory) -> Iterator[str]:
+    out = tmp_path_factory.mktemp("crowded")
+    detector = build_tiny_detector(out / "detector", num_boxes=36, rpn_post_nms_top_n=60,
+                                   classes=["licence plate", "black and white stop sign", "man", "tennis racket"],
+                                   attributes=["black and white", "red"])
+    checkpoint = build_tiny_checkpoint(out / "encoder", detector.fingerprint)
+    with serving(checkpoint, detector.dir, out) as base:
+        yield base
+
+
+def test_many_regions_keep_their_labels_readable(browser, crowded):
+    """Every box, but labels only for the most confident few, plus the region pointed at or focused (on the image
+    or in the region list); "All labels" draws them all, and every label stays inside the frame."""
+    with opened(browser, crowded) as page:
+        upload_sample(page, "sample-photo.jpg")
+        registered = api(crowded, "POST", "/images", params={"regions": "true"},
+                         files={"file": ("p.jpg", sample_bytes("sample-photo.jpg"))}).json()["regions"]
+        assert len(registered) == 36
+        labels = page.locator("#layer-regions text")
+        index_of = lambda text: int(text.split(" ", 1)[0])  # noqa: E731
+        expect(page.locator("#layer-regions rect.region")).to_have_count(36)
+        top = {r["index"] for r in sorted(registered, key=lambda r: -r["score"])[:5]}
+        assert {index_of(t) for t in labels.all_text_contents()} == top
+        overlapping = page.evaluate("""() => {
+            const boxes = [...document.querySelectorAll('#layer-regions text')].map((t) => t.getBoundingClientRect());
+            return boxes.flatMap((a, i) => boxes.slice(i + 1).filter((b) =>
+                a.left < b.right - 1 && b.left < a.right - 1 && a.top < b.bottom - 1 && b.top < a.bottom - 1)).length;
+        }""")
+        assert overlapping == 0
+        expect(page.locator("#labels-hint")).to_contain_text("Labels of the 5 most confident of 36 regions")
+
+        other = next(r for r in registered if r["index"] not in top)
+        page.click("#regions-details summary")
+        page.focus(f"#region-list li[data-index='{other['index']}']")
+        expect(labels).to_have_count(6)
+        assert index_of(page.text_content("#layer-regions text.highlighted")) == other["index"]
+        assert "highlighted" in page.get_attribute(f"#layer-regions rect[data-index='{other['index']}']", "class")
+        page.focus("#all-labels")
+        expect(labels).to_have_count(5)
+
+        smallest = min(registered, key=lambda r: (r["box"][2] - r["box"][0]) * (r["box"][3] - r["box"][1]))
+        page.hover(f"#layer-regions rect[data-index='{smallest['index']}']")
+        expect(page.locator("#layer-regions text.highlighted")).to_have_text(re.compile(rf"^{smallest['index']} "))
+        page.mouse.move(5, 5)
+        expect(page.locator("#layer-regions text.highlighted")).to_have_count(0)
+
+        page.check("#all-labels")
+        expect(labels).to_have_count(36)
+        expect(page.locator("#labels-hint")).to_be_hidden()
+        for width in (1280, 375):  # at phone width a label is half the image's width
+            page.set_viewport_size({"width": width, "height": 900})
+            expect(labels).to_have_count(36)
+            outside = page.evaluate("""() => {
+                const f = document.getElementById('frame').getBoundingClientRect();
+                return [...document.querySelectorAll('#overlay text')]
+                    .map((t) => [t.textContent, t.getBoundingClientRect()])
+                    .filter(([, r]) => r.left < f.left - 1 || r.right > f.right + 1
+                                       || r.top < f.top - 1 || r.bottom > f.bottom + 1)
+                    .map(([text]) => text);
+            }""")
+            assert outside == [], width

@@ -38,6 +38,7 @@ def _convert(convert: Callable[[Path, Path], Path], src: Path, out: Path, force:
     one line on stderr and exit code 2.
     """
     from models.checkpoint import CheckpointError
+    from models.file_modes import apply_umask
     from safetensors import SafetensorError
 
     try:
@@ -57,6 +58,7 @@ def _convert(convert: Callable[[Path, Path], Path], src: Path, out: Path, force:
     staged = staging / "new"
     try:
         convert(src, staged)
+        apply_umask(staged)  # the umask's modes (safetensors writes 0600) before the files appear in OUT
         _move_into(staging, out)
     except (CheckpointError, OSError) as exc:
         fail(str(exc).replace(str(staged), str(out)))  # name a file as it would have been in OUT
