@@ -23,13 +23,14 @@ def restricted(tmp_path_factory) -> list[str]:
     setpriv dropping CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH (root then reads as the owner its mode allows)."""
     prefix = DROP_READ_OVERRIDES if os.geteuid() == 0 else []
     if prefix and shutil.which("setpriv") is None:
-        pytest.skip("running as root, and setpriv (util-linux) is not here to drop the capabilities to read any file")
+        pytest.fail("running as root, and setpriv (util-linux, in every Debian) is not here to drop the capabilities "
+                    "to read any file")
     probe = tmp_path_factory.mktemp("probe") / "closed"
     probe.write_text("x")
     probe.chmod(0)
     reading = subprocess.run([*prefix, sys.executable, "-c", f"open({str(probe)!r}).read()"], capture_output=True)
     if reading.returncode == 0:
-        pytest.skip("file permissions do not stop this process's reads here")
+        pytest.fail("file permissions do not stop this process's reads here, so nothing here can be unreadable")
     return prefix
 
 
