@@ -4,8 +4,9 @@ Start-up: detector and encoder checkpoint (refused when the checkpoint expects a
 feature store -> RegionService -> runtime -> one Batcher per served task -> warm-up -> ready.
 Shutdown (SIGTERM, service/shutdown.py): a drain period (`shutdown_drain_s`) in which /readyz answers 503 while
 requests are still served, each answer with `Connection: close` -> uvicorn stops accepting and lets in-flight
-requests finish (`shutdown_timeout_s`) -> lifespan: not ready -> batchers drained -> detector drained ->
-feature store (Redis) closed -> runtime closed.
+requests finish (`shutdown_timeout_s`; then the work still queued or running fails: 503) -> lifespan: not ready ->
+batchers drained -> detector drained (both within what is left of the same `shutdown_timeout_s`) -> feature store
+(Redis) closed -> runtime closed -> inference thread shut down (a batch it is still running is not waited for).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import asyncio
 import gc
 import importlib.metadata
 import logging
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -47,7 +49,7 @@ from .runtime import Runtime, create_runtime
 from .schemas import ModelInfo, Problem
 from .security import PUBLIC_PATHS, APIKeyMiddleware, BodyLimitMiddleware
 from .settings import Settings
-from .shutdown import CloseWhileDraining
+from .shutdown import CloseWhileDraining, InferenceExecutor
 from .stream_cache import StreamCache
 
 log = logging.getLogger("vlserve.app")
@@ -199,12 +201,27 @@ def explainer(loaded: Loaded, runtime, inference: ThreadPoolExecutor) -> Explain
                      grounding_report(loaded.checkpoint))
 
 
-def warm_up(loaded: Loaded, pipeline: Pipeline, runtime) -> None:
-    """The detector on a small image, then one example per served task through the runtime."""
+def warm_up(loaded: Loaded, pipeline: Pipeline, runtime) -> float:
+    """The detector on a small image, then one example per served task through the runtime; returns the detector's
+    time (s), the batch time its admission goes by until a batch is measured (the image is resized to the
+    detector's input like any photo: about a photo's time)."""
     image = np.full((64, 64, 3), 128, np.uint8)
     image[16:48, 16:48] = (200, 40, 40)
+    t0 = time.perf_counter()
     (rf,) = loaded.detector.extract([image])
+    detector_s = time.perf_counter() - t0
     pipeline.warm_up(runtime, rf.to_float16())
+    return detector_s
+
+
+async def stop_batchers(batchers: list[Batcher | RegionService], state: Any, timeout_s: float) -> None:
+    """Stop the batchers in order (the task batchers, then the detector), each finishing its queued work, all within
+    one budget: until state.shutdown_deadline (set on SIGTERM by service.shutdown.DrainingServer: shutdown_timeout_s
+    after the listener closed, shared with the in-flight requests), else timeout_s from now. Work left when it runs
+    out fails at once (BatcherClosedError)."""
+    deadline = getattr(state, "shutdown_deadline", None) or time.monotonic() + timeout_s
+    for batcher in batchers:
+        await batcher.stop(max(deadline - time.monotonic(), 0.0))
 
 
 @asynccontextmanager
@@ -215,8 +232,16 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # One thread runs every model call (load, warm-up, detector, encoder): torch's OpenMP pool belongs to the
         # thread that calls it, and a second calling thread brings a second pool that competes for the same cores.
         # Measured on 2 cores: once two threads had called the demo encoder, every call took 1.55x as long.
-        inference = ThreadPoolExecutor(1, thread_name_prefix="vlserve-inference")
-        stack.callback(inference.shutdown, wait=False, cancel_futures=True)
+        inference = InferenceExecutor(thread_name_prefix="vlserve-inference")
+
+        def stop_inference() -> None:
+            inference.shutdown(wait=False, cancel_futures=True)
+            if inference.busy:  # a batch cut short by the shutdown timeout: nothing can interrupt it
+                log.warning("shutdown: a batch is still running on the inference thread; the process exits "
+                            "without waiting for it")
+                app.state.inference_abandoned = True  # service.shutdown.DrainingServer.run ends the process
+
+        stack.callback(stop_inference)
         loop = asyncio.get_running_loop()
         try:
             loaded = await loop.run_in_executor(inference, load_models, settings)
@@ -231,7 +256,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         regions = RegionService(
             loaded.detector, loaded.fingerprint, store,
             BatcherConfig(detector_batch_size(settings, loaded.detector), settings.detector_max_wait_ms,
-                          settings.max_queue),
+                          settings.max_queue, settings.detector_max_queue_wait_s * 1000),
             settings.max_pixels, inference, on_batch=metrics.on_batch("detector"),
             max_pixels_in_flight=settings.decode_max_pixels_in_flight, reduced_decoding=settings.decode_reduced)
         config = model_config(loaded.checkpoint)
@@ -261,13 +286,23 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics.watch({**batchers, "detector": regions}, store, regions, streams)
 
         await regions.start()
-        stack.push_async_callback(regions.stop, settings.shutdown_timeout_s)
         for batcher in batchers.values():
             await batcher.start()
-            stack.push_async_callback(batcher.stop, settings.shutdown_timeout_s)
+        stack.push_async_callback(stop_batchers, [*reversed(batchers.values()), regions], app.state,
+                                  settings.shutdown_timeout_s)
+
+        def out_of_time() -> int:  # shutdown_timeout_s has run out (service/shutdown.py): fail their work now
+            return sum(batcher.close_now() for batcher in (*batchers.values(), regions))
+
+        app.state.out_of_time = out_of_time
+        stack.callback(setattr, app.state, "out_of_time", None)
         if pipeline.bank is not None:  # before the batchers stop: scheduled priors are cancelled, not left waiting
             stack.push_async_callback(pipeline.bank.close)
-        await loop.run_in_executor(inference, warm_up, loaded, pipeline, runtime)
+        detector_s = await loop.run_in_executor(inference, warm_up, loaded, pipeline, runtime)
+        regions.expect(detector_s)  # admits a burst of new images that comes before a detector batch is measured
+        if settings.detector_max_queue_wait_s:
+            log.info("detector: %.2f s for an image at warm-up; a new image is refused (429) while more than %g s of "
+                     "detector work is queued ahead of it", detector_s, settings.detector_max_queue_wait_s)
 
         # Start-up leaves ~400k long-lived objects (modules, tensors, tokenizer). A full garbage collection scans
         # them all (170 ms with the demo model) while every request waits: at 32 clients it set the p99 latency
@@ -375,7 +410,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(AdmissionMiddleware, state=app.state)  # after the key and size checks, before the body is read
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(APIKeyMiddleware, keys=settings.api_keys)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.add_middleware(CloseWhileDraining, state=app.state)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outside CloseWhileDraining: counts its 503s as 503s
     app.openapi = custom_openapi(app, bool(settings.api_keys))
     return app

@@ -10,7 +10,13 @@ on inference. Overload becomes `QueueFullError` (HTTP 429 with Retry-After) at s
 `max_queue` items, or when the batches queued ahead of a new request on the shared runtime (those it cannot join,
 at the measured batch time) would hold it longer than `max_queue_wait_ms`. The batch running when it arrives is not
 counted: a request that can join the next batch is always taken, whatever the batch time. Shedding by expected wait
-keeps the accepted requests' latency bounded where a long queue would only make every request late.
+keeps the accepted requests' latency bounded where a long queue would only make every request late. A caller
+with work of its own between admission and submit (decoding an image for the detector) takes a `Reservation`
+(reserve()): it counts as queued until the item is submitted, so requests admitted meanwhile see it ahead of them.
+
+At shutdown, stop(timeout_s) finishes the queued work within the timeout and fails the rest with BatcherClosedError
+(HTTP 503); close_now() fails every queued item and the running batch's at once (the shutdown budget has run out: a
+batch running in the executor cannot be interrupted, its results are dropped).
 
 Background items (`submit(item, background=True)`: work no request waits for, such as an image's query-bank prior
 after its registration) never go ahead of a request: they run only while no request is queued in any batcher
@@ -68,7 +74,23 @@ class QueueFullError(Exception):
 
 
 class BatcherClosedError(RuntimeError):
-    """submit() on a batcher that is not started or is shutting down (HTTP 503)."""
+    """submit() on a batcher that is not started or is shutting down, or a request whose item the shutdown failed
+    (HTTP 503 not-ready)."""
+
+
+class Reservation:
+    """A request admitted by Batcher.reserve() whose item is not submitted yet: it counts as queued (for the
+    expected wait and max_queue of later requests) until submit(item, reservation=...) or release()."""
+
+    def __init__(self, batcher: Batcher) -> None:
+        self._batcher: Batcher | None = batcher
+        batcher._reserved += 1
+
+    def release(self) -> None:
+        """Stop counting it (idempotent: call it in a finally, whether or not the item was submitted)."""
+        if self._batcher is not None:
+            self._batcher._reserved -= 1
+            self._batcher = None
 
 
 class InFlight:
@@ -84,6 +106,7 @@ class InFlight:
         self._listeners: list[asyncio.Event] = []
         self._batchers: list[Batcher] = []  # the batchers that feed this runtime
         self.batch_seconds: float | None = None  # moving average of a batch's run time on this runtime
+        self._provisional = False  # batch_seconds is expect()'s estimate, not yet measured
         self._running_since = 0.0  # time.perf_counter() when the oldest running batch started
 
     @property
@@ -110,6 +133,13 @@ class InFlight:
         if event in self._listeners:
             self._listeners.remove(event)
 
+    def expect(self, batch_seconds: float) -> None:
+        """A batch time to admit by until one is measured (e.g. timed at warm-up); the first measured batch replaces
+        it."""
+        if self.batch_seconds is None or self._provisional:
+            self.batch_seconds = batch_seconds
+            self._provisional = True
+
     def expected_wait_s(self, joining: Batcher | None = None) -> tuple[float, float]:
         """(queued, running): how long a request submitted now to `joining` would wait for the work queued ahead of
         it and for the rest of the batch running now; (0, 0) until a batch time has been measured. Queued work is
@@ -131,7 +161,9 @@ class InFlight:
     def finished(self, run_s: float | None = None) -> None:
         self.count -= 1
         if run_s is not None:
-            self.batch_seconds = run_s if self.batch_seconds is None else 0.8 * self.batch_seconds + 0.2 * run_s
+            measured = self.batch_seconds is not None and not self._provisional
+            self.batch_seconds = 0.8 * self.batch_seconds + 0.2 * run_s if measured else run_s
+            self._provisional = False
         if self.count:
             self._running_since = time.perf_counter()
         for event in self._listeners:
@@ -190,6 +222,9 @@ class Batcher(Generic[T, R]):
         self._queue: deque[_Pending[T, R]] = deque()
         self._background: deque[_Pending[T, R]] = deque()  # run only when no request waits (see the module doc)
         self._filling = 0  # requests taken from the queue into a batch that is still filling
+        self._reserved = 0  # requests admitted by reserve() that have not submitted their item yet
+        self._running: list[_Pending[T, R]] = []  # the batch handed to the executor, until it returns
+        self._out_of_time: BatcherClosedError | None = None  # set by close_now(): nothing more runs
         self._arrived: asyncio.Event | None = None
         self._consumer: asyncio.Task | None = None
         self._closing = False
@@ -205,8 +240,9 @@ class Batcher(Generic[T, R]):
 
     @property
     def requests_waiting(self) -> int:
-        """Requests queued or in a batch that is still filling (not yet handed to the runtime)."""
-        return len(self._queue) + self._filling
+        """Requests queued, in a batch that is still filling, or reserved (admitted, item not yet submitted): not yet
+        handed to the runtime."""
+        return len(self._queue) + self._filling + self._reserved
 
     @property
     def running(self) -> bool:
@@ -218,6 +254,7 @@ class Batcher(Generic[T, R]):
         if self._own_executor:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"vlserve-{self.name}")
         self._arrived = asyncio.Event()  # set on every arrival, on stop, and when a batch of the runtime finishes
+        self._out_of_time = None
         self._in_flight.listen(self._arrived)
         self._in_flight.join(self)
         self._closing = False
@@ -243,12 +280,55 @@ class Batcher(Generic[T, R]):
                 self._executor.shutdown(wait=False, cancel_futures=True)
                 self._executor = None
 
-    async def submit(self, item: T, background: bool = False, admitted: bool = False) -> R:
-        """The result of `fn` for this item, computed in some batch; a background item runs only when no request
-        waits (module doc). `admitted`: the caller has asked admit() for the request this item belongs to (a request
-        of several items is admitted or refused whole, never shed part-way by its own items queued ahead)."""
+    def close_now(self) -> int:
+        """Out of time (the shutdown budget has run out): refuse new items, fail every queued request and the running
+        batch's with BatcherClosedError at once, drop background items. A batch running in the executor cannot be
+        interrupted: its results are dropped when it returns. stop() still ends the consumer. Returns the requests
+        failed."""
+        if self._consumer is None:
+            return 0
+        self._closing = True
+        self._arrived.set()
+        failed = 0
+        closed = self._out_of_time = BatcherClosedError(
+            f"batcher {self.name}: the shutdown timeout ran out before this request finished")
+        for p in [*self._running, *self._queue]:  # a batch still filling fails as it reaches _run
+            if not p.future.done():
+                p.future.set_exception(closed)
+                failed += 1
+        self._queue.clear()
+        while self._background:
+            self._background.popleft().future.cancel()  # work no request waits for
+        return failed
+
+    def expect(self, batch_seconds: float) -> None:
+        """Admit by this batch time until a batch has been measured (InFlight.expect), e.g. the time of a warm-up run:
+        without it, a burst arriving before the first batch has finished would all be admitted."""
+        self._in_flight.expect(batch_seconds)
+        self._batch_seconds = max(self._batch_seconds, batch_seconds)
+
+    def reserve(self) -> Reservation:
+        """Admit a request now (admit(): QueueFullError when it would wait too long), before work of the caller's own
+        that a refusal would waste; the reservation counts as queued until submit(item, reservation=it)."""
+        self.check_open()
+        self.admit()
+        return Reservation(self)
+
+    def check_open(self) -> None:
+        """BatcherClosedError unless the batcher takes items."""
         if self._consumer is None or self._closing:
             raise BatcherClosedError(f"batcher {self.name} is not running")
+
+    async def submit(self, item: T, background: bool = False, admitted: bool = False,
+                     reservation: Reservation | None = None) -> R:
+        """The result of `fn` for this item, computed in some batch; a background item runs only when no request
+        waits (module doc). `admitted`: the caller has asked admit() for the request this item belongs to (a request
+        of several items is admitted or refused whole, never shed part-way by its own items queued ahead);
+        `reservation`: the caller's reserve() (admitted then), released as the item is queued."""
+        if reservation is not None:
+            reservation.release()
+            admitted = True
+        self.check_open()
         if not background and not admitted:
             self.admit()
         loop = asyncio.get_running_loop()
@@ -260,9 +340,10 @@ class Batcher(Generic[T, R]):
     def admit(self) -> None:
         """Raise QueueFullError when the queue is full or a new request would wait longer than max_queue_wait_ms.
         submit() asks it; a caller may ask first, before work of its own that a refusal would waste."""
-        if len(self._queue) >= self.config.max_queue:
+        waiting = len(self._queue) + self._reserved
+        if waiting >= self.config.max_queue:
             raise QueueFullError(self.name, f"queue full ({self.config.max_queue} requests waiting)", retry_after(
-                len(self._queue), self.config.max_batch_size, self._batch_seconds, self.config.max_wait_ms / 1000))
+                waiting, self.config.max_batch_size, self._batch_seconds, self.config.max_wait_ms / 1000))
         if self.config.max_queue_wait_ms:
             queued, running = self._in_flight.expected_wait_s(self)
             if queued * 1000 > self.config.max_queue_wait_ms:
@@ -335,12 +416,17 @@ class Batcher(Generic[T, R]):
     async def _run(self, batch: list[_Pending[T, R]]) -> None:
         loop = asyncio.get_running_loop()
         live = [p for p in batch if not p.future.done()]  # callers may have gone while the batch filled
+        if self._out_of_time is not None:
+            for p in live:
+                p.future.set_exception(self._out_of_time)
+            return
         if not live:
             return
         started = loop.time()
         max_wait = started - min(p.enqueued for p in live)
         t0 = time.perf_counter()
         self._in_flight.started()
+        self._running = live
         try:
             try:
                 results = await loop.run_in_executor(self._executor, self.fn, [p.item for p in live])
@@ -358,6 +444,7 @@ class Batcher(Generic[T, R]):
                     p.future.set_exception(exc)
             results = None
         finally:
+            self._running = []
             run_s = time.perf_counter() - t0
             # background batches are small: their time would understate what a request waits for
             self._in_flight.finished(None if live[0].background else run_s)

@@ -15,8 +15,10 @@ exception: routes of the Open Inference Protocol (/v2/..., routes/v2.py) answer 
 |        |                              | nulls, bad base64, limits (errors[] lists them); texts the tokenizer  |
 |        |                              | reads no word of; /refer: an image with no regions                    |
 | 422    | /problems/invalid-image      | bytes that are not a supported image, truncated, or over max_pixels   |
-| 429    | /problems/queue-full         | the task's batch queue is full; Retry-After says when to retry        |
-| 503    | /problems/not-ready          | models still loading / warming up, or shutting down                   |
+| 429    | /problems/queue-full         | the task's batch queue is full, or a new image would wait for the     |
+|        |                              | detector longer than detector_max_queue_wait_s; Retry-After: when     |
+| 503    | /problems/not-ready          | models still loading / warming up, or shutting down (also a request   |
+|        |                              | still running when shutdown_timeout_s runs out)                       |
 | 503    | /problems/store-unavailable  | an image_id request while the feature store (Redis) cannot be reached |
 | 500    | /problems/internal-error     | a bug; the detail is generic and the log has the request id           |
 
@@ -25,6 +27,7 @@ PROBLEM_TYPES, app.custom_openapi); 404 not-found, 405 and 500 are not tied to a
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import uuid
@@ -35,6 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Scope, Send
 
 from models.images import ImageError
 
@@ -46,6 +50,7 @@ log = logging.getLogger("vlserve.errors")
 PROBLEM_JSON = "application/problem+json"
 _TYPES = {400: "bad-request", 401: "unauthorized", 404: "not-found", 405: "method-not-allowed", 413: "body-too-large",
           422: "validation-error", 429: "queue-full", 503: "not-ready", 500: "internal-error"}
+SHUTTING_DOWN = "the service is shutting down; retry on another replica"  # 503 not-ready, Retry-After: 1
 
 
 class ProblemError(Exception):
@@ -99,6 +104,21 @@ def problem_body(status: int, detail: str, instance: str, rid: str, kind: str | 
     if errors is not None:
         body["errors"] = errors
     return body
+
+
+async def send_problem(scope: Scope, send: Send, status: int, detail: str, kind: str | None = None,
+                       title: str | None = None, headers: dict[str, str] | None = None) -> None:
+    """A problem+json answer sent straight to the ASGI `send` (for answers given outside the routes; a v2 route
+    gets the Open Inference Protocol's body)."""
+    rid = request_id(scope)
+    v2 = is_v2(scope["path"])
+    body = json.dumps({"error": detail} if v2 else
+                      problem_body(status, detail, scope["path"], rid, kind, title)).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json" if v2 else PROBLEM_JSON.encode()),
+        (b"content-length", str(len(body)).encode()), (b"x-request-id", rid.encode()),
+        *((k.lower().encode(), v.encode()) for k, v in (headers or {}).items())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def problem_response(request: Request, status: int, detail: str, kind: str | None = None, title: str | None = None,
@@ -173,8 +193,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(BatcherClosedError)
     async def _closed(request: Request, exc: BatcherClosedError):
-        return problem_response(request, 503, "the service is shutting down; retry on another replica",
-                                "not-ready", headers={"Retry-After": "1"})
+        return problem_response(request, 503, SHUTTING_DOWN, "not-ready", headers={"Retry-After": "1"})
 
     @app.exception_handler(NoHeadError)
     async def _no_head(request: Request, exc: NoHeadError):

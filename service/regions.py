@@ -6,6 +6,11 @@ holds what the decoded array keeps until its detector batch has run. Images larg
 reduced (models.images.decode_bounded; their regions are scaled back to the original frame), and after a large
 decode the freed heap is returned to the OS (glibc malloc_trim), so a burst of large images leaves no high-water
 mark behind.
+
+A new image is admitted to the detector before its pixels are decoded (Batcher.reserve): when the images queued
+ahead of it would hold it longer than the detector batcher's max_queue_wait_ms (`detector_max_queue_wait_s`), the
+request gets QueueFullError (HTTP 429 with Retry-After) and nothing is decoded. Images the feature store holds
+never reach the detector and are never refused.
 """
 from __future__ import annotations
 
@@ -189,10 +194,28 @@ class RegionService:
     async def start(self) -> None:
         await self._batcher.start()
 
+    def expect(self, batch_seconds: float) -> None:
+        """The detector's batch time to admit new images by until a batch has been measured (Batcher.expect)."""
+        self._batcher.expect(batch_seconds)
+
     async def stop(self, timeout_s: float | None = None) -> None:
-        """Finish queued detector work and the store writes that follow it."""
+        """Finish queued detector work and the store writes that follow it, within timeout_s in all; then what is
+        left fails (BatcherClosedError) or is cancelled."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
         await self._batcher.stop(timeout_s)
-        await asyncio.gather(*self._inflight.values(), return_exceptions=True)
+        pending = set(self._inflight.values())
+        if pending:
+            left = None if deadline is None else max(deadline - loop.time(), 0.0)
+            _, pending = await asyncio.wait(pending, timeout=left)
+            for task in pending:  # a store write or a decode still going when the time is up
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    def close_now(self) -> int:
+        """The shutdown budget has run out: images queued for the detector, and the batch running, fail at once
+        (Batcher.close_now); returns how many."""
+        return self._batcher.close_now()
 
     async def from_bytes(self, data: bytes) -> tuple[str, RegionFeatures, bool]:
         """(image_id, regions, cache_hit) for image bytes; ImageError if they are not an acceptable image."""
@@ -250,23 +273,33 @@ class RegionService:
         return rf, False
 
     async def _decode_and_extract(self, data: bytes) -> RegionFeatures:
-        """Regions as the store keeps them (features float16), in the original image's frame."""
+        """Regions as the store keeps them (features float16), in the original image's frame. The detector admits the
+        image first (QueueFullError: a 429 before any pixel is decoded); admitted, it counts as queued while it
+        waits for decoding room and decodes."""
         if self.budget is None:
-            decoded = await asyncio.to_thread(decode_bounded, data, self.max_pixels, self.max_decode_side)
-            rf = await self._batcher.submit(decoded.image)
+            place = self._batcher.reserve()
+            try:
+                decoded = await asyncio.to_thread(decode_bounded, data, self.max_pixels, self.max_decode_side)
+                rf = await self._batcher.submit(decoded.image, reservation=place)
+            finally:
+                place.release()
             return rf.rescaled(decoded.original_hw).to_float16()
         pixels = header_pixels(data, self.max_pixels, self.max_decode_side)  # ImageError for a bad header, as decoding
-        held = await self.budget.acquire(pixels)
+        place = self._batcher.reserve()
+        held = 0
         try:
+            held = await self.budget.acquire(pixels)
+            self._batcher.check_open()  # shut down while waiting for room: decode nothing
             decoded = await asyncio.to_thread(self._decode, data, pixels)  # big images take a while
             keep = min(held, decoded.image.shape[0] * decoded.image.shape[1])  # what waits for the detector
             self.budget.release(held - keep)
             held = keep
             original_hw = decoded.original_hw
-            rf = await self._batcher.submit(decoded.image)
+            rf = await self._batcher.submit(decoded.image, reservation=place)
             del decoded  # the batch has run: the decoded pixels are freed here, before their reservation ends
             return rf.rescaled(original_hw).to_float16()
         finally:
+            place.release()
             self.budget.release(held)
 
     def _decode(self, data: bytes, pixels: int) -> Decoded:

@@ -63,6 +63,13 @@ class Settings(BaseSettings):
     detector_max_batch_size: int = Field(8, ge=1)  # images per detector batch (1 where batching gains nothing:
     # app.detector_batch_size)
     detector_max_wait_ms: float = Field(5.0, ge=0)  # while the detector is busy, how long a batch may wait to fill
+    # admission to the detector: a new image whose detection would wait longer than this behind the images queued
+    # ahead of it (at the measured detector batch time) gets 429 + Retry-After before it is decoded; 0 = max_queue
+    # only. Without it a pod took max_queue (256) new images for a detector that runs one at a time: the
+    # bottom-up-attention frcnn-vg at 2.6 s a photo on 2 cores queued minutes of work (30 concurrent first /vqa were
+    # all taken), far past any client's timeout and the shutdown's. 10 s takes about 4 photos queued there;
+    # the demo detector (about 20 ms a photo, in batches of 8) is never refused below max_queue
+    detector_max_queue_wait_s: float = Field(10.0, ge=0)
     # request limits
     max_body_bytes: int = Field(10 * MiB, gt=0)  # larger request bodies get 413
     max_pixels: int = Field(40_000_000, gt=0)  # larger images are refused before decoding (decompression bombs)
@@ -91,7 +98,12 @@ class Settings(BaseSettings):
     @field_validator("model_dir", "detector_dir")
     @classmethod
     def _existing_dir(cls, value: Path | None) -> Path | None:
-        if value is not None and not value.is_dir():
+        try:
+            found = value is None or value.is_dir()
+        except OSError as exc:  # a folder above it cannot be entered (e.g. a volume mounted 0700 for another user)
+            raise ValueError(f"cannot read {value} ({exc.strerror}): make the model files readable by this process "
+                             f"(chmod -R a+rX on the folder that holds them)") from None
+        if not found:
             raise ValueError(f"directory not found: {value}")
         return value
 

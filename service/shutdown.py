@@ -8,24 +8,43 @@ SETTLE_S uvicorn's own graceful shutdown runs: the listener closes, connections 
 (up to `shutdown_timeout_s`), idle ones close, the lifespan ends.
 A second signal ends the drain at once; a Ctrl-C after that stops waiting for in-flight requests, as in uvicorn.
 
+The whole shutdown is bounded by `shutdown_drain_s + shutdown_timeout_s` (plus SETTLE_S, ANSWER_S and the exit):
+- `shutdown_timeout_s` after the listener closed, the app's `state.out_of_time()` fails the work still queued or
+  running in its batchers (BatcherClosedError: 503 /problems/not-ready with Retry-After), and those requests answer;
+- ANSWER_S later uvicorn cancels any request still running (a slow body, a hung store); CloseWhileDraining answers
+  it 503 not-ready too, so no request gets uvicorn's text/plain 500 and no traceback reaches the log;
+- the lifespan's shutdown (batchers, detector, feature store) shares the same deadline (`state.shutdown_deadline`)
+  rather than waiting again;
+- a batch still running on the inference thread cannot be interrupted, and the interpreter would wait for that
+  thread at exit (ThreadPoolExecutor's threads are joined): the lifespan flags it (`state.inference_abandoned`)
+  and run() ends the process at once (os._exit(0)) after a clean shutdown.
+
 Why: uvicorn alone closes idle kept-alive connections the moment the signal comes, so a request a client sends
 on one of them at that moment gets a reset connection, and a load balancer sees the replica go from ready straight
 to connection refused.
 """
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
+import os
 import signal
 import socket
 import struct
 import sys
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from starlette.datastructures import State
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import SHUTTING_DOWN, send_problem
 
 log = logging.getLogger("vlserve.app")
 
@@ -33,6 +52,9 @@ log = logging.getLogger("vlserve.app")
 # flight): long enough for the event loop to accept the connections the kernel has already queued and to start
 # their requests, which uvicorn then lets finish.
 SETTLE_S = 0.5
+# From the end of shutdown_timeout_s, when the batchers' work is failed (requests answer 503 at once), to uvicorn's
+# cancelling the requests still running: time for those answers to be written.
+ANSWER_S = 0.5
 
 # Classic BPF socket filter (struct sock_filter: code, jt, jf, k) that drops TCP segments with SYN set and ACK clear,
 # i.e. new connection attempts; a socket filter on a TCP socket sees the packet from the TCP header, whose byte 13
@@ -66,7 +88,10 @@ def drop_new_connections(sock: socket.socket) -> bool:
 
 class CloseWhileDraining:
     """Adds `Connection: close` to every answer started while `state.draining`; uvicorn then closes the connection
-    once the answer is sent (httptools and h11 alike), and the client's next request opens a new one."""
+    once the answer is sent (httptools and h11 alike), and the client's next request opens a new one.
+
+    A request that uvicorn cancels because the shutdown timeout ran out (`state.stopping`, set by DrainingServer)
+    answers 503 /problems/not-ready with Retry-After instead of uvicorn's text/plain 500 and its logged traceback."""
 
     def __init__(self, app: ASGIApp, state: State):
         self.app = app
@@ -76,19 +101,63 @@ class CloseWhileDraining:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         state = self.state
+        started = False
 
         async def sending(message: Message) -> None:
-            if message["type"] == "http.response.start" and state.draining:
-                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if state.draining:
+                    message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
             await send(message)
 
-        await self.app(scope, receive, sending)
+        try:
+            await self.app(scope, receive, sending)
+        except asyncio.CancelledError:
+            if not getattr(state, "stopping", False):
+                raise
+            # uvicorn's graceful-shutdown timeout: this task ends here, answered (uvicorn awaits it no longer)
+            if not started:
+                await send_problem(scope, sending, 503, SHUTTING_DOWN, "not-ready", headers={"Retry-After": "1"})
+
+
+class InferenceExecutor(ThreadPoolExecutor):
+    """The one inference thread (app.lifespan), which also knows whether a call is running on it: the one thing a
+    shutdown cannot interrupt, and that the interpreter would wait for at exit."""
+
+    def __init__(self, thread_name_prefix: str = "vlserve-inference") -> None:
+        super().__init__(1, thread_name_prefix=thread_name_prefix)
+        self._calls = 0
+        self._calls_lock = threading.Lock()
+
+    @property
+    def busy(self) -> bool:
+        """A call is running (or about to) on the thread."""
+        return self._calls > 0
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        return super().submit(self._counted, fn, args, kwargs)
+
+    def _counted(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        with self._calls_lock:
+            self._calls += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            with self._calls_lock:
+                self._calls -= 1
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's Server with the drain period before its graceful shutdown; `state` is the app's (app.state)."""
+    """uvicorn's Server with the drain period before its graceful shutdown, and the shutdown bounded as the module
+    doc says; `state` is the app's (app.state). `config.timeout_graceful_shutdown` is the app's shutdown_timeout_s:
+    in-flight requests get that long, then the work still queued fails (503), and uvicorn cancels what is left
+    ANSWER_S later (its own timeout is set to that)."""
 
     def __init__(self, config: uvicorn.Config, state: State, drain_s: float):
+        self.timeout_s: float | None = config.timeout_graceful_shutdown
+        if self.timeout_s is not None:
+            config.timeout_graceful_shutdown = self.timeout_s + ANSWER_S
         super().__init__(config)
         self.state = state
         self.drain_s = drain_s
@@ -125,3 +194,36 @@ class DrainingServer(uvicorn.Server):
             elif self.exit_at is not None and now >= self.exit_at:
                 self.should_exit = True
         return await super().on_tick(counter)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's shutdown (listener closed, in-flight requests finish, then the lifespan's), with the deadline:
+        shutdown_timeout_s from now the app's batchers fail their work (state.out_of_time) and the lifespan's own
+        shutdown stops by then too (state.shutdown_deadline)."""
+        self.state.stopping = True
+        timer = None
+        if self.timeout_s is not None:
+            self.state.shutdown_deadline = time.monotonic() + self.timeout_s
+            timer = asyncio.get_running_loop().call_later(self.timeout_s, self._out_of_time)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _out_of_time(self) -> None:
+        out_of_time = getattr(self.state, "out_of_time", None)
+        failed = out_of_time() if out_of_time is not None else 0
+        if failed:
+            log.warning("shutdown: shutdown_timeout_s (%g s) ran out; %d request(s) still queued or running answer "
+                        "503 not-ready", self.timeout_s, failed)
+
+    def run(self, sockets: list[socket.socket] | None = None) -> None:
+        super().run(sockets)
+        if self.started and getattr(self.state, "inference_abandoned", False):
+            # The inference thread is still running a batch that cannot be interrupted, and the interpreter would
+            # join it at exit (seconds to minutes on a slow detector, past the pod's grace period): exit now, the
+            # shutdown being otherwise complete.
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)

@@ -105,6 +105,17 @@ def test_serve_on_weights_it_cannot_read(restricted, models, tmp_path, closed, w
     one_line_exit_2(result, refused(unreadable / "model.safetensors", unreadable))
 
 
+def test_serve_with_models_inside_a_directory_it_cannot_enter(restricted, models, tmp_path, closed):
+    """`-v DIR:/models:ro` with DIR 0700 of another user: the settings' own check says so in one line."""
+    encoder, detector = copy(models[0], tmp_path / "mount"), copy(models[1], tmp_path / "mount")
+    closed(tmp_path / "mount")
+    result = vlserve(restricted, "serve", "--model-dir", encoder, "--detector-dir", detector, "--port", "0",
+                     "--threads", "1", "--log-level", "critical")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert f"cannot read {encoder} (Permission denied)" in line and "chmod -R a+rX" in line, line
+
+
 def test_export_eval_and_train_on_weights_they_cannot_read(restricted, models, tmp_path, closed):
     encoder, detector = copy(models[0], tmp_path), copy(models[1], tmp_path)
     closed(encoder / "model.safetensors")

@@ -87,7 +87,7 @@ def test_the_api_deployment(rendered):
             "VLSERVE_DECODE_MAX_PIXELS_IN_FLIGHT", "VLSERVE_API_KEYS"} <= set(env)
     # the drain and the graceful shutdown both fit in the grace period before SIGKILL
     drain, timeout = float(env["VLSERVE_SHUTDOWN_DRAIN_S"]), float(env["VLSERVE_SHUTDOWN_TIMEOUT_S"])
-    assert pod["terminationGracePeriodSeconds"] > drain + timeout
+    assert pod["terminationGracePeriodSeconds"] >= drain + timeout + 2  # the process ends within ~1.5 s of the sum
     # the images being decoded at once fit well inside the memory limit (~4 bytes a pixel)
     limit_gib = float(re.fullmatch(r"(\d+)Gi", resources["limits"]["memory"]).group(1))
     assert int(env["VLSERVE_DECODE_MAX_PIXELS_IN_FLIGHT"]) * 4 < limit_gib * 2**30 / 4

@@ -487,13 +487,14 @@ def test_max_queue_wait_must_be_non_negative():
 
 
 def test_a_lone_request_of_another_task_is_not_a_whole_batch_ahead():
-    """Two task batchers on one runtime with a 300 ms batch time and a 10 ms budget: a request of one task that
-    finds a single request of the other task queued is taken (that is a short batch ahead, not a full one)."""
+    """Two task batchers on one runtime with a 300 ms batch time and a 50 ms budget: a request of one task that
+    finds a single request of the other task queued is taken (that is a short batch ahead, 1/32 of a batch time, not
+    a full one; the budget leaves room for a batch time measured long on a loaded machine)."""
     fn = Recorder(delay=0.3)
 
     async def main():
         shared, pool = InFlight(), ThreadPoolExecutor(1)
-        config = BatcherConfig(max_batch_size=32, max_wait_ms=0, max_queue=100, max_queue_wait_ms=10)
+        config = BatcherConfig(max_batch_size=32, max_wait_ms=0, max_queue=100, max_queue_wait_ms=50)
         a, b = (Batcher(name, fn, config, pool, in_flight=shared) for name in ("a", "b"))
         await a.start()
         await b.start()
@@ -561,3 +562,135 @@ def test_a_request_of_many_items_is_admitted_whole():
 
     results, shed = run(main())
     assert results == [10 * i for i in range(1, 11)] and shed == 0
+
+
+class Held:
+    """A batch function that blocks until released (the tests' stand-in for a detector image taking seconds)."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.calls: list[list[int]] = []
+
+    def __call__(self, items: list[int]) -> list[int]:
+        self.calls.append(list(items))
+        self.entered.set()
+        self.release.wait(30)
+        return [x * 10 for x in items]
+
+
+def test_close_now_fails_queued_and_running_requests_at_once():
+    """The shutdown budget has run out: the requests of the batch running in the executor (which cannot be
+    interrupted) and the queued ones fail with BatcherClosedError at once, background work is dropped, nothing
+    queued runs afterwards, and stop() does not wait for the running batch."""
+    fn = Held()
+
+    async def main():
+        b = Batcher("t", fn, BatcherConfig(max_batch_size=1, max_wait_ms=0, max_queue=100))
+        await b.start()
+        pending = [asyncio.ensure_future(b.submit(i)) for i in range(4)]
+        background = asyncio.ensure_future(b.submit(9, background=True))
+        while not fn.entered.is_set():
+            await asyncio.sleep(0.005)
+        assert b.close_now() == 4  # item 0 running, 1-3 queued
+        outcomes = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 1)
+        with pytest.raises(BatcherClosedError):
+            await b.submit(5)
+        with pytest.raises(BatcherClosedError):
+            b.reserve()
+        t0 = time.perf_counter()
+        await b.stop(timeout_s=0)
+        stopped_s = time.perf_counter() - t0
+        fn.release.set()
+        await asyncio.sleep(0.05)
+        return outcomes, background.cancelled(), stopped_s
+
+    try:
+        outcomes, dropped, stopped_s = run(main())
+    finally:
+        fn.release.set()
+    assert all(isinstance(o, BatcherClosedError) and "shutdown timeout" in str(o) for o in outcomes), outcomes
+    assert dropped and stopped_s < 0.5 and fn.calls == [[0]]
+
+
+def test_close_now_fails_a_batch_that_is_still_filling():
+    """A batch collecting items while the runtime is busy is failed, not run, when the budget runs out."""
+    fn = Held()
+    shared = InFlight()
+
+    async def main():
+        busy = Batcher("other", fn, BatcherConfig(1, 0, 100), in_flight=shared)
+        b = Batcher("t", Recorder(), BatcherConfig(max_batch_size=4, max_wait_ms=10_000, max_queue=100),
+                    in_flight=shared)
+        await busy.start()
+        await b.start()
+        hold = asyncio.ensure_future(busy.submit(1))
+        while not fn.entered.is_set():
+            await asyncio.sleep(0.005)
+        filling = asyncio.ensure_future(b.submit(2))  # waits to fill while the runtime is busy
+        await asyncio.sleep(0.05)
+        b.close_now()
+        outcome = await asyncio.wait_for(asyncio.gather(filling, return_exceptions=True), 1)
+        fn.release.set()
+        await hold
+        await b.stop(0)
+        await busy.stop(0)
+        return outcome[0], b.batches
+
+    try:
+        outcome, batches = run(main())
+    finally:
+        fn.release.set()
+    assert isinstance(outcome, BatcherClosedError) and batches == 0
+
+
+def test_a_reservation_counts_as_queued_until_its_item_is_submitted():
+    """Work a caller does between admission and submit (the detector's: decoding the image) is not invisible: a
+    request admitted meanwhile sees the reservations ahead of it, by an expected batch time (expect()) before any
+    batch has been measured; max_queue counts them too; the first measured batch replaces the estimate."""
+
+    async def main():
+        b = Batcher("t", Recorder(), BatcherConfig(max_batch_size=1, max_wait_ms=0, max_queue=3, max_queue_wait_ms=100))
+        await b.start()
+        b.expect(0.06)  # e.g. timed at warm-up
+        first, second = b.reserve(), b.reserve()  # 0, then 60 ms ahead
+        assert b.requests_waiting == 2
+        with pytest.raises(QueueFullError) as refused:
+            b.reserve()  # 120 ms ahead
+        assert 0.1 < refused.value.retry_after_s < 0.2 and b.shed == 1
+        first.release()
+        first.release()  # idempotent
+        third = b.reserve()
+        assert await b.submit(4, reservation=second) == 40  # admitted by its reservation, released as it queued
+        assert b.requests_waiting == 1
+        estimate = b._in_flight.batch_seconds
+        third.release()
+        b.expect(5.0)  # measured now: an estimate no longer applies
+        measured = b._in_flight.batch_seconds
+        small = Batcher("s", Recorder(), BatcherConfig(max_batch_size=1, max_wait_ms=0, max_queue=2))
+        await small.start()
+        held = [small.reserve(), small.reserve()]
+        with pytest.raises(QueueFullError, match="queue full"):
+            await small.submit(1)
+        for r in held:
+            r.release()
+        await small.stop()
+        await b.stop()
+        return estimate, measured
+
+    estimate, measured = run(main())
+    assert estimate < 0.06 and measured == estimate, "the measured batch replaced the estimate, not averaged with it"
+
+
+def test_expect_is_only_an_estimate_until_a_batch_is_measured():
+    shared = InFlight()
+    shared.expect(5.0)
+    shared.expect(3.0)
+    assert shared.batch_seconds == 3.0
+    shared.started()
+    shared.finished(0.1)
+    assert shared.batch_seconds == 0.1
+    shared.expect(5.0)
+    shared.started()
+    shared.finished(0.2)
+    assert shared.batch_seconds == pytest.approx(0.8 * 0.1 + 0.2 * 0.2)

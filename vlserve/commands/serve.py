@@ -60,6 +60,10 @@ def serve(
     detector_max_batch_size: Annotated[int | None, _opt("images per detector batch " + _default("detector_max_batch_size"), "Batching")] = None,
     detector_max_wait_ms: Annotated[float | None, _opt("while the detector is busy, how long a batch may wait to fill, ms "
                                                        + _default("detector_max_wait_ms"), "Batching")] = None,
+    detector_max_queue_wait_s: Annotated[float | None, _opt("a new image whose detection would wait longer than this "
+                                                            "behind the images queued ahead gets 429 before it is "
+                                                            "decoded, s; 0 = off " + _default("detector_max_queue_wait_s"),
+                                                            "Batching")] = None,
     max_body_bytes: Annotated[int | None, _opt("larger request bodies get 413 " + _default("max_body_bytes"), "Limits")] = None,
     max_pixels: Annotated[int | None, _opt("larger images are refused before decoding " + _default("max_pixels"), "Limits")] = None,
     decode_max_pixels_in_flight: Annotated[int | None, _opt("pixels of images being decoded or waiting for the detector, "
