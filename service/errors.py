@@ -174,7 +174,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidInput)
     async def _invalid(request: Request, exc: InvalidInput):
-        errors = [{"loc": ["body", *exc.loc], "msg": exc.msg, "type": "limit"}]
+        where = [] if exc.loc[:1] == ("query",) else ["body"]  # a query parameter's loc names itself
+        errors = [{"loc": [*where, *exc.loc], "msg": exc.msg, "type": "limit"}]
         return problem_response(request, 422, str(exc), "validation-error", "Invalid request", errors=errors)
 
     @app.exception_handler(ImageError)

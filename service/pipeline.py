@@ -318,7 +318,7 @@ class Pipeline:
         """explain=true: the item's logits from a pass of its own that keeps the attention (outside the batcher),
         and the response's `explain` entries, one per image."""
         if self.explainer is None:
-            raise InvalidInput(("explain",), "this service's runtime does not return attention; explain needs the "
+            raise InvalidInput(("query", "explain"), "this service's runtime does not return attention; explain needs the "
                                              "torch runtime, serving a checkpoint directory")
         logits, attention, seconds = await self.explainer.run(spec.task, item)
         timer.add("encoder", seconds)

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.datastructures import UploadFile
 
 from .. import schemas
+from ..errors import ProblemError
 from ..schemas import ImageInput
 from .common import TimingsQuery, open_call, problems
 
@@ -44,6 +45,9 @@ async def image_bytes(request: Request) -> bytes:
     content_type = request.headers.get("content-type", "").lower()
     if content_type.startswith("multipart/form-data"):
         async with request.form(max_files=1, max_fields=4) as form:
+            if not form:  # the parser found no complete part: a body cut off before its closing boundary
+                raise ProblemError(400, "a broken multipart body: no complete part (is its closing boundary "
+                                        "missing?)", "bad-request")
             unknown = sorted(set(form.keys()) - {"file"})
             if unknown:  # refused, as unknown fields of a JSON body are
                 raise RequestValidationError([{"loc": ("body", name), "msg": "Extra inputs are not permitted",

@@ -2,6 +2,8 @@
 limit: EFBIG) is one line and exit 2, and leaves OUT byte for byte as it was, a previous import in it included."""
 from __future__ import annotations
 
+import json
+
 import os
 import resource
 import subprocess
@@ -116,6 +118,9 @@ def test_detector_import_reads_its_summary_from_out(tmp_path):
     assert result.exit_code == 0, result.output
     _, fingerprint = load_detector(out)
     assert f"wrote {out} (detector {fingerprint}: resnet101-c4, 40 classes" in result.stdout
+    counters = json.loads((out / "manifest.json").read_text())["import"]["ignored_keys"]
+    assert counters and all(k.endswith(".num_batches_tracked") for k in counters)
+    assert f"note: {len(counters)} BatchNorm counters (num_batches_tracked) not imported" in result.stderr
     assert_no_staging_left(tmp_path)
 
 

@@ -113,7 +113,9 @@ def test_each_option_states_the_default_the_settings_define():
         assert param.help.endswith(f"(default {text})"), (param.name, param.help)
         assert param.help.count("(default") == 1, param.help
         stated += 1
-    assert stated >= 20  # every setting with a plain default is an option (detector_settle etc. are env-only)
+    options = {param.name for param in command.params}
+    assert set(Settings.model_fields) <= options, set(Settings.model_fields) - options  # every setting is an option
+    assert stated >= 25
     assert "(default 8)" in command.params[[p.name for p in command.params].index("max_batch_size")].help
 
 

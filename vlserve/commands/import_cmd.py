@@ -248,6 +248,9 @@ def frcnn_vg(
     convert = partial(import_frcnn_vg, objects=objects, attributes=attributes, adaptive=adaptive)
     path = _convert(convert, src, out, force)
     config = json.loads((path / "config.json").read_text())
+    if counters := json.loads((path / "manifest.json").read_text())["import"]["ignored_keys"]:
+        typer.echo(f"note: {len(counters)} BatchNorm counters (num_batches_tracked) not imported: inference never reads "
+                   f"them (listed in manifest.json)", err=True)
     regions = f"{config['min_boxes']}-{config['max_boxes']}" if config["adaptive"] else str(config["num_boxes"])
     typer.echo(f"wrote {path} (detector {fingerprint_of(json.loads((path / 'manifest.json').read_text()))}: "
                f"{config['backbone']}, {len(config['classes'])} classes, {len(config['attributes'])} attributes, "

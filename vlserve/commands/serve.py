@@ -43,20 +43,36 @@ def serve(
     precision: Annotated[str | None, _opt("torch runtime arithmetic: fp32, bf16 (GEMMs and attention in bfloat16, "
                                           "float32 LayerNorm and residuals), or auto = bf16 where the CPU/GPU has "
                                           "native bfloat16 " + _default("precision"), "Models")] = None,
+    detector_settle: Annotated[bool | None, _opt("bottom-up-attention detector with bf16 res5: recompute in fp32 the "
+                                                 "proposals whose part in the choice lies within bf16's error, so the "
+                                                 "regions are fp32's; off: faster, a region or two may differ "
+                                                 + _default("detector_settle"), "Models")] = None,
     engine_cache_dir: Annotated[Path | None, _opt("TensorRT engine cache on a GPU (env VLSERVE_ENGINE_CACHE_DIR; runtime tensorrt, "
                                                   "or onnxruntime with its TensorRT provider): engines built once are reused "
                                                   "across restarts (default $XDG_CACHE_HOME/vlserve/tensorrt, else "
                                                   "~/.cache/vlserve/tensorrt)", "Models")] = None,
     redis_url: Annotated[str | None, _opt("feature store in Redis (redis://host:port/db); empty = in-process LRU", "Feature store")] = None,
     redis_ttl_s: Annotated[int | None, _opt("lifetime of cached regions in Redis, seconds " + _default("redis_ttl_s"), "Feature store")] = None,
+    redis_max_connections: Annotated[int | None, _opt("connections to Redis per process; a lookup waits for a free one "
+                                                      "rather than failing " + _default("redis_max_connections"),
+                                                      "Feature store")] = None,
     cache_max_bytes: Annotated[int | None, _opt("in-process feature store bound in bytes " + _default("cache_max_bytes"), "Feature store")] = None,
     stream_cache_max_bytes: Annotated[int | None, _opt("two-stream presets on the torch runtime: bytes of per-image and "
                                                        "per-text encoder states /retrieve keeps; 0 = off " + _default("stream_cache_max_bytes"),
                                                        "Feature store")] = None,
+    query_bank_max_images: Annotated[int | None, _opt("images whose query-bank prior (one float each) the process keeps "
+                                                      + _default("query_bank_max_images"), "Feature store")] = None,
+    query_bank_on_register: Annotated[bool | None, _opt("POST /images also computes the image's query-bank prior in the "
+                                                        "background, so its first text -> image /retrieve does not wait "
+                                                        "for it " + _default("query_bank_on_register"),
+                                                        "Feature store")] = None,
     max_batch_size: Annotated[int | None, _opt("requests per encoder batch; 1 turns batching off " + _default("max_batch_size"), "Batching")] = None,
     max_wait_ms: Annotated[float | None, _opt("while the encoder is busy, how long a batch may wait to fill, ms; an idle "
                                               "encoder runs a request at once " + _default("max_wait_ms"), "Batching")] = None,
     max_queue: Annotated[int | None, _opt("queued requests per batcher before 429 " + _default("max_queue"), "Batching")] = None,
+    max_queue_wait_ms: Annotated[float | None, _opt("a request that the batches queued ahead of it on the encoder would "
+                                                    "hold longer than this gets 429 at once, ms; 0 = max_queue only "
+                                                    + _default("max_queue_wait_ms"), "Batching")] = None,
     detector_max_batch_size: Annotated[int | None, _opt("images per detector batch " + _default("detector_max_batch_size"), "Batching")] = None,
     detector_max_wait_ms: Annotated[float | None, _opt("while the detector is busy, how long a batch may wait to fill, ms "
                                                        + _default("detector_max_wait_ms"), "Batching")] = None,
