@@ -8,7 +8,8 @@ PIP := $(PYTHON) -m pip
 # redis-server comes from Debian: the tests start their own on a free loopback port. kubectl too where none is
 # installed (Debian's kubernetes-client): the tests render k8s/ with `kubectl kustomize`, which needs no cluster. And
 # chromium: the page's tests drive Debian's browser with Playwright (no browser download). And prometheus: a test
-# scrapes a served vlserve with it and evaluates the autoscaler's prometheus-adapter rules there.
+# scrapes a served vlserve with it and evaluates the autoscaler's prometheus-adapter rules there. Locust in a virtual
+# environment of its own (loadtests/locust-venv.sh): a test runs the load test against a served model.
 install:
 	command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
 	command -v prometheus >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus)
@@ -17,6 +18,7 @@ install:
 	$(PIP) install -q $$($(PYTHON) scripts/pins.py torch torchvision)
 	$(PIP) install -q --no-deps $$($(PYTHON) scripts/pins.py --no-deps)
 	$(PIP) install -q -e ".[test]"
+	PYTHON=$(PYTHON) loadtests/locust-venv.sh >/dev/null
 
 test: install
 	$(PYTHON) -m pytest -q
