@@ -33,7 +33,6 @@ import signal
 import socket
 import struct
 import sys
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -127,25 +126,17 @@ class InferenceExecutor(ThreadPoolExecutor):
 
     def __init__(self, thread_name_prefix: str = "vlserve-inference") -> None:
         super().__init__(1, thread_name_prefix=thread_name_prefix)
-        self._calls = 0
-        self._calls_lock = threading.Lock()
-
-    @property
-    def busy(self) -> bool:
-        """A call is running (or about to) on the thread."""
-        return self._calls > 0
+        self.busy = False  # a call is running on the thread (its one worker is the only writer: no lock needed)
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        return super().submit(self._counted, fn, args, kwargs)
+        return super().submit(self._marked, fn, args, kwargs)
 
-    def _counted(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        with self._calls_lock:
-            self._calls += 1
+    def _marked(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        self.busy = True
         try:
             return fn(*args, **kwargs)
         finally:
-            with self._calls_lock:
-                self._calls -= 1
+            self.busy = False
 
 
 class DrainingServer(uvicorn.Server):
