@@ -282,20 +282,23 @@ def answer_labels(source: HFSource, count: int) -> list[str]:
     """Answer names from config.json's id2label when it covers every answer, else "0", "1", ..."""
     id2label = source.config.get("id2label")
     if isinstance(id2label, dict) and len(id2label) == count:
-        try:
-            return [str(id2label[str(i)]) for i in range(count)]
-        except KeyError:
-            pass
+        names = [id2label.get(str(i)) for i in range(count)]
+        if all(isinstance(name, str) for name in names):  # a null or missing label would be served as "None"
+            return names
     return [str(i) for i in range(count)]
 
 
 def read_answers(path: str | Path) -> list[str]:
-    """Answer names by output index from a JSON answer table: a list of answers (VQA's and GQA's
-    trainval_label2ans.json), LXMERT's all_ans.json (a list of {"ans": ...}, its 9500-way pretraining head) or an
-    answer -> index object (trainval_ans2label.json) whose indices are 0..N-1."""
+    """Answer names by output index from an answer table: a JSON list of answers (VQA's and GQA's
+    trainval_label2ans.json), LXMERT's all_ans.json (a list of {"ans": ...}, its 9500-way pretraining head), an
+    answer -> index object (trainval_ans2label.json) whose indices are 0..N-1, or a `.txt` file of one answer a line
+    (Pythia's answers_vqa.txt, which transformers' VisualBERT demo reads)."""
     path = Path(path)
     try:
-        table = json.loads(path.read_text(encoding="utf-8-sig"))  # skips a byte-order mark, as Windows editors write
+        text = path.read_text(encoding="utf-8-sig")  # skips a byte-order mark, as Windows editors write
+        if path.suffix.lower() == ".txt":
+            return answer_lines(path, text)
+        table = json.loads(text)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise HFImportError(f"{path}: unreadable answer table ({exc})") from None
     if isinstance(table, list) and all(isinstance(a, dict) and isinstance(a.get("ans"), str) for a in table):
@@ -311,6 +314,24 @@ def read_answers(path: str | Path) -> list[str]:
         f"{path}: not an answer table (expected a JSON list of answers, LXMERT's all_ans.json, "
         "or an answer -> index object)"
     )
+
+
+def answer_lines(path: Path, text: str) -> list[str]:
+    """The answers of a text file, one a line, surrounding spaces dropped. A blank line is an answer: VQA's own table
+    names one output "" (the count check against the head catches a stray blank line)."""
+    lines = [line.strip() for line in text.splitlines()]
+    if not lines:
+        raise HFImportError(f"{path}: no answers (one answer a line expected)")
+    return lines
+
+
+def repeated_answers(names: list[str]) -> dict[str, list[int]]:
+    """The answers named by more than one output, with those outputs' indices (an answer table with repeats is
+    likely not the head's own: /vqa would list one answer twice)."""
+    where: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        where.setdefault(name, []).append(i)
+    return {name: idx for name, idx in where.items() if len(idx) > 1}
 
 
 def name_answers(source: HFSource, heads: dict[str, HeadConfig], labels: dict[str, Any], answers: Path | None) -> None:

@@ -264,14 +264,10 @@ def answer_names(source: HFSource, heads: dict[str, HeadConfig], answers: Path |
     count = heads["vqa"].num_labels
     if answers is None:
         names = [str(i) for i in range(count)]
-    elif Path(answers).suffix == ".txt":
-        try:
-            names = Path(answers).read_text(encoding="utf-8-sig").splitlines()  # a byte-order mark is no answer
-        except (OSError, UnicodeDecodeError) as exc:
-            raise HFImportError(f"{answers}: unreadable answer list ({exc})") from None
-        names = [n.strip() for n in names if n.strip()]
     else:
         names = read_answers(answers)
+        if Path(answers).suffix.lower() == ".txt":  # VL-BERT's own reader skips blank lines (Pythia's keeps them)
+            names = [n for n in names if n]
     if len(names) != count:
         raise HFImportError(f"{answers}: {len(names)} answers, but the checkpoint's vqa head has {count} outputs")
     return {"heads": {"vqa": names}}

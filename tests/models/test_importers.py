@@ -380,6 +380,39 @@ def test_answers_name_the_vqa_head(tmp_path):
         assert manifest_import(tmp_path / table.replace(".json", ""))["answers"] == str((tmp_path / table).resolve())
 
 
+def test_answers_from_a_text_file(tmp_path):
+    """Pythia's answers_vqa.txt form: one answer a line (CRLF too), read as it stands; a blank line is an answer."""
+    src = save_hf(lxmert("LxmertForQuestionAnswering", num_qa_labels=4), tmp_path / "hf")
+    (tmp_path / "answers_vqa.txt").write_bytes(b"yes\r\n\r\n  trash can \r\n2\r\n")
+    ckpt = imported("hf-lxmert", src, tmp_path / "ours", "--answers", tmp_path / "answers_vqa.txt")
+    assert ckpt.labels["heads"]["vqa"] == ["yes", "", "trash can", "2"]
+
+
+def test_repeated_answers_warn(good_src, tmp_path):
+    """An answer table naming two outputs alike imports (the names are the user's) with a warning that says which."""
+    (tmp_path / "answers.json").write_text(json.dumps(["yes", "no", "yes"]))
+    result = cli("hf-visualbert", good_src, tmp_path / "out", "--answers", tmp_path / "answers.json")
+    assert result.exit_code == 0, result.output
+    assert "warning: 1 answers name more than one output of the vqa head ('yes' at 0, 2)" in result.stderr
+    clean = cli("hf-visualbert", good_src, tmp_path / "clean", "--answers", _table(tmp_path, ["yes", "no", "red"]))
+    assert clean.exit_code == 0 and "warning" not in clean.stderr
+
+
+def test_id2label_with_nulls_is_numbered(tmp_path):
+    """config.json's id2label with a null label is not a naming (it was served as the answer "None")."""
+    src = save_hf(lxmert("LxmertForQuestionAnswering", num_qa_labels=3), tmp_path / "hf")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["id2label"] = {"0": "yes", "1": None, "2": "no"}
+    (src / "config.json").write_text(json.dumps(cfg))
+    ckpt = imported("hf-lxmert", src, tmp_path / "ours")
+    assert ckpt.labels["heads"]["vqa"] == ["0", "1", "2"]
+
+
+def _table(tmp_path: Path, names: list[str]) -> Path:
+    (tmp_path / "table.json").write_text(json.dumps(names))
+    return tmp_path / "table.json"
+
+
 def test_lxmert_base_uncased_answer_head_is_pretraining(tmp_path):
     """lxmert-base-uncased: LxmertForPreTraining weights under a config.json that names no architecture, with the
     9500-way answer head of LXMERT's pretraining (answers: its all_ans.json): imported as the image_qa pretraining
@@ -400,14 +433,17 @@ ANSWER_ERRORS = {
     "size": (["yes", "no"], "answers.json: 2 answers, but the checkpoint's vqa head has 3 outputs"),
     "format": ({"yes": "no"}, "answers.json: not an answer table"),
     "json": ("{not json", "answers.json: unreadable answer table"),
+    "text": ("yes\nno\n", "answers.txt: 2 answers, but the checkpoint's vqa head has 3 outputs"),
+    "empty text": ("", "answers.txt: no answers (one answer a line expected)"),
 }
 
 
 @pytest.mark.parametrize("case", list(ANSWER_ERRORS))
 def test_bad_answers_exit_2(case, good_src, tmp_path):
     table, message = ANSWER_ERRORS[case]
-    (tmp_path / "answers.json").write_text(table if isinstance(table, str) else json.dumps(table))
-    result = cli("hf-visualbert", good_src, tmp_path / "out", "--answers", tmp_path / "answers.json")
+    path = tmp_path / ("answers.txt" if case.endswith("text") else "answers.json")
+    path.write_text(table if isinstance(table, str) else json.dumps(table))
+    result = cli("hf-visualbert", good_src, tmp_path / "out", "--answers", path)
     assert result.exit_code == 2, result.output
     assert message in result.stderr and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
     assert not (tmp_path / "out").exists()

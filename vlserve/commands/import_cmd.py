@@ -28,7 +28,8 @@ Out = Annotated[Path, typer.Argument(help="vlserve checkpoint directory to write
 Force = Annotated[bool, typer.Option("--force", help="write into OUT even if it already holds files")]
 Answers = Annotated[Path | None, typer.Option(
     "--answers", help="answer table naming the answer head's outputs: a JSON list (VQA's or GQA's "
-    "trainval_label2ans.json), LXMERT's all_ans.json, or an answer -> index object (trainval_ans2label.json)")]
+    "trainval_label2ans.json), LXMERT's all_ans.json, an answer -> index object (trainval_ans2label.json), or a .txt "
+    "file of one answer a line (Pythia's answers_vqa.txt)")]
 
 
 def _convert(convert: Callable[[Path, Path], Path], src: Path, out: Path, force: bool) -> Path:
@@ -109,16 +110,27 @@ def _run(convert: Callable[[Path, Path], Path], src: Path, out: Path, force: boo
         shown = ", ".join(ignored[:8]) + (f", ... ({len(ignored) - 8} more)" if len(ignored) > 8 else "")
         typer.echo(f"warning: {len(ignored)} source tensors not imported (listed in manifest.json): {shown}", err=True)
     heads = json.loads((path / "config.json").read_text())["heads"]
-    _warn_numbered_answers(path, heads, record)
+    _warn_about_answers(path, heads, record)
     typer.echo(f"wrote {path} ({record['architecture'] or 'unknown architecture'}; heads: {', '.join(heads) or 'none'})")
 
 
-def _warn_numbered_answers(path: Path, heads: dict, record: dict) -> None:
-    """A VQA head imported without --answers answers "17": say how to name its answers."""
+def _warn_about_answers(path: Path, heads: dict, record: dict) -> None:
+    """A VQA head imported without --answers answers "17": say how to name its answers. An answer table that names
+    several outputs alike is likely not the head's own: say which."""
+    from models.importers.hf_common import repeated_answers
+
+    named = json.loads((path / "labels.json").read_text()).get("heads", {})
     if "vqa" in heads and not record.get("answers"):
-        names = json.loads((path / "labels.json").read_text()).get("heads", {}).get("vqa", [])
+        names = named.get("vqa", [])
         if names == [str(i) for i in range(len(names))]:
             typer.echo(f"warning: the {len(names)} VQA answers are numbered; pass --answers FILE to name them", err=True)
+    for task, names in named.items():
+        repeats = repeated_answers(names) if isinstance(names, list) else {}
+        if repeats:
+            shown = "; ".join(f"{name!r} at {', '.join(map(str, idx))}" for name, idx in list(repeats.items())[:3])
+            more = f" and {len(repeats) - 3} more" if len(repeats) > 3 else ""
+            typer.echo(f"warning: {len(repeats)} answers name more than one output of the {task} head ({shown}{more});"
+                       " is the answer table the checkpoint's own?", err=True)
 
 
 @app.command("hf-visualbert")
