@@ -96,7 +96,7 @@ def true_probability(logits: np.ndarray) -> float:
 
 @dataclass
 class Timer:
-    """Per-stage wall time (ms) of one request; stages that run several times (several images) add up."""
+    """Per-stage wall time (ms) of one request; a stage that runs several times adds up."""
 
     stages: dict[str, float] = field(default_factory=dict)
     cache_hit: bool | None = None
@@ -278,18 +278,29 @@ class Pipeline:
 
     async def image(self, data: bytes | None, image_id: str | None, timer: Timer) -> tuple[str, RegionFeatures]:
         """(image_id, regions) of an inline image or of one registered earlier."""
-        with timer.stage("regions"):
-            if data is not None:
-                image_id, rf, hit = await self.regions.from_bytes(data)
-            else:
-                rf, hit = await self.regions.from_id(image_id), True
-        timer.hit(hit)
-        return image_id, rf
+        return (await self.images([(data, image_id)], timer))[0]
 
     async def images(self, refs: Sequence[tuple[bytes | None, str | None]], timer: Timer) -> list[tuple[str, RegionFeatures]]:
-        # sequential on purpose: concurrent stages would make the per-stage timings overlap; the
-        # detector batches images of concurrent requests anyway
-        return [await self.image(data, image_id, timer) for data, image_id in refs]
+        """(image_id, regions) of each image, looked up and detected together: a request's new images are admitted
+        by the detector one after the other at once (not one after the other's detection) and may share its batch;
+        its ids are looked up concurrently. The first failing image, in request order, fails the request."""
+        with timer.stage("regions"):
+            if len(refs) == 1:
+                found = [await self._regions(*refs[0])]
+            else:
+                found = await asyncio.gather(*(self._regions(data, image_id) for data, image_id in refs),
+                                             return_exceptions=True)
+                failed = next((f for f in found if isinstance(f, BaseException)), None)
+                if failed is not None:
+                    raise failed
+        for _, _, hit in found:
+            timer.hit(hit)
+        return [(image_id, rf) for image_id, rf, _ in found]
+
+    async def _regions(self, data: bytes | None, image_id: str | None) -> tuple[str, RegionFeatures, bool]:
+        if data is not None:
+            return await self.regions.from_bytes(data)
+        return image_id, await self.regions.from_id(image_id), True
 
     async def run(self, spec: TaskSpec, items: list[Item] | list[Pair], timer: Timer,
                   background: bool = False) -> list[np.ndarray]:

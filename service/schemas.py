@@ -209,7 +209,8 @@ class ReadyResponse(BaseModel):
 
 
 class Timings(BaseModel):
-    """Per-stage wall time in milliseconds (only with ?timings=true). Stages run for several images add up."""
+    """Per-stage wall time in milliseconds (only with ?timings=true). `regions` covers all of a request's images at
+    once (looked up and detected together)."""
 
     decode: float = 0.0  # base64 / upload handling
     regions: float = 0.0  # feature store lookup, and the detector on a miss

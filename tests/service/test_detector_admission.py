@@ -109,6 +109,35 @@ def test_a_new_image_beyond_the_bound_is_refused_before_decoding_and_known_image
     assert client.post("/vqa", json={"image": b64(make_png(seed=7)), "question": "what color?"}).status_code == 200
 
 
+def test_a_requests_new_images_are_admitted_together(client, make_png):
+    """/nlvr2 with two new images: both are admitted and queued for the detector at once, not the second only after
+    the first's detection (which would let a refusal come after a detection and double the request's wait)."""
+    regions = client.app.state.services.pipeline.regions
+    batcher = regions._batcher
+    run = batcher.fn
+    entered, release = threading.Event(), threading.Event()
+    batcher.fn = lambda items: (entered.set(), release.wait(30), run(items))[2]  # holds the detector
+    answers: dict[str, object] = {}
+    threads = [threading.Thread(target=lambda: answers.update(running=client.post(
+        "/images", json={"image": b64(make_png(seed=20))})))]
+    try:
+        threads[0].start()
+        wait_for(entered.is_set, "the first new image reached the detector")
+        pair = {"images": [{"image": b64(make_png(seed=21))}, {"image": b64(make_png(seed=22))}],
+                "statement": "both are red"}
+        threads.append(threading.Thread(target=lambda: answers.update(pair=client.post("/nlvr2?timings=true", json=pair))))
+        threads[1].start()
+        wait_for(lambda: batcher.requests_waiting == 2, "both new images of the /nlvr2 request were queued at once")
+    finally:
+        release.set()
+        for thread in threads:
+            thread.join(30)
+        batcher.fn = run
+    assert answers["running"].status_code == 200 and answers["pair"].status_code == 200, answers["pair"].text
+    timings = answers["pair"].json()["timings"]
+    assert timings["cache_hit"] is False and timings["regions"] > 0
+
+
 def test_the_default_bound_takes_a_burst_of_new_images_on_a_fast_detector(make_settings, make_png):
     """The demo detector's few ms a photo (in batches of 8) is never refused at normal loads: a burst of 24 new
     images at once, all answered."""
