@@ -9,7 +9,8 @@ Checks (each asserts its figure; the script exits 1 when one fails):
   sigterm   SIGTERM during a 16-client keep-alive load run: /readyz 503 while requests are still answered, no
             request lost, exit 0
   overload  4x the sustainable rate (open loop), in-process store and Redis: goodput within 10% of the sustainable
-            rate and the accepted requests' p99 within 2x the p99 at the sustainable load (8 clients)
+            rate and the accepted requests' p99 within 2x the p99 at the sustainable load (8 clients); 3 rounds of
+            each load taking turns, their medians compared
   cold      the first 50 requests after start and after registering an image against 50 warm ones (p90 <= 2x)
 
     python benchmarks/faults.py [--model-dir CKPT --detector-dir DET] [--checks redis,sigterm,...] [--no-write]
@@ -31,6 +32,7 @@ import platform
 import random
 import re
 import signal
+import statistics
 import subprocess
 import shutil
 import sys
@@ -390,7 +392,12 @@ def check_sigterm(model_dir: Path, detector_dir: Path, logs: Path, drain_s: floa
     return figures, failures
 
 
-def check_overload(model_dir: Path, detector_dir: Path, logs: Path, seconds: float = 10.0) -> tuple[dict, list[str]]:
+def check_overload(model_dir: Path, detector_dir: Path, logs: Path, seconds: float = 6.0,
+                   rounds: int = 3) -> tuple[dict, list[str]]:
+    """Each store's sustainable load (8 closed-loop clients) and 4x its rate (open loop) in `rounds` pairs, taking
+    turns, each 4x round at 4 times the goodput of the round just before it. The figures are the rounds' medians:
+    on 2 shared cores a moment of the machine's own noise moves one round's p99 (the 8-client p99 alone moved
+    between 22 and 49 ms from run to run), not the verdict."""
     from tests.service.conftest import RedisServer
 
     rows, failures = [], []
@@ -402,15 +409,19 @@ def check_overload(model_dir: Path, detector_dir: Path, logs: Path, seconds: flo
             redis.start()
             settings["redis_url"] = redis.url
         server = start_server(model_dir, detector_dir, logs, **settings)
+        pairs = []
         try:
             requests = vqa_requests(server.url, register(server.url, images(8)))
             asyncio.run(closed_loop(server.url, requests, 8, 2.0))  # warm
-            base = measured(server.url, closed_loop(server.url, requests, 8, seconds), seconds)
-            over = measured(server.url, open_loop(server.url, requests, 4 * base["goodput"], seconds), seconds)
+            for _ in range(rounds):
+                base = measured(server.url, closed_loop(server.url, requests, 8, seconds), seconds)
+                pairs.append((base, measured(server.url, open_loop(server.url, requests, 4 * base["goodput"], seconds),
+                                             seconds)))
         finally:
             server.stop()
             if redis is not None:
                 redis.stop()
+        base, over = (median_round([pair[i] for pair in pairs]) for i in (0, 1))
         rows.append({"store": store, "sustainable": base, "overload": over})
         expect(over["goodput"] >= 0.9 * base["goodput"], f"overload ({store}): goodput {over['goodput']:.0f}/s "
                f"under 90% of {base['goodput']:.0f}/s", failures)
@@ -418,7 +429,16 @@ def check_overload(model_dir: Path, detector_dir: Path, logs: Path, seconds: flo
                f"{base['p99']:.0f} ms", failures)
         expect("unknown-image" not in over["kinds"] and "lost" not in over["kinds"],
                f"overload ({store}): {over['kinds']}", failures)
-    return {"stores": rows}, failures
+    return {"stores": rows, "rounds": rounds, "seconds": seconds}, failures
+
+
+def median_round(rounds: list[dict]) -> dict:
+    """The median of each figure over load rounds (answers counted over all of them), and each round's p99."""
+    figures = {key: statistics.median(r[key] for r in rounds) for key in ("goodput", "p50", "p90", "p99", "batch_rows",
+                                                                          "batch_ms")}
+    kinds = sum((Counter(r["kinds"]) for r in rounds), Counter())
+    return {**figures, "kinds": dict(kinds), "requests": sum(r["requests"] for r in rounds),
+            "ok": sum(r["ok"] for r in rounds), "p99_rounds": [r["p99"] for r in rounds]}
 
 
 def check_cold(model_dir: Path, detector_dir: Path, logs: Path) -> tuple[dict, list[str]]:
@@ -522,13 +542,20 @@ def section(results: dict[str, dict], failures: list[str], command: str, model: 
                   f"`Connection: close`), /readyz 503 from {s['readyz_503_from_s']:.2f} s, {s['refused_after_close']} "
                   f"connections refused once the listener closed, exit code {s['exit_code']}.", ""]
     if "overload" in results:
-        lines += ["| store | load | goodput (req/s) | p50 (ms) | p99 (ms) | encoder batch: rows, ms | answers |",
-                  "|---|---|---|---|---|---|---|"]
-        for r in results["overload"]["stores"]:
+        o = results["overload"]
+        lines += [f"Overload: {o['rounds']} rounds of each load, {o['seconds']:g} s each, taking turns; medians of the "
+                  "rounds, answers summed.", "",
+                  "| store | load | goodput (req/s) | p50 (ms) | p99 (ms) | p99 of each round (ms) | encoder batch: rows, "
+                  "ms | answers |", "|---|---|---|---|---|---|---|---|"]
+        for r in o["stores"]:
             for name, cell in (("8 clients (sustainable)", r["sustainable"]), ("4x that rate, open loop", r["overload"])):
                 kinds = ", ".join(f"{k} {v}" for k, v in sorted(cell["kinds"].items()))
+                each = ", ".join(f"{v:.0f}" for v in cell["p99_rounds"])
                 lines.append(f"| {r['store']} | {name} | {cell['goodput']:.0f} | {cell['p50']:.0f} | {cell['p99']:.0f} | "
-                             f"{cell['batch_rows']:.1f}, {cell['batch_ms']:.1f} | {kinds} |")
+                             f"{each} | {cell['batch_rows']:.1f}, {cell['batch_ms']:.1f} | {kinds} |")
+            ratio = r["overload"]["p99"] / r["sustainable"]["p99"]
+            lines.append(f"| {r['store']} | 4x against sustainable | {r['overload']['goodput'] / r['sustainable']['goodput']:.2f}x "
+                         f"| | {ratio:.2f}x | | | |")
         lines.append("")
     if "cold" in results:
         lines += ["| 50 /vqa (8 clients) | p50 (ms) | p90 (ms) | p99 (ms) |", "|---|---|---|---|"]
