@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from models import HeadConfig, ModelConfig
-from service.pipeline import (TaskSpec, match_scores, rank, ranked_regions, region_arrays, task_specs, top_answers,
+from service.pipeline import (TaskSpec, best, match_scores, rank, ranked_regions, region_arrays, task_specs, top_answers,
                               true_probability)
 from service.schemas import decode_base64
 from tests.service.conftest import random_regions
@@ -18,6 +18,16 @@ def test_top_answers_are_sigmoid_scores_best_first():
     got = top_answers(logits, ["a", "b", "c", "d"], 3)
     assert [a for a, _ in got] == ["b", "d", "a"]  # ties keep the vocabulary order
     assert got[0][1] == pytest.approx(1 / (1 + np.exp(-2.0))) and got[2][1] == pytest.approx(0.5)
+
+
+def test_best_is_a_stable_descending_sort_cut_at_k():
+    """best() equals a full stable sort's first k, ties at the cut included, for k from 1 past the end."""
+    rng = np.random.default_rng(0)
+    for values in (rng.standard_normal(3129).astype(np.float32), rng.integers(0, 4, 200).astype(np.float32),
+                   np.zeros(7, np.float32)):
+        full = np.argsort(-values, kind="stable")
+        for k in (1, 2, 3, 5, 50, len(values), len(values) + 3):
+            assert best(values, k).tolist() == full[:k].tolist(), k
 
 
 def test_top_answers_of_a_cross_entropy_head_are_softmax_probabilities():
