@@ -34,9 +34,9 @@ from models.detector.io import load_detector
 from models.detector.onnx import OnnxDetector
 from models.repository import Repository, is_repository, load_repository
 
-from .admission import ROUTES, AdmissionMiddleware
+from .admission import ROUTES, TASK_KINDS, AdmissionMiddleware
 from .batcher import Batcher, BatcherConfig, InFlight
-from .errors import PROBLEM_JSON, install_error_handlers
+from .errors import PROBLEM_JSON, install_error_handlers, is_v2
 from .explain import Explainer, grounding_report
 from .feature_store import create_store
 from .metrics import Metrics, MetricsMiddleware
@@ -47,7 +47,8 @@ from .routes import ROUTERS
 from .routes.common import Services, problems
 from .runtime import Runtime, create_runtime
 from .schemas import ModelInfo, Problem
-from .security import PUBLIC_PATHS, APIKeyMiddleware, BodyLimitMiddleware
+from .http_basics import HTTPBasics
+from .security import JSON_TYPES, PUBLIC_PATHS, APIKeyMiddleware, BodyLimitMiddleware
 from .settings import Settings
 from .shutdown import CloseWhileDraining, InferenceExecutor
 from .stream_cache import StreamCache
@@ -330,7 +331,14 @@ def package_version() -> str:
 
 
 # What the middleware answers before any route runs (security.py), on every route: its problem types.
-MIDDLEWARE_PROBLEMS = ("bad-request", "body-too-large")  # a Content-Length that is not a number; a body too large
+# and what any route answers whatever its declarations: a wrong method (405), and the body's checks (security.py): a
+# Content-Length that is not a number (400), a body that stops arriving (408), too large (413), compressed or of a
+# type the route does not read (415)
+MIDDLEWARE_PROBLEMS = ("bad-request", "method-not-allowed", "request-timeout", "body-too-large", "unsupported-media-type")
+# what a route reads its body as (security.BodyLimitMiddleware: another Content-Type is a 415); the v2 routes read
+# their JSON header by Inference-Header-Content-Length whatever the type
+BODY_TYPES: dict[str, tuple[str, ...]] = {path: JSON_TYPES for path in TASK_KINDS if not is_v2(path)}
+BODY_TYPES["/images"] = (*JSON_TYPES, "multipart/form-data")
 _BOUND_KEYWORD = {"integer": "maximum", "number": "maximum", "string": "maxLength", "array": "maxItems"}
 
 
@@ -395,7 +403,9 @@ def create_app(settings: Settings) -> FastAPI:
     """The service for `settings`; nothing loads until the lifespan starts (uvicorn, or `with TestClient(app)`)."""
     if settings.model_dir is None or settings.detector_dir is None:
         raise StartupError(DEMO_MISSING)
-    app = FastAPI(title="vlserve", version=package_version(), description=DESCRIPTION, lifespan=lifespan)
+    # redirect_slashes off: "/vqa/" is a 404 problem, not a bare 307 to an http:// URL built from the Host header
+    app = FastAPI(title="vlserve", version=package_version(), description=DESCRIPTION, lifespan=lifespan,
+                  redirect_slashes=False)
     app.state.settings = settings
     app.state.metrics = metrics = Metrics()
     metrics.expect_refusals(sorted(set(ROUTES.values())))
@@ -407,10 +417,12 @@ def create_app(settings: Settings) -> FastAPI:
     for router in ROUTERS:
         app.include_router(router)
     # outermost last: metrics see every answer, keys are checked before the body is read
-    app.add_middleware(AdmissionMiddleware, state=app.state)  # after the key and size checks, before the body is read
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s,
+                       body_types=BODY_TYPES)
+    app.add_middleware(AdmissionMiddleware, state=app.state)  # after the key check, before the body is read
     app.add_middleware(APIKeyMiddleware, keys=settings.api_keys)
     app.add_middleware(CloseWhileDraining, state=app.state)
+    app.add_middleware(HTTPBasics)  # HEAD as GET; X-Request-ID on every answer
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outside CloseWhileDraining: counts its 503s as 503s
     app.openapi = custom_openapi(app, bool(settings.api_keys))
     return app

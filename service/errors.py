@@ -10,6 +10,9 @@ exception: routes of the Open Inference Protocol (/v2/..., routes/v2.py) answer 
 | 404    | /problems/unknown-image      | an image_id the service has not seen (POST /images or send the image) |
 | 404    | /problems/no-head            | the model has no head for this endpoint                               |
 | 405    | /problems/method-not-allowed | wrong method for the route                                            |
+| 408    | /problems/request-timeout    | the body stopped arriving: no byte for body_timeout_s                 |
+| 415    | /problems/unsupported-media-type | a body that is not JSON by its Content-Type (multipart too for    |
+|        |                              | POST /images), or compressed (Content-Encoding)                       |
 | 413    | /problems/body-too-large     | request body over max_body_bytes                                      |
 | 422    | /problems/validation-error   | parsed body or query breaks the schema: missing fields, wrong types,  |
 |        |                              | nulls, bad base64, limits (errors[] lists them); texts the tokenizer  |
@@ -48,8 +51,28 @@ from .regions import UnknownImageError
 
 log = logging.getLogger("vlserve.errors")
 PROBLEM_JSON = "application/problem+json"
-_TYPES = {400: "bad-request", 401: "unauthorized", 404: "not-found", 405: "method-not-allowed", 413: "body-too-large",
-          422: "validation-error", 429: "queue-full", 503: "not-ready", 500: "internal-error"}
+_TYPES = {400: "bad-request", 401: "unauthorized", 404: "not-found", 405: "method-not-allowed", 408: "request-timeout",
+          413: "body-too-large", 415: "unsupported-media-type", 422: "validation-error", 429: "queue-full",
+          503: "not-ready", 500: "internal-error"}
+QUOTED_CHARS = 64  # the most of a client's string (a field or model name, a path) an answer quotes
+
+
+def shown(text: str, limit: int = QUOTED_CHARS) -> str:
+    """A client's string as an answer quotes it: at most `limit` characters (then "..."), a lone surrogate (which JSON's
+    \\u escapes can write and UTF-8 cannot) escaped."""
+    cut = text if len(text) <= limit else text[:limit] + "..."
+    return cut.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+class JSONAnswer(JSONResponse):
+    """A JSON answer that a client's lone surrogate quoted somewhere in it cannot turn into a 500: escaped as \\uXXXX,
+    which is still JSON."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(
+            "utf-8", "backslashreplace")
+
+
 SHUTTING_DOWN = "the service is shutting down; retry on another replica"  # 503 not-ready, Retry-After: 1
 
 
@@ -125,15 +148,15 @@ def problem_response(request: Request, status: int, detail: str, kind: str | Non
                      headers: dict[str, str] | None = None, errors: list[dict[str, Any]] | None = None) -> JSONResponse:
     rid = request_id(request)
     if is_v2(request.url.path):  # e.g. 405 on a v2 route: the Open Inference Protocol's error body
-        return JSONResponse({"error": detail}, status_code=status, headers={**(headers or {}), "X-Request-ID": rid})
-    body = problem_body(status, detail, request.url.path, rid, kind, title, errors)
-    return JSONResponse(body, status_code=status, media_type=PROBLEM_JSON, headers={**(headers or {}), "X-Request-ID": rid})
+        return JSONAnswer({"error": detail}, status_code=status, headers={**(headers or {}), "X-Request-ID": rid})
+    body = problem_body(status, detail, shown(request.url.path, 256), rid, kind, title, errors)
+    return JSONAnswer(body, status_code=status, media_type=PROBLEM_JSON, headers={**(headers or {}), "X-Request-ID": rid})
 
 
 def _jsonable_errors(errors) -> list[dict[str, Any]]:
     """Pydantic error entries without the echoed input (it may be a megabyte of base64) or exception objects."""
-    return [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")).removeprefix("Value error, "),
-             "type": str(e.get("type", ""))} for e in errors]
+    return [{"loc": [shown(p) if isinstance(p, str) else p for p in e.get("loc", ())],
+             "msg": str(e.get("msg", "")).removeprefix("Value error, "), "type": str(e.get("type", ""))} for e in errors]
 
 
 def _json_error(error: dict[str, Any]) -> str:
@@ -179,8 +202,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return problem_response(request, 422, str(exc), "validation-error", "Invalid request", errors=errors)
 
     @app.exception_handler(ImageError)
-    async def _image(request: Request, exc: ImageError):
-        return problem_response(request, 422, str(exc), "invalid-image", "Invalid image")
+    async def _image(request: Request, exc: ImageError):  # loc: which image of the request (set where it is known)
+        errors = [{"loc": ["body", *exc.loc], "msg": str(exc), "type": "invalid-image"}] if getattr(exc, "loc", None) else None
+        return problem_response(request, 422, str(exc), "invalid-image", "Invalid image", errors=errors)
 
     @app.exception_handler(UnknownImageError)
     async def _unknown_image(request: Request, exc: UnknownImageError):
@@ -209,11 +233,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException):
         detail = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).description
         if exc.status_code == 404 and detail == "Not Found":
-            detail = f"no route {request.url.path}; see /docs"
+            detail = f"no route {shown(request.url.path)}; see /docs"
         elif exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI reading a JSON body
             detail = "the body is not valid JSON: it is not UTF-8 text"
         elif exc.status_code == 405:
-            detail = f"{request.method} is not allowed on {request.url.path}"
+            detail = f"{shown(request.method)} is not allowed on {shown(request.url.path)}"
         return problem_response(request, exc.status_code, detail, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)

@@ -21,6 +21,7 @@ import numpy as np
 
 from models import RANK_HEAD
 from models.config import HeadConfig
+from models.images import ImageError
 from models.region_features import RegionFeatures, region_tag_ids, stack
 from models.tokenizer import VLTokenizer
 
@@ -60,6 +61,14 @@ def top_answers(logits: np.ndarray, names: Sequence[str], k: int, score: str = "
     else:
         scores = sigmoid(logits[order].astype(np.float64))
     return [(names[i], float(v)) for i, v in zip(order, scores)]
+
+
+def located(exc: ImageError, *loc: str | int) -> ImageError:
+    """The error with `loc`, the request field of the image (a new exception: concurrent requests for the same bytes
+    share one detection and its error)."""
+    error = ImageError(str(exc))
+    error.loc = loc
+    return error
 
 
 def best(values: np.ndarray, k: int) -> np.ndarray:
@@ -299,12 +308,17 @@ class Pipeline:
         its ids are looked up concurrently. The first failing image, in request order, fails the request."""
         with timer.stage("regions"):
             if len(refs) == 1:
-                found = [await self._regions(*refs[0])]
+                try:
+                    found = [await self._regions(*refs[0])]
+                except ImageError as exc:  # the request field it came in (the 422 names it)
+                    raise located(exc, "image") from None
             else:
                 found = await asyncio.gather(*(self._regions(data, image_id) for data, image_id in refs),
                                              return_exceptions=True)
-                failed = next((f for f in found if isinstance(f, BaseException)), None)
+                index, failed = next(((i, f) for i, f in enumerate(found) if isinstance(f, BaseException)), (0, None))
                 if failed is not None:
+                    if isinstance(failed, ImageError):
+                        raise located(failed, "images", index, "image") from None
                     raise failed
         for _, _, hit in found:
             timer.hit(hit)

@@ -1,18 +1,19 @@
-"""Optional API keys (X-API-Key) and the request body size limit, as pure ASGI middleware.
+"""Optional API keys (X-API-Key) and the request body's checks, as pure ASGI middleware.
 
-Both answer before the route runs and before the body is read: an unauthenticated client cannot make the
-service buffer a large body, and a large body is refused at its Content-Length or as soon as the streamed
-bytes pass the limit.
+Both answer before the route runs: an unauthenticated client cannot make the service buffer a large body; a large
+body is refused at its Content-Length or as soon as the streamed bytes pass the limit; a body the route could not
+read (a compressed one, or one whose Content-Type is not what the route reads) is refused before it is read; a body
+that stops arriving is answered 408 instead of holding its connection and its request open for ever.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import Iterable
 
-from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import PROBLEM_JSON, is_v2, problem_body, request_id
+from .errors import PROBLEM_JSON, JSONAnswer, is_v2, problem_body, request_id, shown
 
 # probes: they carry no data and cannot always send headers (the v2 ones: the Open Inference Protocol's);
 # /metrics: counts and timings, no request data, and Prometheus' pod discovery scrapes it without headers (behind a
@@ -27,11 +28,11 @@ async def send_problem(scope: Scope, receive: Receive, send: Send, status: int, 
                        headers: dict[str, str] | None = None) -> None:
     rid = request_id(scope)
     if is_v2(scope.get("path", "")):  # the Open Inference Protocol's error body (routes/v2.py)
-        response = JSONResponse({"error": detail}, status_code=status, headers={**(headers or {}), "X-Request-ID": rid})
+        response = JSONAnswer({"error": detail}, status_code=status, headers={**(headers or {}), "X-Request-ID": rid})
         return await response(scope, receive, send)
     body = problem_body(status, detail, scope.get("path", ""), rid)
-    response = JSONResponse(body, status_code=status, media_type=PROBLEM_JSON,
-                            headers={**(headers or {}), "X-Request-ID": rid})
+    response = JSONAnswer(body, status_code=status, media_type=PROBLEM_JSON,
+                          headers={**(headers or {}), "X-Request-ID": rid})
     await response(scope, receive, send)
 
 
@@ -60,16 +61,38 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+JSON_TYPES = ("application/json",)  # and any application/*+json
+
+
+def media_type(content_type: str) -> str:
+    return content_type.split(";", 1)[0].strip().lower()
+
+
+def readable(allowed: tuple[str, ...] | None, content_type: str | None) -> bool:
+    """Whether a route that reads the `allowed` media types (None: any) reads a body of this Content-Type (None: not
+    sent, read as JSON as FastAPI reads it)."""
+    if allowed is None or content_type is None:
+        return True
+    kind = media_type(content_type)
+    return kind in allowed or (JSON_TYPES[0] in allowed and kind.startswith("application/") and kind.endswith("+json"))
+
+
 class BodyLimitMiddleware:
-    """413 for bodies over max_bytes: by Content-Length up front, else by counting the streamed chunks.
+    """The request body's checks: 413 for bodies over max_bytes (by Content-Length up front, else by counting the
+    streamed chunks); 415 for a compressed body (Content-Encoding) and for a Content-Type the route does not read
+    (`body_types`);
+    408 when no byte of the body arrives for timeout_s (a client that stalls or trickles nothing would hold the
+    request, its connection and its buffered bytes open for ever; a slow client that keeps sending is served).
 
     The body is read here (at most max_bytes of it) and replayed to the app, so the app never sees a
     partial body and the 413 is always a complete problem+json answer.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float, body_types: dict[str, tuple[str, ...]]):
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+        self.body_types = body_types  # path -> the media types its route reads; paths not named read any
 
     def too_large(self) -> str:
         return f"request body is over the limit of {self.max_bytes} bytes"
@@ -77,7 +100,8 @@ class BodyLimitMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
         if length is not None:
             try:
                 declared = int(length)
@@ -85,9 +109,26 @@ class BodyLimitMiddleware:
                 return await send_problem(scope, receive, send, 400, "Content-Length is not a number")
             if declared > self.max_bytes:
                 return await send_problem(scope, receive, send, 413, self.too_large())
+        coding = headers.get(b"content-encoding", b"").decode("latin-1").strip().lower()
+        if coding not in ("", "identity"):
+            return await send_problem(scope, receive, send, 415, f"Content-Encoding {shown(coding)} is not supported: "
+                                      "send the body uncompressed", {"Accept-Encoding": "identity"})
+        content_type = headers.get(b"content-type")
+        content_type = content_type.decode("latin-1") if content_type is not None else None
+        allowed = self.body_types.get(scope.get("path", ""))
+        if not readable(allowed, content_type):
+            wanted = " or ".join(allowed)
+            return await send_problem(scope, receive, send, 415, f"this route reads a body of type {wanted}, not "
+                                      f"{shown(media_type(content_type))}; send JSON with Content-Type: application/json")
+        if allowed is not None and content_type is None:  # read as JSON: say so to the route's parser
+            scope = {**scope, "headers": [*scope["headers"], (b"content-type", JSON_TYPES[0].encode())]}
         chunks, total = [], 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except TimeoutError:
+                return await send_problem(scope, receive, send, 408, f"no byte of the request body arrived for "
+                                          f"{self.timeout_s:g} s (body_timeout_s)", {"Connection": "close"})
             if message["type"] != "http.request":  # client went away: let the app see it
                 chunks.append(message)
                 break

@@ -72,6 +72,7 @@ class Settings(BaseSettings):
     detector_max_queue_wait_s: float = Field(10.0, ge=0)
     # request limits
     max_body_bytes: int = Field(10 * MiB, gt=0)  # larger request bodies get 413
+    body_timeout_s: float = Field(30.0, gt=0)  # a request body that sends no byte for this long gets 408
     max_pixels: int = Field(40_000_000, gt=0)  # larger images are refused before decoding (decompression bombs)
     # memory of image decoding: pixels of images being decoded or waiting for their detector batch, summed over
     # concurrent requests (a request waits for room; one image larger than this decodes alone), at about 4 bytes

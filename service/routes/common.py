@@ -21,7 +21,11 @@ PROBLEM_TYPES: dict[str, tuple[int, str]] = {
     "unauthorized": (401, "API keys are configured and X-API-Key is missing or wrong"),
     "unknown-image": (404, "an image_id the feature store does not hold: POST /images or send the image"),
     "no-head": (404, "the model has no head for this endpoint"),
+    "method-not-allowed": (405, "the route does not answer this method (Allow lists those it does)"),
+    "request-timeout": (408, "no byte of the body arrived for body_timeout_s"),
     "body-too-large": (413, "the body is over max_body_bytes"),
+    "unsupported-media-type": (415, "a compressed body (Content-Encoding), or a Content-Type the route does not read: "
+                                    "JSON (application/json), and for POST /images also multipart/form-data"),
     "validation-error": (422, "the body or a query parameter breaks the schema (errors[] lists each field), or a "
                               "rule that depends on the model: a text the tokenizer reads no word of or over "
                               "max_text_tokens word pieces, or (POST /refer) an image the detector finds no region in"),
@@ -35,7 +39,8 @@ _HEADERS: dict[int, dict[str, Any]] = {
     status: {"Retry-After": {"description": "seconds to wait before retrying", "required": True,
                              "schema": {"type": "integer", "minimum": 1}}}
     for status in (429, 503)
-} | {401: {"WWW-Authenticate": {"description": "ApiKey", "required": True, "schema": {"type": "string"}}}}
+} | {401: {"WWW-Authenticate": {"description": "ApiKey", "required": True, "schema": {"type": "string"}}},
+     405: {"Allow": {"description": "the methods the route answers", "required": True, "schema": {"type": "string"}}}}
 
 
 def problems(*kinds: str) -> dict[int | str, dict[str, Any]]:
@@ -57,7 +62,8 @@ def problems(*kinds: str) -> dict[int | str, dict[str, Any]]:
 
 
 # Error answers of the task routes (documented in OpenAPI as application/problem+json). The ones every route may
-# give, answered by middleware before routing (400 for a Content-Length, 401, 413), the app's schema adds itself.
+# give, answered by middleware before routing (400 for a Content-Length, 401, 405, 408, 413, 415), the app's schema
+# adds itself.
 PROBLEMS = problems("bad-request", "unknown-image", "no-head", "validation-error", "invalid-image", "queue-full",
                     "not-ready", "store-unavailable")
 

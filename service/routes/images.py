@@ -8,8 +8,11 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.datastructures import UploadFile
 
+from models.images import ImageError
+
 from .. import schemas
 from ..errors import ProblemError
+from ..pipeline import located
 from ..schemas import ImageInput
 from .common import TimingsQuery, open_call, problems
 
@@ -81,5 +84,9 @@ async def register_image(request: Request, timings: TimingsQuery = False,
     call = open_call(request, timings)
     with call.timer.stage("decode"):
         data = await image_bytes(request)
-    result = await call.pipeline.register(data, call.timer, regions)
+    try:
+        result = await call.pipeline.register(data, call.timer, regions)
+    except ImageError as exc:
+        multipart = request.headers.get("content-type", "").lower().startswith("multipart/form-data")
+        raise located(exc, "file" if multipart else "image") from None
     return call.respond(ImageResponse, result)

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from models.images import ImageError
 
 from ..batcher import BatcherClosedError, QueueFullError
-from ..errors import InvalidInput, NoHeadError, queue_full
+from ..errors import InvalidInput, JSONAnswer, NoHeadError, queue_full, shown
 from ..feature_store import StoreUnavailableError
 from ..pipeline import Timer
 from ..regions import UnknownImageError
@@ -55,7 +55,7 @@ class V2Error(Exception):
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
+    return JSONAnswer({"error": message}, status_code=status, headers=headers)
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,7 @@ def _flatten(data: Any, name: str) -> list:
     """A JSON `data` array, flat or nested (row-major), as a flat list; nested at most MAX_NESTING deep (a tensor of
     the served models has at most two dimensions), without recursion, so any depth gets a 400."""
     if not isinstance(data, list):
-        return [data]
+        raise V2Error(400, f"input '{name}': data must be a JSON array (flat, or nested as its shape)")
     out: list = []
     rows = [iter(data)]
     while rows:
@@ -305,6 +305,11 @@ def parse_request(model: Model, body: bytes, header_length: str | None) -> tuple
         raise V2Error(400, "the request is not valid JSON: nested too deeply") from None
     if not isinstance(request, dict) or not isinstance(request.get("inputs"), list) or not request["inputs"]:
         raise V2Error(400, "the request must be a JSON object with a non-empty 'inputs' list")
+    if "id" in request and not isinstance(request["id"], str):
+        raise V2Error(400, "'id' must be a string (it is echoed in the response)")
+    parameters = request.get("parameters", {})
+    if not isinstance(parameters, dict) or not isinstance(parameters.get("binary_data_output", False), bool):
+        raise V2Error(400, "'parameters' must be an object, and its 'binary_data_output' true or false")
     specs = {t.name: t for t in model.inputs}
     inputs: dict[str, list] = {}
     at = 0
@@ -314,7 +319,7 @@ def parse_request(model: Model, body: bytes, header_length: str | None) -> tuple
         name = tensor["name"]
         spec = specs.get(name)
         if spec is None:
-            raise V2Error(400, f"model {model.name} has no input '{name}'; its inputs: {', '.join(specs)}")
+            raise V2Error(400, f"model {model.name} has no input '{shown(name)}'; its inputs: {', '.join(specs)}")
         if name in inputs:
             raise V2Error(400, f"input '{name}' is given twice")
         if tensor.get("datatype") != spec.datatype:
@@ -323,6 +328,8 @@ def parse_request(model: Model, body: bytes, header_length: str | None) -> tuple
         if not isinstance(parameters, dict):
             raise V2Error(400, f"input '{name}': parameters must be an object")
         size = parameters.get("binary_data_size")
+        if size is not None and "data" in tensor:
+            raise V2Error(400, f"input '{name}' has both 'data' and a binary_data_size: give one")
         if size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0 or at + size > len(binary):
                 raise V2Error(400, f"input '{name}': binary_data_size {size!r} does not fit the binary data")
@@ -341,13 +348,23 @@ def parse_request(model: Model, body: bytes, header_length: str | None) -> tuple
         raise V2Error(400, f"model {model.name} needs the input{'s' * (len(missing) > 1)} {', '.join(missing)}")
     wanted = request.get("outputs")
     if wanted is not None:
-        if not isinstance(wanted, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str)
-                                                   for o in wanted):
-            raise V2Error(400, "'outputs' must be a list of objects with a 'name'")
+        if not isinstance(wanted, list) or not wanted or not all(isinstance(o, dict) and isinstance(o.get("name"), str)
+                                                                 for o in wanted):
+            raise V2Error(400, "'outputs' must be a non-empty list of objects with a 'name' (leave it out for every "
+                               "output)")
         known = [t.name for t in model.outputs]
+        asked: set[str] = set()
         for o in wanted:
             if o["name"] not in known:
-                raise V2Error(400, f"model {model.name} has no output '{o['name']}'; its outputs: {', '.join(known)}")
+                raise V2Error(400, f"model {model.name} has no output '{shown(o['name'])}'; its outputs: "
+                                   f"{', '.join(known)}")
+            if o["name"] in asked:
+                raise V2Error(400, f"output '{o['name']}' is asked for twice")
+            asked.add(o["name"])
+            options = o.get("parameters", {})
+            if not isinstance(options, dict) or not isinstance(options.get("binary_data", False), bool):
+                raise V2Error(400, f"output '{o['name']}': 'parameters' must be an object, and its 'binary_data' "
+                                   "true or false")
     return inputs, request
 
 
@@ -410,9 +427,9 @@ def _model(request: Request, name: str, version: str | None = None) -> tuple[Any
     model = MODELS.get(name)
     if model is None or model.kind not in services.pipeline.specs:
         served = [m.name for m in MODELS.values() if m.kind in services.pipeline.specs]
-        raise V2Error(404, f"no model '{name}'; this server serves: {', '.join(served) or 'nothing'}")
+        raise V2Error(404, f"no model '{shown(name)}'; this server serves: {', '.join(served) or 'nothing'}")
     if version not in (None, "", VERSION):
-        raise V2Error(404, f"model '{name}' has no version '{version}'; its versions: {VERSION}")
+        raise V2Error(404, f"model '{name}' has no version '{shown(version)}'; its versions: {VERSION}")
     return services, model
 
 

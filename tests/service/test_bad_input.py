@@ -119,7 +119,7 @@ def test_limit_problem_names_the_field_and_the_limit(client, problem):
     (b'{"image": "' + IMG.encode() + b'", "question": "q"', "application/json", 400, "bad-request"),  # cut short
     (b"\xff\xfe\x00garbage", "application/json", 400, "bad-request"),
     (b"\xff", "application/json", 400, "bad-request"),  # not UTF-8
-    (b"question=what", "application/x-www-form-urlencoded", 422, "validation-error"),  # parsed: not an object
+    (b"question=what", "application/x-www-form-urlencoded", 415, "unsupported-media-type"),  # a form: not JSON
 ])
 def test_unparseable_bodies(client, problem, raw, content_type, status, kind):
     problem(client.post("/vqa", content=raw, headers={"content-type": content_type}), status, kind)

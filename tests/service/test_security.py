@@ -97,6 +97,6 @@ def test_body_limit_stops_reading_a_stream_at_the_limit():
         sent.append(message)
 
     scope = {"type": "http", "method": "POST", "path": "/vqa", "headers": [], "query_string": b""}
-    asyncio.run(BodyLimitMiddleware(app, max_bytes=5000)(scope, receive, send))
+    asyncio.run(BodyLimitMiddleware(app, max_bytes=5000, timeout_s=30, body_types={})(scope, receive, send))
     assert len(pulled) == 6 and sent[0]["status"] == 413
     assert (b"content-type", b"application/problem+json") in sent[0]["headers"]

@@ -81,6 +81,8 @@ def serve(
                                                             "decoded, s; 0 = off " + _default("detector_max_queue_wait_s"),
                                                             "Batching")] = None,
     max_body_bytes: Annotated[int | None, _opt("larger request bodies get 413 " + _default("max_body_bytes"), "Limits")] = None,
+    body_timeout_s: Annotated[float | None, _opt("a request body that sends no byte for this long gets 408, s "
+                                                 + _default("body_timeout_s"), "Limits")] = None,
     max_pixels: Annotated[int | None, _opt("larger images are refused before decoding " + _default("max_pixels"), "Limits")] = None,
     decode_max_pixels_in_flight: Annotated[int | None, _opt("pixels of images being decoded or waiting for the detector, "
                                                             "summed over requests (about 4 bytes each while decoding); "

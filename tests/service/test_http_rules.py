@@ -1,0 +1,218 @@
+"""HTTP behaviour every route shares, against a real `vlserve serve` (uvicorn): HEAD as GET, X-Request-ID on every
+answer, no slash redirects, the media types a route reads (415), compressed bodies (415), a body that stops arriving
+(408), a client's string quoted in an answer (cut, lone surrogates escaped), and the v2 protocol's malformed
+requests (400, never a 500 that drops the connection)."""
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from service.app import MIDDLEWARE_PROBLEMS, create_app
+from tests.service.conftest import assert_problem, free_port, wait_until_ready
+
+BODY_TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, tiny_checkpoint, tiny_detector) -> Iterator[str]:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLSERVE_")}
+    cmd = [sys.executable, "-m", "vlserve.cli", "serve", "--model-dir", str(tiny_checkpoint), "--detector-dir",
+           str(tiny_detector.dir), "--port", str(port), "--threads", "1", "--log-level", "warning",
+           "--body-timeout-s", str(BODY_TIMEOUT_S)]
+    log_path = tmp_path_factory.mktemp("http") / "serve.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_until_ready(proc, url, log_path.read_text)
+            yield url
+        finally:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in log_path.read_text(), log_path.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def image_id(base, image_png) -> str:
+    r = httpx.post(f"{base}/images", json={"image": base64.b64encode(image_png).decode()}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["image_id"]
+
+
+def vqa_body(image_id: str) -> bytes:
+    return json.dumps({"image_id": image_id, "question": "what color is the shape?"}).encode()
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/metrics", "/", "/v2", "/v2/health/ready"])
+def test_head_answers_as_get_without_a_body(base, path):
+    get, head = httpx.get(base + path), httpx.head(base + path)
+    assert get.status_code == head.status_code == 200 and head.content == b""
+    assert head.headers["content-type"] == get.headers["content-type"]
+
+
+def test_every_answer_carries_the_request_id(base, image_id):
+    ok = httpx.post(f"{base}/vqa", content=vqa_body(image_id), headers={"Content-Type": "application/json"})
+    assert ok.status_code == 200 and len(ok.headers["x-request-id"]) == 32
+    mine = httpx.post(f"{base}/vqa", content=vqa_body(image_id), headers={"Content-Type": "application/json",
+                                                                         "X-Request-ID": "trace-42"})
+    assert mine.headers["x-request-id"] == "trace-42"
+    assert httpx.get(f"{base}/healthz", headers={"X-Request-ID": "probe-1"}).headers["x-request-id"] == "probe-1"
+
+
+@pytest.mark.parametrize("path", ["/vqa/", "/healthz/", "/v2/models/vlserve-vqa/infer/"])
+def test_a_trailing_slash_is_not_found_not_a_redirect(base, path, image_id):
+    r = httpx.post(base + path, content=vqa_body(image_id)) if "healthz" not in path else httpx.get(base + path)
+    assert r.status_code == 404 and "location" not in r.headers
+    assert r.headers["content-type"].startswith("application/problem+json" if "v2" not in path else "application/json")
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "application/xml"])
+@pytest.mark.parametrize("path", ["/vqa", "/images"])
+def test_a_body_the_route_does_not_read_is_415(base, image_id, image_png, path, content_type):
+    body = vqa_body(image_id) if path == "/vqa" else json.dumps({"image": base64.b64encode(image_png).decode()}).encode()
+    r = httpx.post(base + path, content=body, headers={"Content-Type": content_type})
+    problem = assert_problem(r, 415, "unsupported-media-type")
+    assert "application/json" in problem["detail"] and content_type in problem["detail"]
+
+
+@pytest.mark.parametrize("content_type", [None, "application/json", "application/json; charset=utf-8",
+                                          "Application/JSON", "application/problem+json"])
+def test_json_bodies_are_read_whatever_their_json_type(base, image_id, content_type):
+    headers = {"Content-Type": content_type} if content_type else {}
+    request = httpx.Request("POST", f"{base}/vqa", content=vqa_body(image_id), headers=headers)
+    assert ("content-type" in request.headers) == (content_type is not None)
+    with httpx.Client() as client:
+        assert client.send(request).status_code == 200
+
+
+def test_v2_reads_its_body_whatever_the_type(base, image_id):
+    body = {"inputs": [{"name": "image_id", "datatype": "BYTES", "shape": [1], "data": [image_id]},
+                       {"name": "question", "datatype": "BYTES", "shape": [1], "data": ["what color?"]}]}
+    r = httpx.post(f"{base}/v2/models/vlserve-vqa/infer", content=json.dumps(body), headers={"Content-Type": "text/plain"})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("coding", ["gzip", "br", "deflate"])
+def test_a_compressed_body_is_415(base, image_id, coding):
+    body = gzip.compress(vqa_body(image_id)) if coding == "gzip" else vqa_body(image_id)
+    r = httpx.post(f"{base}/vqa", content=body, headers={"Content-Type": "application/json", "Content-Encoding": coding})
+    problem = assert_problem(r, 415, "unsupported-media-type")
+    assert f"Content-Encoding {coding}" in problem["detail"]
+    plain = httpx.post(f"{base}/vqa", content=vqa_body(image_id),
+                       headers={"Content-Type": "application/json", "Content-Encoding": "identity"})
+    assert plain.status_code == 200
+
+
+def raw_request(base: str, head: bytes, body_parts: list[tuple[float, bytes]], read_timeout_s: float = 10) -> bytes:
+    """Send `head`, then each body part after its pause; return what the server answered (until it closes)."""
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=read_timeout_s) as sock:
+        sock.sendall(head)
+        for pause, part in body_parts:
+            time.sleep(pause)
+            sock.sendall(part)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+            if b"\r\n\r\n" in answer and b'"status"' in answer and answer.rstrip().endswith(b"}"):
+                break
+        return answer
+
+
+def test_a_body_that_stops_arriving_is_408_and_a_slow_one_is_served(base, image_id):
+    body = vqa_body(image_id)
+    head = (f"POST /vqa HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "\r\n").encode()
+    t0 = time.monotonic()
+    stalled = raw_request(base, head, [(0, body[:20])])
+    waited = time.monotonic() - t0
+    assert stalled.startswith(b"HTTP/1.1 408"), stalled[:200]
+    assert b"/problems/request-timeout" in stalled and b"connection: close" in stalled.lower()
+    assert BODY_TIMEOUT_S <= waited < BODY_TIMEOUT_S + 5
+    trickled = raw_request(base, head, [(BODY_TIMEOUT_S / 2, body[i:i + 40]) for i in range(0, len(body), 40)])
+    assert trickled.startswith(b"HTTP/1.1 200"), trickled[:300]
+
+
+def test_a_lone_surrogate_in_a_v2_name_is_a_400_and_the_connection_lives(base, image_id):
+    with httpx.Client(base_url=base) as client:
+        for body in ({"inputs": [{"name": "\ud800", "datatype": "BYTES", "shape": [1], "data": ["x"]}]},
+                     {"inputs": [{"name": "image_id", "datatype": "BYTES", "shape": [1], "data": [image_id]},
+                                 {"name": "question", "datatype": "BYTES", "shape": [1], "data": ["what?"]}],
+                      "outputs": [{"name": "\udfff" * 3}]}):
+            r = client.post("/v2/models/vlserve-vqa/infer", content=json.dumps(body),
+                            headers={"Content-Type": "application/json"})
+            assert r.status_code == 400, r.text
+            assert "\\ud" in r.json()["error"] or "\\ud" in r.text
+        assert client.get("/healthz").status_code == 200  # the same kept-alive connection still answers
+
+
+V2_MALFORMED = {
+    "id not a string": ({"id": 123}, "'id' must be a string"),
+    "data and binary size": ({"both": True}, "both 'data' and a binary_data_size"),
+    "data not an array": ({"scalar": True}, "data must be a JSON array"),
+    "output asked twice": ({"outputs": [{"name": "answers"}, {"name": "answers"}]}, "asked for twice"),
+    "no outputs": ({"outputs": []}, "non-empty list"),
+    "binary_data_output not a bool": ({"parameters": {"binary_data_output": "yes"}}, "binary_data_output"),
+    "binary_data not a bool": ({"outputs": [{"name": "answers", "parameters": {"binary_data": 1}}]}, "binary_data"),
+}
+
+
+@pytest.mark.parametrize("case", list(V2_MALFORMED))
+def test_malformed_v2_requests_are_400(base, image_id, case):
+    change, message = V2_MALFORMED[case]
+    question = {"name": "question", "datatype": "BYTES", "shape": [1], "data": ["what color?"]}
+    if change.pop("scalar", False):
+        question["data"] = "what color?"
+    if change.pop("both", False):
+        question["parameters"] = {"binary_data_size": 0}
+    body = {"inputs": [{"name": "image_id", "datatype": "BYTES", "shape": [1], "data": [image_id]}, question], **change}
+    r = httpx.post(f"{base}/v2/models/vlserve-vqa/infer", json=body)
+    assert r.status_code == 400 and message in r.json()["error"], r.text
+
+
+def test_a_clients_long_names_are_cut_in_answers(base, image_id):
+    long = "k" * 5000
+    r = httpx.post(f"{base}/vqa", json={"image_id": image_id, "question": "what?", long: 1})
+    problem = assert_problem(r, 422, "validation-error")
+    assert len(r.content) < 1500 and long not in r.text and "k" * 64 + "..." in problem["detail"]
+    v2 = httpx.post(f"{base}/v2/models/vlserve-vqa/infer", json={"inputs": [
+        {"name": long, "datatype": "BYTES", "shape": [1], "data": ["x"]}]})
+    assert v2.status_code == 400 and len(v2.content) < 600
+    assert httpx.get(f"{base}/v2/models/{'m' * 3000}").status_code == 404
+    assert len(httpx.get(f"{base}/v2/models/{'m' * 3000}").content) < 600
+    assert len(httpx.get(f"{base}/{'p' * 3000}").content) < 1200
+
+
+def test_a_bad_image_names_its_field(base, image_id, image_png):
+    bad = base64.b64encode(b"not an image at all").decode()
+    pair = httpx.post(f"{base}/nlvr2", json={"images": [{"image_id": image_id}, {"image": bad}], "statement": "red"},
+                      timeout=60)
+    problem = assert_problem(pair, 422, "invalid-image")
+    assert problem["errors"][0]["loc"] == ["body", "images", 1, "image"]
+    one = assert_problem(httpx.post(f"{base}/vqa", json={"image": bad, "question": "what?"}), 422, "invalid-image")
+    assert one["errors"][0]["loc"] == ["body", "image"]
+    upload = httpx.post(f"{base}/images", files={"file": ("x.png", b"not an image at all", "image/png")})
+    assert assert_problem(upload, 422, "invalid-image")["errors"][0]["loc"] == ["body", "file"]
+
+
+def test_the_schema_lists_what_every_route_may_answer(make_settings):
+    """405 (with Allow), 408 and 415 on every operation, as 400 and 413 were: middleware answers them on any route."""
+    assert {"method-not-allowed", "request-timeout", "unsupported-media-type"} <= set(MIDDLEWARE_PROBLEMS)
+    with TestClient(create_app(make_settings())) as client:
+        schema = client.get("/openapi.json").json()
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            assert {"400", "405", "408", "413", "415"} <= set(operation["responses"]), (method, path)
+            assert "Allow" in operation["responses"]["405"]["headers"]
