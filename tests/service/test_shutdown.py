@@ -115,10 +115,15 @@ def test_sigterm_under_load_drains_then_closes_without_losing_a_request(server, 
     assert {o.status for o in outcomes if o.error is None} <= {200, 429}
     after = [o for o in outcomes if o.sent > signalled and o.error is None]
     assert len(after) >= CLIENTS, "requests sent after SIGTERM were served during the drain"
-    assert all(o.connection == "close" for o in after), "answers after SIGTERM close their connection"
 
     not_ready = [(at, ctype) for at, status, ctype in probes if at > signalled and status == 503]
     assert not_ready, f"/readyz never answered 503 after SIGTERM: {probes[-10:]}"
+    # from the moment the server has shown it is draining: the second 503 probe is sent once the first was answered
+    # (a request sent in the instant between the signal and its handler, on a loaded machine, may still be answered as
+    # before the signal)
+    assert len(not_ready) >= 2, not_ready
+    draining = [o for o in after if o.sent > not_ready[1][0]]
+    assert draining and all(o.connection == "close" for o in draining), "answers while draining close their connection"
     assert not_ready[0][0] - signalled < 0.5 and not_ready[0][1] == "application/problem+json"
     before = [status for at, status, _ in probes if at < signalled - 0.2]  # answered before the signal came
     assert before and set(before) == {200}
