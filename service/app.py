@@ -38,7 +38,7 @@ from .admission import ROUTES, TASK_KINDS, AdmissionMiddleware
 from .batcher import Batcher, BatcherConfig, InFlight
 from .errors import PROBLEM_JSON, install_error_handlers, is_v2
 from .explain import Explainer, grounding_report
-from .feature_store import create_store
+from .feature_store import StoreConfigError, create_store
 from .metrics import Metrics, MetricsMiddleware
 from .query_bank import BankPriors
 from .pipeline import Limits, Pipeline, TaskSpec, batch_fn, fused_batch_fn, task_specs
@@ -251,8 +251,13 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             app.state.startup_error = str(exc)  # `vlserve serve` prints it as one line
             raise StartupError(str(exc)) from None
         stack.callback(runtime.close)
-        store = create_store(settings, loaded.fingerprint)
+        store = create_store(settings, loaded.fingerprint, loaded.detector.config.feature_dim)
         stack.push_async_callback(store.close)
+        try:
+            await store.check()  # a Redis refusing this client for good stops start-up; an unreachable one warns
+        except StoreConfigError as exc:
+            app.state.startup_error = str(exc)
+            raise StartupError(str(exc)) from None
 
         regions = RegionService(
             loaded.detector, loaded.fingerprint, store,

@@ -22,7 +22,8 @@ exception: routes of the Open Inference Protocol (/v2/..., routes/v2.py) answer 
 |        |                              | detector longer than detector_max_queue_wait_s; Retry-After: when     |
 | 503    | /problems/not-ready          | models still loading / warming up, or shutting down (also a request   |
 |        |                              | still running when shutdown_timeout_s runs out)                       |
-| 503    | /problems/store-unavailable  | an image_id request while the feature store (Redis) cannot be reached |
+| 503    | /problems/store-unavailable  | the feature store (Redis) cannot be reached or is busy: an image_id   |
+|        |                              | request, or POST /images whose image it could not take                |
 | 500    | /problems/internal-error     | a bug; the detail is generic and the log has the request id           |
 
 The OpenAPI schema lists, for each route and status, the problem types it may answer (routes/common.py

@@ -72,6 +72,7 @@ class Metrics:
             for name, batcher in batchers.items():
                 depth.add_metric([name], batcher.queue_depth)
             out = [depth]
+            shared = store.stats()  # Redis's own counters, where Redis is the store (0 otherwise)
             for name, doc, value in (
                 ("vlserve_feature_store_hits", "feature-store lookups that found regions", store.hits),
                 ("vlserve_feature_store_misses", "feature-store lookups the store answered with nothing usable", store.misses),
@@ -81,6 +82,10 @@ class Metrics:
                                                   "after a failure (served without cache, or 503 for an image_id)", store.skipped),
                 ("vlserve_feature_store_pool_waits", "feature-store commands that found no free Redis connection in "
                                                      "time (counted in errors too)", store.pool_waits),
+                ("vlserve_feature_store_refreshed", "shared entries whose expiry and recency a use refreshed (at most "
+                                                    "once per image per interval)", shared.get("refreshed", 0)),
+                ("vlserve_feature_store_restored", "shared entries Redis had lost (expired, evicted, flushed), written "
+                                                   "back from this pod's copy", shared.get("restored", 0)),
                 ("vlserve_detector_images", "images the detector ran on", regions.detector_runs),
                 ("vlserve_detector_seconds", "time spent in the detector", regions.detector_seconds),
             ):

@@ -298,35 +298,51 @@ class Pipeline:
             raise InvalidInput(loc, f"is {length} word pieces long; the limit is {self.limits.max_text_tokens}")
         return {name: value[0] for name, value in encoded.items()}
 
-    async def image(self, data: bytes | None, image_id: str | None, timer: Timer) -> tuple[str, RegionFeatures]:
-        """(image_id, regions) of an inline image or of one registered earlier."""
-        return (await self.images([(data, image_id)], timer))[0]
+    async def image(self, data: bytes | None, image_id: str | None, timer: Timer,
+                    register: bool = False) -> tuple[str, RegionFeatures]:
+        """(image_id, regions) of an inline image or of one registered earlier; register (POST /images): the shared
+        store must hold the image afterwards (RegionService.from_bytes)."""
+        return (await self.images([(data, image_id)], timer, register))[0]
 
-    async def images(self, refs: Sequence[tuple[bytes | None, str | None]], timer: Timer) -> list[tuple[str, RegionFeatures]]:
+    async def images(self, refs: Sequence[tuple[bytes | None, str | None]], timer: Timer,
+                     register: bool = False) -> list[tuple[str, RegionFeatures]]:
         """(image_id, regions) of each image, looked up and detected together: a request's new images are admitted
         by the detector one after the other at once (not one after the other's detection) and may share its batch;
-        its ids are looked up concurrently. The first failing image, in request order, fails the request."""
+        its ids are looked up in one batch (RegionService.from_ids). The first failing image, in request order,
+        fails the request."""
         with timer.stage("regions"):
             if len(refs) == 1:
                 try:
-                    found = [await self._regions(*refs[0])]
+                    found = [await self._regions(*refs[0], register)]
                 except ImageError as exc:  # the request field it came in (the 422 names it)
                     raise located(exc, "image") from None
             else:
-                found = await asyncio.gather(*(self._regions(data, image_id) for data, image_id in refs),
-                                             return_exceptions=True)
-                index, failed = next(((i, f) for i, f in enumerate(found) if isinstance(f, BaseException)), (0, None))
-                if failed is not None:
-                    if isinstance(failed, ImageError):
-                        raise located(failed, "images", index, "image") from None
-                    raise failed
+                inline = [i for i, (data, _) in enumerate(refs) if data is not None]
+                ids = [image_id for data, image_id in refs if data is None]
+                looked_up, *computed = await asyncio.gather(
+                    self.regions.from_ids(ids), *(self._regions(refs[i][0], None, register) for i in inline),
+                    return_exceptions=True)
+                failures = {i: c for i, c in zip(inline, computed) if isinstance(c, BaseException)}
+                if isinstance(looked_up, BaseException):  # an unknown id names itself; the store down fails every id
+                    unknown = getattr(looked_up, "image_id", None)
+                    failures[next(i for i, (data, image_id) in enumerate(refs)
+                                  if data is None and unknown in (None, image_id))] = looked_up
+                if failures:
+                    index = min(failures)
+                    if isinstance(failures[index], ImageError):
+                        raise located(failures[index], "images", index, "image") from None
+                    raise failures[index]
+                by_id, by_index = iter(looked_up), dict(zip(inline, computed))
+                found = [by_index[i] if data is not None else (image_id, next(by_id), True)
+                         for i, (data, image_id) in enumerate(refs)]
         for _, _, hit in found:
             timer.hit(hit)
         return [(image_id, rf) for image_id, rf, _ in found]
 
-    async def _regions(self, data: bytes | None, image_id: str | None) -> tuple[str, RegionFeatures, bool]:
+    async def _regions(self, data: bytes | None, image_id: str | None,
+                       register: bool = False) -> tuple[str, RegionFeatures, bool]:
         if data is not None:
-            return await self.regions.from_bytes(data)
+            return await self.regions.from_bytes(data, register)
         return image_id, await self.regions.from_id(image_id), True
 
     async def run(self, spec: TaskSpec, items: list[Item] | list[Pair], timer: Timer,
@@ -487,7 +503,7 @@ class Pipeline:
 
     async def register(self, data: bytes, timer: Timer, with_regions: bool = False) -> dict[str, Any]:
         """The image's id and size; with_regions: its regions too (boxes, class and attribute with their scores)."""
-        image_id, rf = await self.image(data, None, timer)
+        image_id, rf = await self.image(data, None, timer, register=True)
         if self.bank is not None and self.bank_on_register:
             self.bank.schedule(image_id, rf, functools.partial(self.score_rows, self.spec("itm"),
                                                                background=True))

@@ -21,7 +21,7 @@ import platform
 import re
 import sys
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
 import numpy as np
@@ -217,11 +217,17 @@ class RegionService:
         (Batcher.close_now); returns how many."""
         return self._batcher.close_now()
 
-    async def from_bytes(self, data: bytes) -> tuple[str, RegionFeatures, bool]:
-        """(image_id, regions, cache_hit) for image bytes; ImageError if they are not an acceptable image."""
+    async def from_bytes(self, data: bytes, register: bool = False) -> tuple[str, RegionFeatures, bool]:
+        """(image_id, regions, cache_hit) for image bytes; ImageError if they are not an acceptable image.
+
+        register (POST /images): the answer promises that every pod can use the id, so the shared store must hold
+        the regions afterwards (written back from this pod's copy if it had lost them): StoreUnavailableError when it
+        cannot. An inline image is served whatever its store write did."""
         # hashlib releases the GIL: a large body is hashed off the event loop
         image_id = image_id_of(data) if len(data) < _HASH_INLINE_BYTES else await asyncio.to_thread(image_id_of, data)
         rf, hit = await self._single_flight(image_id, lambda: self._lookup_or_extract(image_id, data))
+        if register:
+            await self.store.share(image_id, rf)
         return image_id, rf, hit
 
     async def from_id(self, image_id: str) -> RegionFeatures:
@@ -240,6 +246,20 @@ class RegionService:
         if rf is None:
             raise UnknownImageError(image_id)
         return rf
+
+    async def from_ids(self, image_ids: Sequence[str]) -> list[RegionFeatures]:
+        """Regions of images registered earlier, in order, looked up in one batch (store.get_many: one round trip
+        to Redis for them all); UnknownImageError for the first unknown id in order, StoreUnavailableError if the
+        store cannot be asked now."""
+        asked = [i for i in dict.fromkeys(image_ids) if is_image_id(i) and i not in self._inflight]
+        found = dict(zip(asked, await self.store.get_many(asked, strict=True)))
+        regions = []
+        for image_id in image_ids:
+            rf = found[image_id] if image_id in found else await self.from_id(image_id)  # malformed, or registering now
+            if rf is None:
+                raise UnknownImageError(image_id)
+            regions.append(rf)
+        return regions
 
     def stats(self) -> dict[str, int | float]:
         return {"detector_runs": self.detector_runs, "detector_seconds": self.detector_seconds,

@@ -4,13 +4,19 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlparse
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 MiB = 1 << 20
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+# Redis refuses an expiry past 2**63 - 1 ms since the epoch: SET EX above (2**63 - 1) // 1000 - now seconds fails with
+# "invalid expire time" (Redis 7.0: 9223370241022293 s on 2026-11-28, falling by a second a second); 9e15 s stays
+# below that for millions of years
+REDIS_MAX_TTL_S = 9 * 10**15
+_CREDENTIALS = re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^/\s:@]*:)[^@\s]*@|(\bpassword=)[^&\s'\"]*")
 
 
 class Settings(BaseSettings):
@@ -35,12 +41,16 @@ class Settings(BaseSettings):
     detector_settle: bool = True
     engine_cache_dir: Path | None = None  # onnxruntime's TensorRT engine cache; None = ~/.cache/vlserve/tensorrt
     # feature store
-    redis_url: str | None = None  # redis://host:port/db; None or "" = in-process LRU
-    redis_ttl_s: int = Field(604800, gt=0)  # lifetime of a cached image's regions in Redis (a week)
+    # redis://[[user]:password@]host:port/db, rediss:// (TLS) or unix://path, as redis-py reads it; None or "" =
+    # in-process LRU
+    redis_url: str | None = Field(None, repr=False)
+    # how long a cached image's regions stay in Redis after any pod last used them (a week); at most REDIS_MAX_TTL_S
+    redis_ttl_s: int = Field(604800, gt=0, le=REDIS_MAX_TTL_S)
     # connections to Redis per process; a lookup waits for a free one rather than failing (feature_store.RedisStore)
     redis_max_connections: int = Field(32, ge=1)
     # in-process feature store bound, in bytes of stored values; with Redis, the pod's local tier in front of it
-    cache_max_bytes: int = Field(256 * MiB, gt=0)
+    # (0 = none: every lookup asks Redis); without Redis it is the store and must be > 0
+    cache_max_bytes: int = 256 * MiB
     stream_cache_max_bytes: int = Field(256 * MiB, ge=0)  # two-stream retrieval: cached text/image states (torch); 0 = off
     query_bank_max_images: int = Field(100_000, ge=1)  # images whose query-bank prior (one float) each pod keeps
     # POST /images also computes the image's query-bank prior, in the background, so that the first text -> image
@@ -124,7 +134,20 @@ class Settings(BaseSettings):
             if not value:
                 return None  # VLSERVE_REDIS_URL="" turns Redis off
             if not value.startswith(_REDIS_SCHEMES):
-                raise ValueError(f"{value!r} is not a Redis URL; it must start with {', '.join(_REDIS_SCHEMES)}")
+                raise ValueError(f"{redact_url(value)!r} is not a Redis URL; it must start with "
+                                 f"{', '.join(_REDIS_SCHEMES)}")
+            why = redis_url_error(value)
+            if why:
+                raise ValueError(f"{redact_url(value)!r} is not a valid Redis URL: {why}")
+        return value
+
+    @field_validator("cache_max_bytes")
+    @classmethod
+    def _cache_bound(cls, value: int, info: ValidationInfo) -> int:
+        no_redis = "redis_url" in info.data and not info.data["redis_url"]
+        if value < 0 or (value == 0 and no_redis):
+            raise ValueError("must be greater than 0 (0, no in-process tier in front of Redis, only with "
+                             "VLSERVE_REDIS_URL)")
         return value
 
     @field_validator("api_keys", mode="before")
@@ -159,8 +182,28 @@ def load_settings(**overrides: Any) -> Settings:
     return Settings(**overrides)
 
 
+def redact_url(text: str) -> str:
+    """text with the password of every URL in it (`scheme://user:PASSWORD@`, `?password=`) shown as ***."""
+    return _CREDENTIALS.sub(lambda m: f"{m.group(1)}***@" if m.group(1) else f"{m.group(2)}***", text)
+
+
+def redis_url_error(url: str) -> str | None:
+    """Why redis-py cannot connect with this URL (port, IPv6 brackets, query options, db), or None."""
+    from redis.asyncio.connection import parse_url  # what feature_store.RedisStore connects with
+
+    try:
+        parse_url(url)
+    except (ValueError, TypeError) as exc:
+        return str(exc)
+    path = urlparse(url).path
+    if not url.startswith("unix://") and path.strip("/") and not path.strip("/").isdigit():
+        return f"the database must be a number (/0), not {path!r}"  # redis-py would silently use db 0
+    return None
+
+
 def settings_error_message(error: ValidationError) -> str:
-    """One readable message for a failed start-up: `invalid settings: VLSERVE_THREADS: ...; VLSERVE_PORT: ...`."""
+    """One readable message for a failed start-up: `invalid settings: VLSERVE_THREADS: ...; VLSERVE_PORT: ...`;
+    passwords in URLs are masked."""
     parts = []
     for e in error.errors():
         field = ".".join(str(p) for p in e["loc"]) or "settings"
@@ -168,5 +211,5 @@ def settings_error_message(error: ValidationError) -> str:
         msg = e["msg"].removeprefix("Value error, ")
         given = e.get("input")
         shown = "" if isinstance(given, dict) or field == "api_keys" else f" (got {given!r})"
-        parts.append(f"{name}: {msg}{shown}")
+        parts.append(redact_url(f"{name}: {msg}{shown}"))
     return "invalid settings: " + "; ".join(parts)

@@ -32,7 +32,8 @@ PROBLEM_TYPES: dict[str, tuple[int, str]] = {
     "invalid-image": (422, "not an image of a supported format, truncated, or over max_pixels"),
     "queue-full": (429, "the task's batch queue is full; retry after Retry-After seconds"),
     "not-ready": (503, "loading, warming up or shutting down; retry after Retry-After seconds"),
-    "store-unavailable": (503, "an image_id request while the feature store (Redis) cannot be reached; retry after "
+    "store-unavailable": (503, "the feature store (Redis) cannot be reached or is busy: an image_id request, or POST "
+                               "/images whose image it could not take (other pods would not find it); retry after "
                                "Retry-After seconds, or send the image itself"),
 }
 _HEADERS: dict[int, dict[str, Any]] = {

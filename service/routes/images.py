@@ -71,7 +71,8 @@ async def image_bytes(request: Request) -> bytes:
 
 @router.post(
     "/images", response_model=ImageResponse, response_model_exclude_none=True,
-    responses=problems("bad-request", "validation-error", "invalid-image", "queue-full", "not-ready"),
+    responses=problems("bad-request", "validation-error", "invalid-image", "queue-full", "not-ready",
+                       "store-unavailable"),
     openapi_extra={"requestBody": {"required": True, "content": {
         "application/json": {"schema": ImageInput.model_json_schema(ref_template="#/components/schemas/{model}")},
         "multipart/form-data": {"schema": _UPLOAD_SCHEMA},

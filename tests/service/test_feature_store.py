@@ -48,7 +48,7 @@ def test_memory_store_round_trip_and_counters():
     assert same(got, regions(0)) and got.features.dtype == np.float16, "stored at rest precision"
     assert store.stats() == {"name": "memory", "hits": 1, "misses": 1, "errors": 0, "skipped": 0, "pool_waits": 0,
                              "available": True, "corrupt": 0, "items": 1,
-                             "bytes": len(regions(0).to_bytes()), "max_bytes": 1 << 20, "evictions": 0}
+                             "bytes": len(regions(0).to_bytes()), "max_bytes": 1 << 20, "evictions": 0, "too_large": 0}
 
 
 def test_memory_store_is_bounded_in_bytes_and_evicts_least_recently_used():

@@ -26,7 +26,7 @@ TASK = {"200": None, **EVERY, "404": ["unknown-image", "no-head"], "422": ["vali
 EXPECTED = {
     ("post", "/vqa"): TASK, ("post", "/refer"): TASK, ("post", "/retrieve"): TASK, ("post", "/nlvr2"): TASK,
     ("post", "/images"): {"200": None, **EVERY, "422": ["validation-error", "invalid-image"], "429": ["queue-full"],
-                          "503": ["not-ready"]},
+                          "503": ["not-ready", "store-unavailable"]},
     ("get", "/healthz"): {"200": None, **EVERY},
     ("get", "/readyz"): {"200": None, **EVERY, "503": ["not-ready"]},
     ("get", "/metrics"): {"200": None, **EVERY},

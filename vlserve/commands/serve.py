@@ -51,12 +51,18 @@ def serve(
                                                   "or onnxruntime with its TensorRT provider): engines built once are reused "
                                                   "across restarts (default $XDG_CACHE_HOME/vlserve/tensorrt, else "
                                                   "~/.cache/vlserve/tensorrt)", "Models")] = None,
-    redis_url: Annotated[str | None, _opt("feature store in Redis (redis://host:port/db); empty = in-process LRU", "Feature store")] = None,
-    redis_ttl_s: Annotated[int | None, _opt("lifetime of cached regions in Redis, seconds " + _default("redis_ttl_s"), "Feature store")] = None,
+    redis_url: Annotated[str | None, _opt("feature store in Redis (redis://[:password@]host:port/db, rediss:// for TLS, "
+                                           "unix://path); empty = in-process LRU. A wrong password or db index stops "
+                                           "start-up; an unreachable Redis is a warning", "Feature store")] = None,
+    redis_ttl_s: Annotated[int | None, _opt("how long cached regions stay in Redis after any pod last used them, "
+                                              "seconds, at most 9e15 (Redis's limit) " + _default("redis_ttl_s"),
+                                              "Feature store")] = None,
     redis_max_connections: Annotated[int | None, _opt("connections to Redis per process; a lookup waits for a free one "
                                                       "rather than failing " + _default("redis_max_connections"),
                                                       "Feature store")] = None,
-    cache_max_bytes: Annotated[int | None, _opt("in-process feature store bound in bytes " + _default("cache_max_bytes"), "Feature store")] = None,
+    cache_max_bytes: Annotated[int | None, _opt("in-process feature store bound in bytes; with Redis the pod's tier "
+                                                "in front of it, 0 = none " + _default("cache_max_bytes"),
+                                                "Feature store")] = None,
     stream_cache_max_bytes: Annotated[int | None, _opt("two-stream presets on the torch runtime: bytes of per-image and "
                                                        "per-text encoder states /retrieve keeps; 0 = off " + _default("stream_cache_max_bytes"),
                                                        "Feature store")] = None,
