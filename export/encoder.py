@@ -15,7 +15,10 @@ graph, however exported, must pass the parity check (export/parity.py).
 """
 from __future__ import annotations
 
+import logging
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -36,6 +39,9 @@ MIN_OPSET = 14
 DYNAMO_MIN_OPSET = 18
 INT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "region_mask", "tag_ids", "phrase_index")
 MAX_TEXT = 512  # upper bound of the symbolic text length given to the dynamo exporter
+# loggers of the dynamo exporter's libraries: their passes log every step, and conversions they fall back from with
+# tracebacks, at INFO and WARNING (about 1,500 lines for a graph onnxruntime then refuses)
+EXPORTER_LOGGERS = ("onnxscript", "onnx_ir", "torch.onnx", "torch.export", "torch._export", "torch._dynamo", "torch.fx")
 
 
 def exportable_tasks(config: ModelConfig) -> dict[str, str]:
@@ -166,6 +172,21 @@ def _dynamic_shapes(spec: GraphSpec) -> tuple[tuple[dict[int, object], ...]]:
     return (tuple({i: dims[d] for i, d in enumerate(t.shape) if isinstance(d, str)} for t in spec.inputs),)
 
 
+@contextmanager
+def quiet_exporter() -> Iterator[None]:
+    """The exporters' own logs below ERROR off while a graph is exported, their levels restored after: what fails
+    says so in the exception, which the export reports as one line; parity tells a good graph."""
+    loggers = [logging.getLogger(name) for name in EXPORTER_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 def export_task(
     model: VLModel, task: str, path: str | Path, opset: int = DEFAULT_OPSET, exporter: str = "torchscript",
 ) -> GraphSpec:
@@ -179,13 +200,13 @@ def export_task(
     args = tuple(torch.from_numpy(example[n]) for n in spec.input_names)
     graph = TaskGraph(model, spec).eval()
     names = dict(input_names=spec.input_names, output_names=[o.name for o in spec.outputs])
-    with warnings.catch_warnings(), torch.no_grad():
+    with warnings.catch_warnings(), quiet_exporter(), torch.no_grad():
         warnings.simplefilter("ignore")  # tracer and deprecation warnings: parity is what tells a good graph
         if exporter == "torchscript":
             torch.onnx.export(graph, args, str(path), dynamo=False, opset_version=opset,
                               dynamic_axes=_dynamic_axes(spec), do_constant_folding=True, **names)
-        else:
-            torch.onnx.export(graph, args, str(path), dynamo=True, opset_version=opset,
+        else:  # verbose=False: no "[torch.onnx] ..." progress lines on stdout, where the export's summary goes
+            torch.onnx.export(graph, args, str(path), dynamo=True, opset_version=opset, verbose=False,
                               dynamic_shapes=_dynamic_shapes(spec), external_data=False, **names)
     return used_inputs(spec, path)
 

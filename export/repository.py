@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -82,6 +83,8 @@ def _load_detector(detector_dir: Path, source: dict, visual_feat_dim: int):
     """The detector at `detector_dir` -> (detector, fingerprint), refused unless it gives the region features the
     checkpoint reads: their width always, the detector itself where the checkpoint's manifest records one (imported
     checkpoints do not)."""
+    if not detector_dir.is_dir():
+        raise ExportError(f"detector directory not found: {detector_dir}")
     detector, fingerprint = load_detector(detector_dir)
     if detector.config.feature_dim != visual_feat_dim:
         raise ExportError(f"the checkpoint reads {visual_feat_dim}-d region features, but {detector_dir} gives "
@@ -304,6 +307,8 @@ def export_repository(
     _check_options(fmt, quantize, opset, exporter)
     bounds = Bounds(max_abs_diff, min_agreement, int8_min_agreement, fp16_max_abs_diff, fp16_min_agreement)
     model_dir, out = Path(model_dir), Path(out_dir)
+    if out.is_symlink():  # the finished repository is renamed into --out's place, which a link cannot give up
+        raise ExportError(f"{out} is a symbolic link (to {os.readlink(out)}); pass the directory itself as --out")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out} exists and is not an empty directory; choose a new --out")
     checkpoint = load_checkpoint(model_dir)

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .config import FORMAT_VERSION, ModelConfig
+from .config import FORMAT_VERSION, ModelConfig, json_type
 from .file_modes import apply_umask
 from .query_bank import QueryBank
 from .tokenizer import TOKENIZER_FILES, VLTokenizer
@@ -69,10 +69,20 @@ def sha256_file(path: Path) -> str:
 
 
 def _check_labels(config: ModelConfig, labels: dict[str, Any]) -> None:
-    for task, names in (labels.get("heads") or {}).items():
+    """CheckpointError naming labels.json and the field when the labels do not fit the config: an object, its "heads"
+    an object of head name -> list of answer names, one per label of a head with num_labels, the query bank's."""
+    if not isinstance(labels, dict):
+        raise CheckpointError(f"{LABELS}: must be a JSON object, not {json_type(labels)}")
+    heads = labels.get("heads") or {}
+    if not isinstance(heads, dict):
+        raise CheckpointError(f"{LABELS}: 'heads' is {json_type(heads)}, not an object of head name -> labels")
+    for task, names in heads.items():
         head = config.heads.get(task)
         if head is None:
             raise CheckpointError(f"{LABELS}: labels for unknown head {task!r}")
+        if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
+            what = "a list with a non-string item" if isinstance(names, (list, tuple)) else json_type(names)
+            raise CheckpointError(f"{LABELS}: heads.{task} is {what}, not a list of label names (strings)")
         if head.num_labels and len(names) != head.num_labels:
             raise CheckpointError(f"{LABELS}: head {task!r} has {len(names)} labels but num_labels={head.num_labels}")
     try:

@@ -304,22 +304,62 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        enc_fields = {f.name for f in dataclasses.fields(EncoderConfig)}
-        head_fields = {f.name for f in dataclasses.fields(HeadConfig)}
+        """The config of a config.json; ValueError naming the field whose key or value type is wrong (the file's
+        reader adds the file), never an AttributeError or TypeError of a half-built config."""
+        if not isinstance(data, dict):
+            raise ValueError(f"the config must be a JSON object, not {json_type(data)}")
         enc = data.get("encoder")
         if not isinstance(enc, dict):
             raise ValueError("config field 'encoder' is missing or not an object")
-        unknown = set(enc) - enc_fields
-        if unknown:
-            raise ValueError(f"config field 'encoder' has unknown keys: {', '.join(sorted(unknown))}")
-        heads = {}
-        for name, head in (data.get("heads") or {}).items():
-            unknown = set(head) - head_fields
-            if unknown:
-                raise ValueError(f"config head {name!r} has unknown keys: {', '.join(sorted(unknown))}")
-            heads[name] = HeadConfig(**head)
+        _check_fields(EncoderConfig, enc, "config field 'encoder'", "")
+        heads = data.get("heads", {})
+        if not isinstance(heads, dict):
+            raise ValueError(f"config field 'heads' is {json_type(heads)}, not an object of task name -> head")
+        for name, head in heads.items():
+            if not isinstance(head, dict):
+                raise ValueError(f"config head {name!r} is {json_type(head)}, not an object")
+            _check_fields(HeadConfig, head, f"config head {name!r}", f"config head {name!r}: ")
+        version = data.get("format_version", FORMAT_VERSION)
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ValueError(f"config field 'format_version' is {json_type(version)}, not an integer")
         return cls(
             encoder=EncoderConfig(**enc),
-            heads=heads,
-            format_version=int(data.get("format_version", FORMAT_VERSION)),
+            heads={name: HeadConfig(**head) for name, head in heads.items()},
+            format_version=version,
         )
+
+
+def json_type(value: Any) -> str:
+    """How a JSON value's type reads in a message: "a list", "a string", "null"."""
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+             float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+# a dataclass field's annotation -> the JSON values it takes, and how a message names them
+_FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "str": ((str,), "a string"), "int": ((int,), "an integer"), "float": ((int, float), "a number"),
+    "bool": ((bool,), "a boolean"), "tuple[int, ...]": ((list, tuple), "a list of integers")}
+
+
+def _check_fields(kind: type, values: dict[str, Any], name_of: str, prefix: str) -> None:
+    """ValueError unless `values` are keyword arguments of the dataclass `kind` (`name_of` in the config): known
+    keys, the required ones present, each value of its field's JSON type (a boolean is no number; a tuple field is
+    a list of integers), messages about a field after `prefix` as the dataclass's own checks word them."""
+    fields = {f.name: f for f in dataclasses.fields(kind)}
+    unknown = set(values) - set(fields)
+    if unknown:
+        raise ValueError(f"{name_of} has unknown keys: {', '.join(sorted(unknown))}")
+    for name, f in fields.items():
+        if name not in values:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ValueError(f"{name_of} lacks the required key {name!r}")
+            continue
+        if f.type not in _FIELD_TYPES:
+            continue
+        value, (allowed, expected) = values[name], _FIELD_TYPES[f.type]
+        items = value if f.type == "tuple[int, ...]" and isinstance(value, (list, tuple)) else [value]
+        item_types = (int,) if f.type == "tuple[int, ...]" else allowed
+        if not isinstance(value, allowed) or any(
+                not isinstance(v, item_types) or (isinstance(v, bool) and bool not in item_types) for v in items):
+            raise ValueError(f"{prefix}{name}={value!r} is not {expected}")

@@ -12,6 +12,7 @@ onnxruntime and onnx are imported where a graph is opened, so reading the metada
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import CONFIG, LABELS, MANIFEST, CheckpointError, verify_manifest
+from .checkpoint import CONFIG, LABELS, MANIFEST, CheckpointError, _check_labels, unreadable, verify_manifest
 from .config import ModelConfig
 from .tokenizer import VLTokenizer
 
@@ -164,6 +165,66 @@ def supported_opset() -> int:
     return best
 
 
+@cache
+def supported_ir_version() -> int:
+    """Newest ONNX IR version this onnxruntime loads (probed as supported_opset; ORT has no API for it)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    best = 0
+    value = helper.make_tensor_value_info
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe",
+                              [value("x", TensorProto.FLOAT, [1])], [value("y", TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", DEFAULT_OPSET)])
+    for ir_version in range(8, 64):  # 8: the first IR version of opset 17
+        model.ir_version = ir_version
+        try:
+            ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        except Exception:  # noqa: BLE001 - any refusal means this IR version is past what it supports
+            break
+        best = ir_version
+    return best
+
+
+def onnxruntime_reason(exc: BaseException) -> str:
+    """onnxruntime's reason for refusing a graph, without its error-code prefix, the graph's path and the C++
+    source location: "Unsupported model IR version: 20, max supported IR version: 13"."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
+    text = re.sub(r"^Load model from .*? failed: ?", "", text)
+    return re.sub(r"^\S+\.(cc|h):\d+ \S+?\(.*?\) ", "", text)
+
+
+def check_graph(path: Path) -> None:
+    """RepositoryError naming the graph when onnx cannot parse it, or it needs a newer IR version or opset than this
+    onnxruntime loads: what can be known of a graph without an onnxruntime session (initializers stay unread)."""
+    import onnx
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and onnx's own: the file is no ONNX graph
+        raise RepositoryError(f"{path}: not an ONNX graph onnx can parse ({type(exc).__name__}: "
+                              f"{' '.join(str(exc).split())[:200]})") from None
+    import onnxruntime
+
+    if model.ir_version > supported_ir_version():
+        raise RepositoryError(f"{path}: the graph's ONNX IR version {model.ir_version} is newer than onnxruntime "
+                              f"{onnxruntime.__version__} loads (up to {supported_ir_version()})")
+    opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
+    if opset > supported_opset():
+        raise RepositoryError(f"{path}: the graph uses ONNX opset {opset} but onnxruntime {onnxruntime.__version__} "
+                              f"supports opsets up to {supported_opset()}")
+
+
+def open_graph(path: Path, threads: int = 1, providers: list | None = None, spin: bool = True):
+    """`session` over a repository's graph; a graph onnxruntime refuses (corrupt, an IR version or operator it does
+    not have) is one RepositoryError naming the graph and onnxruntime's reason."""
+    try:
+        return session(path, threads, providers, spin)
+    except Exception as exc:  # noqa: BLE001 - onnxruntime's pybind errors derive from Exception only
+        raise RepositoryError(f"{path}: onnxruntime cannot load the graph ({onnxruntime_reason(exc)})") from None
+
+
 def session(path: Path, threads: int = 1, providers: list | None = None, spin: bool = True):
     """An onnxruntime InferenceSession with all graph optimizations and `threads` intra-op threads.
 
@@ -187,11 +248,28 @@ def session(path: Path, threads: int = 1, providers: list | None = None, spin: b
 # ---- loading -------------------------------------------------------------------------------------------
 
 def is_repository(path: str | Path) -> bool:
-    """Whether `path` holds a model repository (manifest kind "onnx-repository"), without verifying it."""
+    """Whether `path` holds a model repository (manifest kind "onnx-repository"), without verifying it. A
+    manifest.json that exists but is no JSON object is neither a repository nor a checkpoint: CheckpointError saying
+    so, which the service reports as it is, whichever runtime asked."""
+    mpath = Path(path) / MANIFEST
     try:
-        return json.loads((Path(path) / MANIFEST).read_text()).get("kind") == KIND
-    except (OSError, ValueError, AttributeError):
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except (FileNotFoundError, NotADirectoryError):
         return False
+    except OSError as exc:
+        raise unreadable(exc, Path(path), mpath) from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{mpath}: not a valid manifest ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{mpath}: not a valid manifest (a JSON {type(manifest).__name__}, not an object)")
+    return manifest.get("kind") == KIND
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise RepositoryError(f"{path}: invalid JSON ({exc})") from None
 
 
 def load_repository(path: str | Path) -> Repository:
@@ -199,6 +277,8 @@ def load_repository(path: str | Path) -> Repository:
     opset onnxruntime runs) and read its config, tokenizer, labels and graph specs. RepositoryError names the
     file or field at fault."""
     path = Path(path)
+    if not path.is_dir():
+        raise RepositoryError(f"model repository directory not found: {path}")
     try:
         manifest = verify_manifest(path)
     except CheckpointError as exc:
@@ -214,12 +294,21 @@ def load_repository(path: str | Path) -> Repository:
                               f"{onnxruntime.__version__} supports opsets up to {limit}; upgrade onnxruntime "
                               f"or export again with --opset {limit}")
     try:
-        config = ModelConfig.from_dict(json.loads((path / CONFIG).read_text()))
-        labels = json.loads((path / LABELS).read_text())
+        config = ModelConfig.from_dict(_read_json(path / CONFIG))
+    except ValueError as exc:
+        if isinstance(exc, RepositoryError):
+            raise
+        raise RepositoryError(f"{path / CONFIG}: {exc}") from None
+    labels = _read_json(path / LABELS)
+    try:
+        _check_labels(config, labels)
+    except CheckpointError as exc:
+        raise RepositoryError(f"{path}: {exc}") from None
+    try:
         graphs = {task: GraphSpec.from_dict(g) for task, g in manifest["graphs"].items()}
-        parity = json.loads((path / PARITY).read_text())
-    except (ValueError, KeyError, TypeError) as exc:
-        raise RepositoryError(f"{path}: invalid repository metadata ({exc})") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise RepositoryError(f"{path / MANIFEST}: invalid graph entry ({exc})") from None
+    parity = _read_json(path / PARITY)
     for task, spec in graphs.items():
         if task not in config.heads:
             raise RepositoryError(f"{path / MANIFEST}: graph {task!r} has no head in {CONFIG}")

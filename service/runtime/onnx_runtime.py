@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from models.detector.onnx import OnnxDetector
-from models.repository import Repository, graph_feed, session
+from models.repository import Repository, graph_feed, open_graph
 
 from .base import Runtime
 
@@ -74,8 +74,9 @@ class OnnxRuntime(Runtime):
         self.graph_files = {task: choose_graph(repository, task, self.providers) for task in self.tasks}
         fp16 = any(path.name.endswith(".fp16.onnx") for path in self.graph_files.values())
         self.precision = "fp16" if fp16 else str(repository.manifest.get("precision", "fp32"))
-        # no spinning: the detector's session and the encoder's run side by side on the same cores
-        self.sessions = {task: session(path, threads, self.providers, spin=False)
+        # no spinning: the detector's session and the encoder's run side by side on the same cores; a graph
+        # onnxruntime refuses is one RepositoryError naming it (the service's start-up error)
+        self.sessions = {task: open_graph(path, threads, self.providers, spin=False)
                          for task, path in self.graph_files.items()}
 
     def run(self, task: str, batch: dict[str, np.ndarray]) -> np.ndarray:
@@ -96,8 +97,9 @@ def create(settings: Settings, checkpoint: Repository) -> OnnxRuntime:
 
 
 def exported_detector(repository: Repository, config, settings: Settings) -> OnnxDetector:
-    """The repository's detector graph on the providers of `settings.device` (same regions as the torch detector)."""
+    """The repository's detector graph on the providers of `settings.device` (same regions as the torch detector);
+    RepositoryError when onnxruntime refuses the graph."""
     import onnxruntime
 
     providers = choose_providers(settings.device, onnxruntime.get_available_providers(), settings.engine_cache_dir)
-    return OnnxDetector.load(repository.detector_path, config, threads=settings.threads, providers=providers, spin=False)
+    return OnnxDetector(open_graph(repository.detector_path, settings.threads, providers, spin=False), config)

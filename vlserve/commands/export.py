@@ -3,10 +3,38 @@ TensorRT engines for GPUs on request), parity-checked."""
 from __future__ import annotations
 
 import json
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
+
+
+class Terminated(BaseException):
+    """SIGTERM during the export: unwinds as Ctrl-C's KeyboardInterrupt does, so that the hidden temporary
+    repository beside --out is removed on the way out."""
+
+
+@contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM raises Terminated in the main thread while the block runs (later ones are ignored, so that the
+    clean-up finishes); the previous handler is restored after."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+
+    def terminate(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def export(
@@ -35,25 +63,31 @@ def export(
     with --fp16 also fp16 graphs, with --format tensorrt also fp16 TensorRT engines built on this GPU.
 
     Exit code 0 with the repository written; 1 when a graph misses the parity bounds (nothing is written);
-    2 when the checkpoint or the options are not usable.
+    2 when the checkpoint or the options are not usable. SIGTERM, as Ctrl-C, removes what was started and ends
+    the process by that signal (exit status 143 in a shell).
     """
     from models.checkpoint import CheckpointError
     from export.engines import Ranges
     from export.repository import ExportError, ParityError, export_repository
 
     try:
-        repo = export_repository(model_dir, out, fmt=fmt, optimize=optimize, quantize=quantize, fp16=fp16, opset=opset,
-                                 exporter=exporter, examples=examples, threads=threads, max_abs_diff=max_abs_diff,
-                                 min_agreement=min_agreement, int8_min_agreement=int8_min_agreement,
-                                 fp16_max_abs_diff=fp16_max_abs_diff, fp16_min_agreement=fp16_min_agreement,
-                                 engine_ranges=Ranges(max_batch, max_text, max_regions), detector_dir=detector,
-                                 log=lambda m: typer.echo(m, err=True))
+        with sigterm_unwinds():
+            repo = export_repository(
+                model_dir, out, fmt=fmt, optimize=optimize, quantize=quantize, fp16=fp16, opset=opset, exporter=exporter,
+                examples=examples, threads=threads, max_abs_diff=max_abs_diff, min_agreement=min_agreement,
+                int8_min_agreement=int8_min_agreement, fp16_max_abs_diff=fp16_max_abs_diff,
+                fp16_min_agreement=fp16_min_agreement, engine_ranges=Ranges(max_batch, max_text, max_regions),
+                detector_dir=detector, log=lambda m: typer.echo(m, err=True))
     except ExportError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1 if isinstance(exc, ParityError) else 2) from None
     except (CheckpointError, OSError, ValueError) as exc:  # OSError: --out or the disk, not the graphs' parity
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+    except Terminated:  # the temporary repository is gone: end as the signal would have ended the process (143)
+        typer.echo("error: terminated (SIGTERM)", err=True)
+        signal.raise_signal(signal.SIGTERM)
+        raise typer.Exit(128 + signal.SIGTERM) from None  # a handler of the caller's ran instead
     summary = {task: {k: v for k, v in p.items() if isinstance(v, dict) and "max_abs_diff" in v}
                for task, p in repo.parity["graphs"].items()}
     typer.echo(json.dumps({"out": str(out), "graphs": list(repo.graphs), "precision": repo.manifest["precision"],

@@ -60,11 +60,18 @@ def detector_summary(path: Path) -> dict:
     }
 
 
+GRAPH_CHECK = ("parsed by onnx, IR version and opset within what this onnxruntime loads; onnxruntime sessions are "
+               "created when the service starts")
+
+
 def repository_summary(path: Path) -> dict:
-    from models.repository import KIND, load_repository
+    from models.repository import KIND, check_graph, graph_files, load_repository
 
     repo = load_repository(path)
     manifest, enc = repo.manifest, repo.config.encoder
+    graphs = graph_files(manifest["graphs"], {})  # engines are TensorRT's, not ONNX graphs
+    for name in [*graphs, *([manifest["detector"]["graph"]] if repo.detector_path else [])]:
+        check_graph(path / name)
     return {
         "path": str(path),
         "kind": KIND,
@@ -80,6 +87,7 @@ def repository_summary(path: Path) -> dict:
         "engines": sorted(repo.engines.get("graphs", {})),
         "detector": manifest.get("detector", {}),
         "verified_files": sorted(manifest["files"]),
+        "graph_check": GRAPH_CHECK,
     }
 
 
