@@ -180,18 +180,28 @@ def load_checkpoint(
     path = Path(path)
     manifest = verify_manifest(path)
     try:
-        config = ModelConfig.from_dict(json.loads((path / CONFIG).read_text()))
-    except (json.JSONDecodeError, ValueError, TypeError) as exc:
+        config = ModelConfig.from_dict(json.loads((path / CONFIG).read_text(encoding="utf-8")))
+    except OSError as exc:  # a file the manifest does not list may be missing
+        raise unreadable(exc, path, path / CONFIG) from None
+    except (ValueError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(f"{path / CONFIG}: {exc}") from None
     enc = config.encoder
     for fname, want, have in (("preset", preset, enc.preset), ("size", size, enc.size), ("visual_feat_dim", visual_feat_dim, enc.visual_feat_dim)):
         if want is not None and want != have:
             raise CheckpointError(f"{path / CONFIG}: encoder.{fname} is {have!r}, expected {want!r}")
     try:
-        labels = json.loads((path / LABELS).read_text())
-    except json.JSONDecodeError as exc:
+        labels = json.loads((path / LABELS).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise unreadable(exc, path, path / LABELS) from None
+    except ValueError as exc:  # not JSON, or not UTF-8
         raise CheckpointError(f"{path / LABELS}: invalid JSON ({exc})") from None
     _check_labels(config, labels)
+    try:
+        tokenizer = VLTokenizer.from_dir(path)
+    except OSError as exc:
+        raise unreadable(exc, path, path / TOKENIZER_FILES[0]) from None
+    except ValueError as exc:  # names the file: not UTF-8, not JSON, a vocabulary without the special tokens
+        raise CheckpointError(str(exc)) from None
     model = VLModel(config)
     try:
         state = load_file(str(path / WEIGHTS), device="cpu")
@@ -201,7 +211,7 @@ def load_checkpoint(
         raise CheckpointError(f"{path / WEIGHTS}: unreadable ({exc})") from None
     load_state_strict(model, state, path / WEIGHTS)
     model.to(device).eval()
-    return Checkpoint(model=model, tokenizer=VLTokenizer.from_dir(path), labels=labels, manifest=manifest, path=path)
+    return Checkpoint(model=model, tokenizer=tokenizer, labels=labels, manifest=manifest, path=path)
 
 
 def load_state_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path | str) -> None:

@@ -294,14 +294,18 @@ def write_obj_tsv(path: str | os.PathLike, items: Iterable[tuple[str, RegionFeat
 
 
 def read_obj_tsv(path: str | os.PathLike, topk: int | None = None) -> Iterator[tuple[str, RegionFeatures]]:
-    """Yield (img_id, RegionFeatures) per line (the first `topk` lines if given); bad lines -> FeatureFormatError."""
+    """Yield (img_id, RegionFeatures) per line (the first `topk` lines if given); bad lines -> FeatureFormatError, and
+    so is a file that is not UTF-8 text (a binary file such as our record file)."""
     _raise_csv_field_limit()
-    with open(path, newline="") as f:
+    with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f, FIELDNAMES, delimiter="\t")
-        for i, row in enumerate(reader):
-            if topk is not None and i >= topk:
-                return
-            try:
-                yield decode_obj_row(row)
-            except FeatureFormatError as e:
-                raise FeatureFormatError(f"{path} line {reader.line_num}: {e}") from None
+        try:
+            for i, row in enumerate(reader):
+                if topk is not None and i >= topk:
+                    return
+                try:
+                    yield decode_obj_row(row)
+                except FeatureFormatError as e:
+                    raise FeatureFormatError(f"{path} line {reader.line_num}: {e}") from None
+        except (UnicodeDecodeError, csv.Error) as e:  # read a chunk at a time: no line to name
+            raise FeatureFormatError(f"{path}: not an obj36 TSV feature file ({e})") from None

@@ -1,7 +1,9 @@
 """WordPiece tokenization (bert-base-uncased vocabulary) and the per-task text layouts the heads expect."""
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -53,10 +55,26 @@ class VLTokenizer:
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> VLTokenizer:
+        """The tokenizer `save` wrote to `directory` (tokenizer_config.json optional). A file that cannot be read is an
+        OSError naming it (a missing vocab.txt FileNotFoundError); one that is not UTF-8, a config that is not a JSON
+        object and a vocabulary without the special tokens are a ValueError naming the file."""
         directory = Path(directory)
-        cfg_path = directory / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        return cls(directory / "vocab.txt", lowercase=cfg.get("do_lower_case", True), max_length=cfg.get("max_length", 64))
+        cfg_path, vocab = directory / "tokenizer_config.json", directory / "vocab.txt"
+        cfg = {}
+        if cfg_path.is_file():
+            try:
+                cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+            except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                raise ValueError(f"{cfg_path}: {exc}") from None
+            if not isinstance(cfg, dict):
+                raise ValueError(f"{cfg_path}: must be a JSON object, not {type(cfg).__name__}")
+        if not vocab.is_file():
+            code = errno.EISDIR if vocab.is_dir() else errno.ENOENT
+            raise OSError(code, os.strerror(code), str(vocab))  # FileNotFoundError / IsADirectoryError
+        try:
+            return cls(vocab, lowercase=cfg.get("do_lower_case", True), max_length=cfg.get("max_length", 64))
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{vocab}: not UTF-8 text ({exc})") from None
 
     @classmethod
     def pretrained_minilm(cls, max_length: int = 64) -> VLTokenizer:

@@ -10,7 +10,10 @@ of the self-attention); two-stream presets at their cross-modality layers (text 
 """
 from __future__ import annotations
 
+import errno
 import json
+import os
+import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -87,19 +90,36 @@ def caption_probes(grounding: dict) -> tuple[Probe, ...]:
     return tuple(probes)
 
 
+def split_scenes(split: str) -> int:
+    """Scenes of the shapes-world `split` (one grounding caption at most each); ValueError naming the splits there are
+    for another."""
+    sizes = dict(ShapesConfig().splits)
+    if split not in sizes:
+        raise ValueError(f"unknown split {split!r}; choose one of {', '.join(sizes)}")
+    return sizes[split]
+
+
 def grounding_examples(count: int, split: str = "val", world: WorldConfig = WorldConfig(),
                        tasks: TaskConfig = TaskConfig()) -> list[GroundingExample]:
-    """The grounding captions of shapes-world scenes 0, 1, ... of `split` (at most one per scene), `count` of them.
+    """The grounding captions of shapes-world scenes 0, 1, ... of `split` (at most one per scene), `count` of them,
+    fewer where the split's scenes run out first.
 
     Scenes are regenerated, not read from the split cache: they depend only on (world, split, index), so these are
-    the cached dataset's scenes and annotations without building all of it.
+    the cached dataset's scenes and annotations without building all of it. A `count` over the split's scenes is a
+    ValueError before any is generated: no count of them could be met.
     """
+    scenes = split_scenes(split)
+    if count > scenes:
+        raise ValueError(f"{count} grounding examples asked of the {split} split, which has {scenes} scenes "
+                         f"(one caption at most each)")
     out: list[GroundingExample] = []
-    index = 0
-    while len(out) < count:
+    for index in range(scenes):
+        if len(out) >= count:
+            break
         for g in scene_annotations(generate_scene(world, split, index), tasks)["grounding"][: count - len(out)]:
             out.append(GroundingExample(index, g["caption"], caption_probes(g)))
-        index += 1
+    if not out:
+        raise ValueError(f"no grounding captions among the {split} split's scenes")
     return out
 
 
@@ -315,13 +335,41 @@ def plot_report(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+REPORT_FILES = {"json": "grounding.json", "md": "grounding.md", "png": "grounding.png"}
+
+
+def report_paths(out: Path) -> dict[str, Path]:
+    """Where write_report puts each report file under `out`."""
+    return {kind: Path(out) / name for kind, name in REPORT_FILES.items()}
+
+
 def write_report(report: dict, out: Path) -> dict[str, Path]:
-    """grounding.json, grounding.md and grounding.png under out."""
+    """grounding.json, grounding.md and grounding.png under out, each written whole: all three go to temporaries
+    beside them, renamed over them only once every one is written. A failure (OSError: a target that is a directory,
+    a full disk) removes the temporaries and leaves the report files as they were; a failure in the renames leaves
+    each one whole, old or new."""
+    from models.file_modes import apply_umask
+
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "grounding.json", "md": out / "grounding.md", "png": out / "grounding.png"}
-    paths["json"].write_text(json.dumps(report, indent=2))
-    paths["md"].write_text(markdown_report(report))
-    plot_report(report, paths["png"])
+    paths = report_paths(out)
+    temporaries: dict[str, Path] = {}
+    try:
+        for kind, path in paths.items():
+            fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=out)  # savefig reads the suffix
+            os.close(fd)
+            temporaries[kind] = Path(name)
+            apply_umask(name)  # mkstemp's 0600 -> the mode a new file gets
+        temporaries["json"].write_text(json.dumps(report, indent=2))
+        temporaries["md"].write_text(markdown_report(report))
+        plot_report(report, temporaries["png"])
+        for path in paths.values():
+            if os.path.isdir(path):  # a file cannot be renamed over it: refused before any rename
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        for kind, path in paths.items():
+            os.replace(temporaries.pop(kind), path)
+    finally:
+        for name in temporaries.values():
+            name.unlink(missing_ok=True)
     return paths
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,8 @@ class ExtractionReport:
     already_done: int = 0  # images found in the output from an earlier, interrupted run
     failed: list[tuple[str, str]] = field(default_factory=list)  # (path, reason) of images that could not be read
     # or that the detector failed on
+    duplicates: list[tuple[str, str]] = field(default_factory=list)  # (path, earlier input with the same bytes) in
+    # sha256 mode: the record of that input is theirs
 
 
 def extract_each(detector: RegionDetector, images: list, batch_size: int) -> list[RegionFeatures | Exception]:
@@ -60,17 +63,47 @@ def find_images(inputs: list[Path]) -> list[Path]:
     return found
 
 
-def image_ids(paths: list[Path], mode: str) -> list[str]:
-    """File stems (unique among the inputs) or the sha256 of each file's bytes (the service's image_id)."""
-    if mode == "sha256":
-        return [hashlib.sha256(p.read_bytes()).hexdigest() for p in paths]
-    ids = [p.stem for p in paths]
+def _hash_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def image_ids(paths: list[Path], mode: str, report: ExtractionReport) -> list[tuple[Path, str]]:
+    """(path, id) of each input to extract: its file stem (unique among the inputs, else ValueError) or the sha256 of
+    its bytes (the service's image_id). Only regular files are read (a FIFO would block the run); the others, and in
+    sha256 mode files that cannot be read, go to report.failed. A file with the bytes of an earlier one goes to
+    report.duplicates: one record per id."""
+    keyed: list[tuple[Path, str]] = []
+    for p in paths:
+        try:
+            regular = stat.S_ISREG(p.stat().st_mode)
+        except OSError as exc:
+            report.failed.append((str(p), f"cannot read {p}: {exc.strerror or exc}"))
+            continue
+        if not regular:
+            report.failed.append((str(p), "not a regular file (a FIFO, device or socket is not read)"))
+            continue
+        if mode != "sha256":
+            keyed.append((p, p.stem))
+            continue
+        try:
+            keyed.append((p, _hash_file(p)))
+        except OSError as exc:
+            report.failed.append((str(p), f"cannot read {p}: {exc.strerror or exc}"))
     seen: dict[str, Path] = {}
-    for p, i in zip(paths, ids):
-        if i in seen:
+    unique = []
+    for p, i in keyed:
+        if i not in seen:
+            seen[i] = p
+            unique.append((p, i))
+        elif mode == "sha256":
+            report.duplicates.append((str(p), str(seen[i])))
+        else:
             raise ValueError(f"two images share the id {i!r} ({seen[i]} and {p}); use --ids sha256")
-        seen[i] = p
-    return ids
+    return unique
 
 
 def _tsv_done(path: Path) -> set[str]:
@@ -116,13 +149,12 @@ def extract_folder(
     """Extract every image under inputs into out; images already in out are skipped (resume)."""
     if fmt not in ("vlfeat", "tsv"):
         raise ValueError(f"unknown output format {fmt!r}; choose vlfeat or tsv")
-    paths = find_images(inputs)
-    keys = image_ids(paths, ids)
     report = ExtractionReport()
+    keyed = image_ids(find_images(inputs), ids, report)
     writer = FeatureFileWriter(out, meta={"detector": fingerprint}) if fmt == "vlfeat" else None
     done = set(writer.written) if writer else _tsv_done(out)
-    todo = [(p, k) for p, k in zip(paths, keys) if k not in done]
-    report.already_done = len(paths) - len(todo)
+    todo = [(p, k) for p, k in keyed if k not in done]
+    report.already_done = len(keyed) - len(todo)
     try:
         bar = tqdm(total=len(todo), desc="extract", unit="img", disable=not progress)
         for chunk in _batches(todo, batch_size):

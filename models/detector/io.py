@@ -42,8 +42,10 @@ def load_detector(path: str | Path, device: str = "cpu") -> tuple[RegionDetector
     if manifest.get("kind") != KIND:
         raise CheckpointError(f"{path}: not a detector directory (manifest kind {manifest.get('kind')!r})")
     try:
-        cfg = DetectorConfig.from_dict(json.loads((path / CONFIG).read_text()))
-    except (json.JSONDecodeError, ValueError, TypeError) as exc:
+        cfg = DetectorConfig.from_dict(json.loads((path / CONFIG).read_text(encoding="utf-8")))
+    except OSError as exc:  # a file the manifest does not list may be missing
+        raise unreadable(exc, path, path / CONFIG) from None
+    except (ValueError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(f"{path / CONFIG}: {exc}") from None
     detector = RegionDetector(cfg, pretrained_backbone=False)
     try:

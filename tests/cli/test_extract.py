@@ -1,5 +1,7 @@
 """`vlserve extract`: folders of images to feature files, bad files reported and skipped, resume, TSV output."""
 import json
+import os
+import threading
 
 import numpy as np
 import pytest
@@ -147,3 +149,85 @@ def test_tsv_output_over_another_file_is_refused_and_left_as_it_is(detector_dir,
     result = run(folder / "a.png", "--detector", detector_dir, "--out", out, "--format", "tsv")
     assert result.exit_code == 2 and "notes.txt line" in result.stderr, result.output
     assert out.read_bytes() == text
+
+
+def summary_of(result) -> dict:
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("ids", ["stem", "sha256"])
+def test_a_file_that_cannot_be_read_is_skipped_in_either_id_mode(detector_dir, folder, tmp_path, ids):
+    """/proc/self/mem: a regular file whose read fails (EIO at offset 0)."""
+    out = tmp_path / "feats.vlfeat"
+    result = run(folder / "a.png", "/proc/self/mem", "--detector", detector_dir, "--out", out, "--ids", ids)
+    assert result.exit_code == 1, result.output
+    assert "skipped /proc/self/mem: cannot read /proc/self/mem" in result.stderr
+    assert summary_of(result) == {**summary_of(result), "written": 1, "failed": 1}
+    with FeatureFile(out) as f:
+        assert len(f) == 1
+
+
+@pytest.mark.parametrize("fmt", ["vlfeat", "tsv"])
+def test_sha256_ids_write_one_record_for_files_of_the_same_bytes(detector_dir, folder, tmp_path, fmt):
+    (folder / "copy.png").write_bytes((folder / "a.png").read_bytes())
+    (folder / "alias.png").symlink_to("a.png")
+    out = tmp_path / f"feats.{fmt}"
+    result = run(folder / "a.png", folder / "copy.png", folder / "alias.png", "--detector", detector_dir, "--out", out,
+                 "--format", fmt, "--ids", "sha256")
+    assert result.exit_code == 0, result.output
+    assert summary_of(result) == {**summary_of(result), "written": 1, "duplicates": 2, "failed": 0}
+    assert [line for line in result.stderr.splitlines() if line.startswith("duplicate ")] == [
+        f"duplicate {folder / name}: the same bytes as {folder / 'a.png'}, whose record it shares"
+        for name in ("copy.png", "alias.png")]
+    if fmt == "tsv":
+        assert len(out.read_text().splitlines()) == 1
+    else:
+        with FeatureFile(out) as f:
+            assert len(f) == 1
+
+
+def test_more_threads_than_torch_takes_exit_2(detector_dir, folder, tmp_path):
+    result = run(folder / "a.png", "--detector", detector_dir, "--out", tmp_path / "x", "--threads", 100000000000)
+    assert result.exit_code == 2 and "Invalid value for '--threads'" in result.output, result.output
+    assert not (tmp_path / "x").exists()
+
+
+def test_tsv_output_over_a_feature_file_is_one_line_naming_it(detector_dir, folder, tmp_path):
+    out = tmp_path / "feats.vlfeat"
+    run(folder / "a.png", "--detector", detector_dir, "--out", out)
+    before = out.read_bytes()
+    result = run(folder / "a.png", "--detector", detector_dir, "--out", out, "--format", "tsv")
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert result.stderr.startswith(f"error: {out}: not an obj36 TSV feature file (") and result.stderr.count("\n") == 1
+    assert out.read_bytes() == before
+
+
+@pytest.fixture
+def fifo(tmp_path):
+    """A FIFO named fifo.png; should the command open it, a writer opens and closes it at once, so the read ends
+    (empty) instead of blocking the test."""
+    path = tmp_path / "fifo.png"
+    os.mkfifo(path)
+    stop = threading.Event()
+
+    def unblock():
+        while not stop.wait(0.05):
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO while no reader has it open
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=unblock, daemon=True)
+    thread.start()
+    yield path
+    stop.set()
+    thread.join()
+
+
+@pytest.mark.parametrize("ids", ["stem", "sha256"])
+def test_a_fifo_is_skipped_unread(detector_dir, folder, tmp_path, fifo, ids):
+    out = tmp_path / "feats.vlfeat"
+    result = run(folder / "a.png", fifo, "--detector", detector_dir, "--out", out, "--ids", ids)
+    assert result.exit_code == 1, result.output
+    assert f"skipped {fifo}: not a regular file" in result.stderr
+    assert summary_of(result) == {**summary_of(result), "written": 1, "failed": 1}

@@ -18,7 +18,6 @@ import training.pretrain
 import training.vl_data
 from training.finetune import STATE
 from training.run_config import FinetuneConfig, PretrainConfig
-from tests.service.conftest import build_tiny_checkpoint, build_tiny_detector
 from vlserve.cli import app
 
 runner = CliRunner()
@@ -27,15 +26,6 @@ TINY = ["--size", "tiny", "--no-init-text"]  # a run the tiny detector and check
 
 class WorkStarted(Exception):
     """Raised by a stub trainer, data preparation or analysis: the command got past its checks."""
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """A tiny detector and a tiny visualbert checkpoint of its regions (not written to by any test)."""
-    root = tmp_path_factory.mktemp("models")
-    detector = build_tiny_detector(root / "det")
-    build_tiny_checkpoint(root / "ckpt", detector.fingerprint)
-    return root / "det", root / "ckpt"
 
 
 @pytest.fixture(autouse=True)

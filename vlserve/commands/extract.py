@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from training.run_config import MAX_THREADS
+
 
 def extract(
     images: Annotated[list[Path], typer.Argument(help="image files and/or folders (searched recursively)")],
@@ -17,10 +19,11 @@ def extract(
                                                     "detector: resume a TSV only with the one that began it)")] = "vlfeat",
     batch_size: Annotated[int, typer.Option(min=1, help="images per detector batch")] = 8,
     ids: Annotated[str, typer.Option(help="image ids: stem (file name) or sha256 (of the bytes, as the service)")] = "stem",
-    threads: Annotated[int, typer.Option(min=1, help="torch threads")] = 2,
+    threads: Annotated[int, typer.Option(min=1, max=MAX_THREADS, help="torch threads")] = 2,
 ) -> None:
     """Extract region features (boxes, features, classes, attributes) for every image; bad files are reported and skipped.
 
+    With --ids sha256, files of the same bytes (copies, links) get one record, the others are listed as duplicates.
     Exit code 0 when every image was extracted, 1 when some could not be read (listed on stderr), 2 on usage errors.
     """
     import torch
@@ -45,7 +48,10 @@ def extract(
         raise typer.Exit(2) from None
     for path, reason in report.failed:
         typer.echo(f"skipped {path}: {reason}", err=True)
+    for path, first in report.duplicates:
+        typer.echo(f"duplicate {path}: the same bytes as {first}, whose record it shares", err=True)
     typer.echo(json.dumps({"out": str(out), "written": report.written, "already_done": report.already_done,
-                           "failed": len(report.failed), "detector": fingerprint}))
+                           "duplicates": len(report.duplicates), "failed": len(report.failed),
+                           "detector": fingerprint}))
     if report.failed:
         raise typer.Exit(1)
