@@ -18,12 +18,12 @@ class HTTPBasics:
             return await self.app(scope, receive, send)
         if scope["method"] == "HEAD":  # the server that made the scope sends no body for it (uvicorn and h11 both)
             scope = {**scope, "method": "GET"}
-        rid = request_id(scope).encode("latin-1", "replace")
 
         async def sending(message: Message) -> None:
             if message["type"] == "http.response.start":
-                headers = list(message.get("headers", []))
-                if not any(name.lower() == b"x-request-id" for name, _ in headers):
+                headers = message.get("headers", ())
+                if not any(name == b"x-request-id" for name, _ in headers):  # the app's headers are lower case
+                    rid = request_id(scope).encode("latin-1", "replace")
                     message = {**message, "headers": [*headers, (b"x-request-id", rid)]}
             await send(message)
 

@@ -123,21 +123,26 @@ class BodyLimitMiddleware:
         if allowed is not None and content_type is None:  # read as JSON: say so to the route's parser
             scope = {**scope, "headers": [*scope["headers"], (b"content-type", JSON_TYPES[0].encode())]}
         chunks, total = [], 0
-        while True:
-            try:
-                message = await asyncio.wait_for(receive(), self.timeout_s)
-            except TimeoutError:
-                return await send_problem(scope, receive, send, 408, f"no byte of the request body arrived for "
-                                          f"{self.timeout_s:g} s (body_timeout_s)", {"Connection": "close"})
-            if message["type"] != "http.request":  # client went away: let the app see it
-                chunks.append(message)
-                break
-            total += len(message.get("body", b""))
-            if total > self.max_bytes:
-                return await send_problem(scope, receive, send, 413, self.too_large())
-            chunks.append(message)
-            if not message.get("more_body", False):
-                break
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(None) as deadline:  # one timer for the whole body, moved on at each chunk
+                while True:
+                    deadline.reschedule(loop.time() + self.timeout_s)
+                    message = await receive()
+                    if message["type"] != "http.request":  # client went away: let the app see it
+                        chunks.append(message)
+                        break
+                    total += len(message.get("body", b""))
+                    if total > self.max_bytes:
+                        break
+                    chunks.append(message)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            return await send_problem(scope, receive, send, 408, f"no byte of the request body arrived for "
+                                      f"{self.timeout_s:g} s (body_timeout_s)", {"Connection": "close"})
+        if total > self.max_bytes:
+            return await send_problem(scope, receive, send, 413, self.too_large())
         body = b"".join(m.get("body", b"") for m in chunks if m["type"] == "http.request")
         replay: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
         replay += [m for m in chunks if m["type"] != "http.request"]
