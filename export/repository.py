@@ -83,8 +83,6 @@ def _load_detector(detector_dir: Path, source: dict, visual_feat_dim: int):
     """The detector at `detector_dir` -> (detector, fingerprint), refused unless it gives the region features the
     checkpoint reads: their width always, the detector itself where the checkpoint's manifest records one (imported
     checkpoints do not)."""
-    if not detector_dir.is_dir():
-        raise ExportError(f"detector directory not found: {detector_dir}")
     detector, fingerprint = load_detector(detector_dir)
     if detector.config.feature_dim != visual_feat_dim:
         raise ExportError(f"the checkpoint reads {visual_feat_dim}-d region features, but {detector_dir} gives "

@@ -132,19 +132,20 @@ def save_checkpoint(
     return out
 
 
-def verify_manifest(path: str | Path) -> dict[str, Any]:
+def verify_manifest(path: str | Path, what: str = "checkpoint") -> dict[str, Any]:
     """Check that every file the manifest lists exists and has its recorded sha256; return the manifest. A file or
-    directory this process may not read is a CheckpointError naming it (`unreadable`)."""
+    directory this process may not read is a CheckpointError naming it (`unreadable`); `what` names the directory a
+    not-found message speaks of (a checkpoint, a detector)."""
     path = Path(path)
     try:
-        return _verify_manifest(path)
+        return _verify_manifest(path, what)
     except OSError as exc:
         raise unreadable(exc, path) from None
 
 
-def _verify_manifest(path: Path) -> dict[str, Any]:
+def _verify_manifest(path: Path, what: str) -> dict[str, Any]:
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory not found: {path}")
+        raise CheckpointError(f"{what} directory not found: {path}")
     mpath = path / MANIFEST
     if not mpath.is_file():
         raise CheckpointError(f"{path}: missing file {MANIFEST}")

@@ -38,7 +38,7 @@ def save_detector(detector: RegionDetector, out_dir: str | Path, extra: dict | N
 def load_detector(path: str | Path, device: str = "cpu") -> tuple[RegionDetector, str]:
     """Verify and load a detector directory -> (detector in eval mode, fingerprint)."""
     path = Path(path)
-    manifest = verify_manifest(path)
+    manifest = verify_manifest(path, "detector")
     if manifest.get("kind") != KIND:
         raise CheckpointError(f"{path}: not a detector directory (manifest kind {manifest.get('kind')!r})")
     try:

@@ -178,7 +178,7 @@ def test_bad_inputs_exit_2(trained, tmp_path):
     cases = [
         (evaluate(tmp_path, checkpoint="missing", detector="other-detector"), "checkpoint directory not found"),
         (evaluate(tmp_path, checkpoint="corrupt", detector="other-detector"), "does not match its sha256"),
-        (evaluate(root, detector="missing"), "checkpoint directory not found"),
+        (evaluate(root, detector="missing"), "detector directory not found"),
         (evaluate(root, detector=tmp_path / "other-detector"), "was trained on regions of detector"),
         (evaluate(root, checkpoint="pretrained", detector=tmp_path / "narrow-detector"), "reads 16-d region features"),
         (evaluate(root, "--split", "train"), "--split must be val or test"),

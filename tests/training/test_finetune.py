@@ -300,7 +300,7 @@ def test_weights_or_a_temperature_that_are_not_finite_fail_before_the_data_work(
 
 def test_missing_detector_fails_before_training(tmp_path):
     result = CliRunner().invoke(app, ["train", "finetune", "--out", str(tmp_path / "x"), "--detector", str(tmp_path / "none")])
-    assert result.exit_code == 2 and "checkpoint directory not found" in result.stderr
+    assert result.exit_code == 2 and "detector directory not found" in result.stderr
 
 
 def test_multiple_choice_collates_one_row_per_candidate(task_data):

@@ -217,7 +217,7 @@ def test_grounded_masked_lm_targets_detector_words_of_matched_pairs_only(detecto
         (dict(objectives=("mrc", "mrc_kl")), "not both"),
         (dict(visual_feat_dim=2048), "feature dim mismatch: visual_feat_dim=2048"),
         (dict(init_text=True), "--init-text needs size small"),
-        (dict(detector_dir="nowhere"), "checkpoint directory not found"),
+        (dict(detector_dir="nowhere"), "detector directory not found"),
         (dict(preset="vl-bert", box_embedding="normalized"), "box_embedding 'normalized' is u-visualbert's"),
         (dict(device="tpu"), "device 'tpu' unknown: choose cpu, cuda or cuda:N"),
         (dict(device="cuda:7"), "device 'cuda:7': torch sees"),
@@ -263,7 +263,7 @@ def test_cli_bad_configs_exit_2_with_one_message(args, message, detector_dir, tm
 
 def test_cli_missing_detector_exits_2(tmp_path):
     result = CliRunner().invoke(app, ["train", "pretrain", "--out", str(tmp_path / "x"), "--detector", str(tmp_path / "none")])
-    assert result.exit_code == 2 and "checkpoint directory not found" in result.stderr
+    assert result.exit_code == 2 and "detector directory not found" in result.stderr
 
 
 def test_cli_pretrains(detector_dir, data, tmp_path, monkeypatch):
