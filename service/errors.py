@@ -137,7 +137,7 @@ async def send_problem(scope: Scope, send: Send, status: int, detail: str, kind:
     rid = request_id(scope)
     v2 = is_v2(scope["path"])
     body = json.dumps({"error": detail} if v2 else
-                      problem_body(status, detail, scope["path"], rid, kind, title)).encode()
+                      problem_body(status, detail, shown(scope["path"], 256), rid, kind, title)).encode()
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json" if v2 else PROBLEM_JSON.encode()),
         (b"content-length", str(len(body)).encode()), (b"x-request-id", rid.encode()),

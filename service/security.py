@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import PROBLEM_JSON, JSONAnswer, is_v2, problem_body, request_id, shown
+from .errors import send_problem, shown
 
 # probes: they carry no data and cannot always send headers (the v2 ones: the Open Inference Protocol's);
 # /metrics: counts and timings, no request data, and Prometheus' pod discovery scrapes it without headers (behind a
@@ -22,18 +22,6 @@ from .errors import PROBLEM_JSON, JSONAnswer, is_v2, problem_body, request_id, s
 PAGE_PATHS = frozenset({"/", "/page/app.js", "/page/style.css", "/page/sample-shapes.png", "/page/sample-shapes-2.png",
                         "/page/sample-photo.jpg"})
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready", "/metrics"}) | PAGE_PATHS
-
-
-async def send_problem(scope: Scope, receive: Receive, send: Send, status: int, detail: str,
-                       headers: dict[str, str] | None = None) -> None:
-    rid = request_id(scope)
-    if is_v2(scope.get("path", "")):  # the Open Inference Protocol's error body (routes/v2.py)
-        response = JSONAnswer({"error": detail}, status_code=status, headers={**(headers or {}), "X-Request-ID": rid})
-        return await response(scope, receive, send)
-    body = problem_body(status, detail, scope.get("path", ""), rid)
-    response = JSONAnswer(body, status_code=status, media_type=PROBLEM_JSON,
-                          headers={**(headers or {}), "X-Request-ID": rid})
-    await response(scope, receive, send)
 
 
 class APIKeyMiddleware:
@@ -54,10 +42,11 @@ class APIKeyMiddleware:
             return await self.app(scope, receive, send)
         sent = dict(scope["headers"]).get(b"x-api-key")
         if sent is None:
-            return await send_problem(scope, receive, send, 401, "this service needs an API key in the X-API-Key header",
-                                      {"WWW-Authenticate": "ApiKey"})
+            return await send_problem(scope, send, 401, "this service needs an API key in the X-API-Key header",
+                                      headers={"WWW-Authenticate": "ApiKey"})
         if not self.allowed(sent):
-            return await send_problem(scope, receive, send, 401, "the X-API-Key is not valid", {"WWW-Authenticate": "ApiKey"})
+            return await send_problem(scope, send, 401, "the X-API-Key is not valid",
+                                      headers={"WWW-Authenticate": "ApiKey"})
         await self.app(scope, receive, send)
 
 
@@ -106,19 +95,19 @@ class BodyLimitMiddleware:
             try:
                 declared = int(length)
             except ValueError:
-                return await send_problem(scope, receive, send, 400, "Content-Length is not a number")
+                return await send_problem(scope, send, 400, "Content-Length is not a number")
             if declared > self.max_bytes:
-                return await send_problem(scope, receive, send, 413, self.too_large())
+                return await send_problem(scope, send, 413, self.too_large())
         coding = headers.get(b"content-encoding", b"").decode("latin-1").strip().lower()
         if coding not in ("", "identity"):
-            return await send_problem(scope, receive, send, 415, f"Content-Encoding {shown(coding)} is not supported: "
-                                      "send the body uncompressed", {"Accept-Encoding": "identity"})
+            return await send_problem(scope, send, 415, f"Content-Encoding {shown(coding)} is not supported: "
+                                      "send the body uncompressed", headers={"Accept-Encoding": "identity"})
         content_type = headers.get(b"content-type")
         content_type = content_type.decode("latin-1") if content_type is not None else None
         allowed = self.body_types.get(scope.get("path", ""))
         if not readable(allowed, content_type):
             wanted = " or ".join(allowed)
-            return await send_problem(scope, receive, send, 415, f"this route reads a body of type {wanted}, not "
+            return await send_problem(scope, send, 415, f"this route reads a body of type {wanted}, not "
                                       f"{shown(media_type(content_type))}; send JSON with Content-Type: application/json")
         if allowed is not None and content_type is None:  # read as JSON: say so to the route's parser
             scope = {**scope, "headers": [*scope["headers"], (b"content-type", JSON_TYPES[0].encode())]}
@@ -139,10 +128,10 @@ class BodyLimitMiddleware:
                     if not message.get("more_body", False):
                         break
         except TimeoutError:
-            return await send_problem(scope, receive, send, 408, f"no byte of the request body arrived for "
-                                      f"{self.timeout_s:g} s (body_timeout_s)", {"Connection": "close"})
+            return await send_problem(scope, send, 408, f"no byte of the request body arrived for "
+                                      f"{self.timeout_s:g} s (body_timeout_s)", headers={"Connection": "close"})
         if total > self.max_bytes:
-            return await send_problem(scope, receive, send, 413, self.too_large())
+            return await send_problem(scope, send, 413, self.too_large())
         body = b"".join(m.get("body", b"") for m in chunks if m["type"] == "http.request")
         replay: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
         replay += [m for m in chunks if m["type"] != "http.request"]
