@@ -410,7 +410,7 @@ def create_app(settings: Settings) -> FastAPI:
         raise StartupError(DEMO_MISSING)
     # redirect_slashes off: "/vqa/" is a 404 problem, not a bare 307 to an http:// URL built from the Host header
     app = FastAPI(title="vlserve", version=package_version(), description=DESCRIPTION, lifespan=lifespan,
-                  redirect_slashes=False)
+                  redirect_slashes=False, docs_url=None, redoc_url=None)  # /docs: routes/docs.py (no CDN)
     app.state.settings = settings
     app.state.metrics = metrics = Metrics()
     metrics.expect_refusals(sorted(set(ROUTES.values())))

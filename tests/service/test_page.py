@@ -572,3 +572,30 @@ def test_many_regions_keep_their_labels_readable(browser, crowded):
                     .map(([text]) => text);
             }""")
             assert outside == [], width
+
+
+def test_the_schema_page_renders_offline(browser, server):
+    """/docs loads its script and style from the service, not a CDN: with every other host unreachable (as on this
+    project's machines and air-gapped clusters) the operations are listed, and no request left."""
+    context = browser.new_context(extra_http_headers={"X-API-Key": KEY})
+    elsewhere: list[str] = []
+    origin = urlparse(server).netloc
+
+    def block(route):
+        if urlparse(route.request.url).netloc == origin:
+            route.continue_()
+        else:
+            elsewhere.append(route.request.url)
+            route.abort()
+
+    context.route("**/*", block)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        page.goto(f"{server}/docs")
+        expect(page.locator(".opblock-summary-path").first).to_be_visible()
+        assert "/vqa" in page.content() and "/nlvr2" in page.content()
+    finally:
+        context.close()
+    assert not elsewhere and not errors, (elsewhere, errors)

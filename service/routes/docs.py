@@ -1,0 +1,46 @@
+"""GET /docs: the schema's interactive page (Swagger UI), with its script and style served by the service itself, so
+it works where the service cannot reach a CDN (air-gapped clusters, this project's machines). The assets are the ones
+the fastapi-offline package ships (Swagger UI 5, which reads OpenAPI 3.1); the page is FastAPI's own. No /redoc:
+ReDoc's bundle still fetches its logo from its CDN. Like /openapi.json, /docs is behind the API key when keys are
+set."""
+from __future__ import annotations
+
+from importlib.resources import files
+from pathlib import Path
+
+from fastapi import APIRouter, Request
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import FileResponse, HTMLResponse
+
+ASSETS = Path(str(files("fastapi_offline") / "static"))
+ASSET_TYPES = {"swagger-ui-bundle.js": "text/javascript; charset=utf-8", "swagger-ui.css": "text/css; charset=utf-8",
+               "favicon.png": "image/png"}
+OPENAPI_URL = "/openapi.json"
+
+router = APIRouter(include_in_schema=False)
+
+
+def _prefix(request: Request) -> str:
+    """The path the service is mounted under behind a proxy (uvicorn's --root-path), so the pages' URLs resolve."""
+    return request.scope.get("root_path", "").rstrip("/")
+
+
+@router.get("/docs")
+async def swagger_ui(request: Request) -> HTMLResponse:
+    base = _prefix(request)
+    return get_swagger_ui_html(openapi_url=base + OPENAPI_URL, title="vlserve API",
+                               swagger_js_url=f"{base}/docs/swagger-ui-bundle.js",
+                               swagger_css_url=f"{base}/docs/swagger-ui.css",
+                               swagger_favicon_url=f"{base}/docs/favicon.png")
+
+
+def _asset(name: str):
+    async def serve() -> FileResponse:
+        return FileResponse(ASSETS / name, media_type=ASSET_TYPES[name], headers={"Cache-Control": "max-age=86400"})
+
+    serve.__name__ = "docs_" + name.replace("-", "_").replace(".", "_")
+    return serve
+
+
+for _name in ASSET_TYPES:
+    router.add_api_route(f"/docs/{_name}", _asset(_name), methods=["GET"])
