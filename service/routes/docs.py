@@ -8,30 +8,24 @@ from __future__ import annotations
 from importlib.resources import files
 from pathlib import Path
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse
 
 ASSETS = Path(str(files("fastapi_offline") / "static"))
 ASSET_TYPES = {"swagger-ui-bundle.js": "text/javascript; charset=utf-8", "swagger-ui.css": "text/css; charset=utf-8",
                "favicon.png": "image/png"}
-OPENAPI_URL = "/openapi.json"
+OPENAPI_URL = "openapi.json"
 
 router = APIRouter(include_in_schema=False)
 
 
-def _prefix(request: Request) -> str:
-    """The path the service is mounted under behind a proxy (uvicorn's --root-path), so the pages' URLs resolve."""
-    return request.scope.get("root_path", "").rstrip("/")
-
-
 @router.get("/docs")
-async def swagger_ui(request: Request) -> HTMLResponse:
-    base = _prefix(request)
-    return get_swagger_ui_html(openapi_url=base + OPENAPI_URL, title="vlserve API",
-                               swagger_js_url=f"{base}/docs/swagger-ui-bundle.js",
-                               swagger_css_url=f"{base}/docs/swagger-ui.css",
-                               swagger_favicon_url=f"{base}/docs/favicon.png")
+async def swagger_ui() -> HTMLResponse:
+    # URLs relative to /docs, so the page works under any prefix a proxy strips ("/vlserve/docs" loads
+    # "/vlserve/docs/swagger-ui.css" and "/vlserve/openapi.json")
+    return get_swagger_ui_html(openapi_url=OPENAPI_URL, title="vlserve API", swagger_js_url="docs/swagger-ui-bundle.js",
+                               swagger_css_url="docs/swagger-ui.css", swagger_favicon_url="docs/favicon.png")
 
 
 def _asset(name: str):

@@ -8,14 +8,18 @@ const SPECIAL = new Set(["[CLS]", "[SEP]", "[MASK]", "[PAD]"]);
 const TOP_LABELS = 5;  // region labels drawn: the most confident few, the highlighted one, or all (a toggle)
 
 const state = {
-  images: new Map(),  // image_id -> {url, name, size: [h, w], regions, shown (the browser decodes it), format}
+  images: new Map(),  // image_id -> {url, blob (registered again from it where the service lost it), name,
+                      //              size: [h, w], regions, shown (the browser decodes it), format}
   current: null,      // image_id shown
-  refer: null,        // the last /refer answer
+  refer: null,        // the last /refer answer (its boxes drawn whenever its image is shown)
   explain: null,      // {route, entries}
   entry: 0, head: 0, token: 0,
-  uploads: new Map(), // upload id -> {id, name, source, status: waiting|reading|failed, started, node, promise}
+  uploads: new Map(), // upload id -> {id, name, source, status: waiting|reading|failed, started, node, promise,
+                      //               retryIn (seconds before a 429 is sent again, or null)}
   awaited: null,      // the upload a question is about: the last one started, until the user picks another image
   highlight: null,    // region index hovered or focused (its label drawn, its box marked)
+  picks: 0,           // images the user picked (a gallery button, a photo chosen): an answer asked before the
+                      // latest pick does not change the image shown
 };
 
 // ---- the API ---------------------------------------------------------------------------------------------
@@ -26,8 +30,17 @@ class Problem extends Error {
     this.title = body.title || `HTTP ${status}`;
     this.detail = body.detail || "";
     this.status = status;
+    this.type = body.type || "";                                   // the API's problem type, as /problems/unknown-image
+    this.errors = Array.isArray(body.errors) ? body.errors : [];  // a 422's: each {loc, msg, type}
   }
 }
+
+// A URL of this service relative to the page's own, never to the host's root: the page works at / and behind a
+// proxy that serves it under a path prefix alike
+const here = (path) => new URL(path.replace(/^\//, ""), document.baseURI);
+
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+const isObject = (x) => typeof x === "object" && x !== null;
 
 // fetch, with a network failure (the service stopped or out of reach) as a problem the page can show
 async function send(url, init) {
@@ -39,28 +52,85 @@ async function send(url, init) {
   }
 }
 
-async function problemOf(response, what) {
-  const type = response.headers.get("content-type") || "";
-  const body = type.includes("json") ? await response.json().catch(() => ({})) : {};
-  return new Problem({title: body.title || `${what} failed`,
-                      detail: body.detail || `${what} answered ${response.status} ${response.statusText}`.trim()},
-                     response.status);
+// An answer's body: {json} where it is the JSON it says it is, else {kind}: what it is instead (a proxy's error
+// page, a text, a body cut off)
+async function bodyOf(response) {
+  const type = (response.headers.get("content-type") || "").split(";")[0].trim().toLowerCase();
+  const text = await response.text().catch(() => "");
+  if (type.includes("json")) {
+    try {
+      return {json: JSON.parse(text)};
+    } catch {
+      return {kind: "JSON cut off or broken"};
+    }
+  }
+  return {kind: type === "text/html" ? "a page" : text ? `${type || "untyped"} text` : "an empty body"};
 }
 
-async function api(path, {json, form, params} = {}) {
-  const url = new URL(path, location.origin);
-  for (const [k, v] of Object.entries(params || {})) url.searchParams.set(k, v);
+// The problem an error answer states (the API's problem+json); for any other answer (another body, a 2xx that is not
+// what the route answers) one the page words from the status. fromApi: what answered is an API route, so such an
+// answer comes from a proxy in between or a broken service.
+function problemOf(response, what, body, fromApi = true) {
+  const stated = !response.ok && isObject(body.json) && (body.json.title || body.json.detail);
+  if (stated) return new Problem(body.json, response.status);
+  const status = `${response.status} ${response.statusText}`.trim();
+  return new Problem({title: `HTTP ${status}`, detail: !fromApi ? `${what} answered ${status}`
+    : `${what}: the service or a proxy answered ${response.status} with ${body.kind || "JSON of another shape"}, `
+      + "not the API"}, response.status);
+}
+
+const KEY_NEEDED = "this service needs an API key: type it in the API key field at the top";
+const KEY_REFUSED = "this service does not take the API key typed in the field at the top: check it";
+
+// What a 2xx answer of each route must hold to be the API's (else a proxy's page, or a body cut off): checked before
+// any of it is used, so such an answer is an error that leaves the page as it was.
+const ANSWERS = {
+  "/readyz": (a) => isObject(a.model) && Array.isArray(a.endpoints),
+  "/images": (a, params) => typeof a.image_id === "string" && Array.isArray(a.image_size)
+                            && (params.regions !== "true" || Array.isArray(a.regions)),
+  "/vqa": (a) => typeof a.image_id === "string" && Array.isArray(a.answers),
+  "/refer": (a) => typeof a.image_id === "string" && isObject(a.region) && Array.isArray(a.box)
+                   && Array.isArray(a.runner_up),
+  "/retrieve": (a) => Array.isArray(a.results),
+  "/nlvr2": (a) => typeof a.answer === "boolean" && typeof a.probability === "number",
+};
+
+const RETRIES = 2;             // a request refused 429 is sent again this many times, after the Retry-After it names,
+const RETRY_AFTER_MAX_S = 30;  // where that is at most this long (else the error, to retry by hand)
+
+// One API request: its answer (of the shape ANSWERS expects), or a Problem. A 429 is sent again after its
+// Retry-After (waiting(seconds) says so meanwhile, waiting(null) once it is sent again).
+async function api(path, {json, form, params = {}, waiting} = {}) {
+  const url = here(path);
+  for (const [k, v] of Object.entries(params)) url.searchParams.set(k, v);
   const headers = {};
   const key = $("api-key").value.trim();
   if (key) headers["X-API-Key"] = key;
   let body;
   if (json !== undefined) { headers["Content-Type"] = "application/json"; body = JSON.stringify(json); }
   if (form !== undefined) body = form;
-  const response = await send(url, {method: body === undefined ? "GET" : "POST", headers, body});
-  const type = response.headers.get("content-type") || "";
-  const data = type.includes("json") ? await response.json() : {detail: await response.text()};
-  if (!response.ok) throw new Problem(data, response.status);
-  return data;
+  const method = body === undefined ? "GET" : "POST";
+  const what = `${method} ${path}`;
+  for (let retries = 0; ; retries++) {
+    const response = await send(url, {method, headers, body});
+    const retryAfter = response.headers.get("retry-after");
+    const wait = retryAfter === null ? NaN : Number(retryAfter);  // NaN too where it is an HTTP date
+    if (response.status === 429 && retries < RETRIES && wait >= 0 && wait <= RETRY_AFTER_MAX_S) {
+      if (waiting) waiting(wait);
+      await sleep(wait * 1000);
+      if (waiting) waiting(null);
+      continue;
+    }
+    const answer = await bodyOf(response);
+    if (response.status === 401) {
+      throw new Problem({...problemOf(response, what, answer), detail: key ? KEY_REFUSED : KEY_NEEDED}, 401);
+    }
+    const check = ANSWERS[path];
+    if (!response.ok || !isObject(answer.json) || (check && !check(answer.json, params))) {
+      throw problemOf(response, what, answer);
+    }
+    return answer.json;
+  }
 }
 
 // Each error belongs to the action that raised it (a task's form, or one upload): it stays until that action is
@@ -71,6 +141,7 @@ function showError(action, name, err) {
   errors.delete(action);  // to the end: the latest
   errors.set(action, {name, title: err.title || "Error", detail: err.detail !== undefined ? err.detail : String(err)});
   renderError();
+  if (err.status === 401) $("api-key").focus();  // where the fix is typed
 }
 
 function clearError(action) {
@@ -94,14 +165,23 @@ function renderError() {
 
 function dismissError() { clearError($("error").dataset.action); }
 
-// Runs one task request from a form: its button disabled meanwhile, its error shown (and cleared when it is asked
-// again), timings shown.
+// The requests of the tasks under way: form id -> {started, line (under its button: the seconds, a 429's wait)}
+const running = new Map();
+
+// Runs one task request from a form: its button disabled and its seconds counted meanwhile, its error shown (and
+// cleared when it is asked again), timings shown. work(waiting) makes the request and shows its answer; an answer
+// it cannot show is that action's error too.
 async function call(action, name, button, route, work) {
   if (button) button.disabled = true;
   setBusy($(action), true);
   clearError(action);
+  const task = {started: performance.now(), line: pendingLine($(action))};
+  running.set(action, task);
+  waitingNote(task, null);
+  task.line.hidden = false;
+  tick();
   try {
-    const result = await work();
+    const result = await work((seconds) => waitingNote(task, seconds));
     if (result && result.timings) showTimings(route, result.timings);
     return result;
   } catch (err) {
@@ -110,7 +190,27 @@ async function call(action, name, button, route, work) {
   } finally {
     if (button) button.disabled = false;
     setBusy($(action), false);
+    running.delete(action);
+    task.line.hidden = true;
   }
+}
+
+// The line under a form's button while its request runs: what it waits for, and the seconds (aria-hidden: the
+// status is announced at each step, not each second)
+function pendingLine(form) {
+  let line = form.querySelector(".pending");
+  if (!line) {
+    line = el("p", {class: "pending hint", role: "status"}, el("span", {class: "status"}),
+              el("span", {class: "elapsed", "aria-hidden": "true"}));
+    line.hidden = true;
+    form.querySelector("button[type=submit]").after(line);
+  }
+  return line;
+}
+
+function waitingNote(task, seconds) {
+  task.line.querySelector(".status").textContent = seconds === null ? "Waiting for the answer…"
+    : `The service is busy: asking again in ${seconds} s…`;
 }
 
 // ---- small DOM helpers --------------------------------------------------------------------------------------
@@ -169,15 +269,17 @@ let uploadChain = Promise.resolve();
 function upload(name, source) {
   const entry = {id: `upload-${++uploadCount}`, name, source};
   state.uploads.set(entry.id, entry);
-  entry.node = el("li", {"data-upload": entry.id});
+  entry.node = el("li", {"data-upload": entry.id, tabindex: "-1"});  // focusable: it keeps focus after Retry
   $("uploads").append(entry.node);
   state.awaited = entry;
+  state.picks++;
   queueUpload(entry);
   return entry.promise;
 }
 
 function queueUpload(entry) {
   entry.status = "waiting";
+  entry.retryIn = null;
   clearError(entry.id);  // repeated: its error goes (and comes back if it fails again)
   renderUpload(entry);
   entry.promise = uploadChain = uploadChain.then(() => runUpload(entry));
@@ -193,17 +295,20 @@ async function runUpload(entry) {
     const blob = await entry.source();
     const form = new FormData();
     form.append("file", blob, entry.name);
-    const result = await api("/images", {form, params: {regions: "true", timings: "true"}});
+    const waiting = (seconds) => { entry.retryIn = seconds; renderUpload(entry); };
+    const result = await api("/images", {form, params: {regions: "true", timings: "true"}, waiting});
     if (!state.images.has(result.image_id)) {
       const url = URL.createObjectURL(blob);
-      state.images.set(result.image_id, {url, name: entry.name, size: result.image_size, regions: result.regions,
+      state.images.set(result.image_id, {url, blob, name: entry.name, size: result.image_size, regions: result.regions,
                                          shown: await decodes(url), format: formatOf(blob, entry.name)});
     }
     if (result.timings) showTimings("POST /images", result.timings);
     const show = state.awaited === entry || !state.current;  // not where the user has picked another image since
+    const focused = entry.node.contains(document.activeElement);
     removeUpload(entry);
     refreshGallery();
     if (show) select(result.image_id);
+    if (focused) galleryButton(result.image_id).focus();  // its line is gone: focus goes to the image it became
     return result.image_id;
   } catch (err) {
     entry.status = "failed";
@@ -222,32 +327,53 @@ function removeUpload(entry) {
   renderBusy();
 }
 
+// Where focus goes when the user removes an upload's line: the same button on the next line (or the one before),
+// else the file chooser
+function focusAfterRemoving(entry) {
+  const lines = [...$("uploads").children];
+  const at = lines.indexOf(entry.node);
+  const neighbour = lines[at + 1] || lines[at - 1];
+  return (neighbour && (neighbour.querySelector("button.remove") || neighbour)) || $("file");
+}
+
 function renderUpload(entry) {
   const node = entry.node;
+  const focused = node.contains(document.activeElement);  // its Retry pressed, or the line itself focused since
   node.className = entry.status;
   setBusy(node, entry.status !== "failed");
   if (entry.status === "failed") {
     const retry = el("button", {type: "button", class: "retry", text: "Retry"});
     retry.addEventListener("click", () => { state.awaited = entry; queueUpload(entry); });
     const remove = el("button", {type: "button", class: "remove", "aria-label": `Remove ${entry.name}`, text: "×"});
-    remove.addEventListener("click", () => removeUpload(entry));
+    remove.addEventListener("click", () => {
+      const next = focusAfterRemoving(entry);
+      removeUpload(entry);
+      next.focus();
+    });
+    const why = entry.problem.title || entry.problem.message || "failed";
     node.replaceChildren(el("span", {class: "name", text: entry.name}),
-                         el("span", {class: "status", text: ` not registered: ${entry.problem.title}`}), retry, remove);
+                         el("span", {class: "status", text: ` not registered: ${why}`}), retry, remove);
+    if (focused) retry.focus();
   } else {
-    const status = entry.status === "waiting" ? " waiting for the photo before it…" : " finding regions…";
+    const status = entry.status === "waiting" ? " waiting for the photo before it…"
+      : entry.retryIn !== null ? ` the service is busy: trying again in ${entry.retryIn} s…` : " finding regions…";
     node.replaceChildren(el("span", {class: "name", text: entry.name}), el("span", {class: "status", text: status}),
                          el("span", {class: "elapsed", "aria-hidden": "true"}));
+    if (focused) node.focus();  // its buttons are gone while it runs: the line keeps focus
   }
   renderBusy();
   tick();
 }
 
-// The seconds each photo has been read for; aria-hidden, so the live list announces each step, not each second.
+// The seconds each photo has been read for, and each task's request has run; aria-hidden, so the live regions
+// announce each step, not each second.
 function tick() {
+  const since = (started) => ` ${Math.floor((performance.now() - started) / 1000)} s`;
   for (const entry of state.uploads.values()) {
     const elapsed = entry.node.querySelector(".elapsed");
-    if (elapsed && entry.status === "reading") elapsed.textContent = ` ${Math.floor((performance.now() - entry.started) / 1000)} s`;
+    if (elapsed && entry.status === "reading") elapsed.textContent = since(entry.started);
   }
+  for (const task of running.values()) task.line.querySelector(".elapsed").textContent = since(task.started);
 }
 
 function setBusy(node, busy) {
@@ -264,8 +390,9 @@ async function fileSource(file) { return file; }
 
 function sampleSource(name) {
   return async () => {
-    const response = await send(`/page/${name}`);
-    if (!response.ok) throw await problemOf(response, `GET /page/${name}`);
+    const url = here(`page/${name}`);
+    const response = await send(url);
+    if (!response.ok) throw problemOf(response, `GET ${url.pathname}`, await bodyOf(response), false);
     return response.blob();
   };
 }
@@ -288,18 +415,30 @@ function thumbnail(image) {
                      : el("span", {class: "no-thumb", "aria-hidden": "true", text: image.format});
 }
 
+// Replaces a container's children; where focus was on one of them, it goes to the new child of the same key (a
+// data attribute): a list rebuilt under the keyboard must not send focus back to the start of the page.
+function replaceKeepingFocus(container, key, children) {
+  const active = document.activeElement;
+  const kept = active && active !== container && container.contains(active) ? active.dataset[key] : undefined;
+  container.replaceChildren(...children);
+  const same = kept === undefined ? null : children.find((child) => child.dataset[key] === kept);
+  if (same) same.focus();
+}
+
+const galleryButton = (imageId) => [...$("gallery").children].find((button) => button.dataset.imageId === imageId);
+
 function refreshGallery() {
-  const gallery = $("gallery");
-  gallery.replaceChildren();
+  const buttons = [];
   const options = [];
   for (const [id, image] of state.images) {
     const button = el("button", {type: "button", "aria-pressed": String(id === state.current), "data-image-id": id,
                                  "aria-label": `Show ${image.name} (${shortId(id)})`},
                       thumbnail(image), el("span", {text: shortId(id)}));
-    button.addEventListener("click", () => { state.awaited = null; select(id); });
-    gallery.append(button);
+    button.addEventListener("click", () => { state.awaited = null; state.picks++; select(id); });
+    buttons.push(button);
     options.push([id, `${image.name} · ${shortId(id)}`]);
   }
+  replaceKeepingFocus($("gallery"), "imageId", buttons);
   for (const [selectId, fallback] of [["nlvr2-left", 0], ["nlvr2-right", 1]]) {
     const select_ = $(selectId);
     const keep = select_.value;
@@ -314,13 +453,15 @@ function refreshGallery() {
 
 function select(imageId) {
   if (!state.images.has(imageId)) return;
-  if (state.current !== imageId) { state.refer = null; state.highlight = null; }
+  if (state.current !== imageId) state.highlight = null;
   state.current = imageId;
   const image = state.images.get(imageId);
   const [h, w] = image.size;
   $("stage").hidden = false;
-  // the frame has the image's shape from its image_size, whether the browser can show the image or not
+  // the frame has the image's shape from its image_size, whether the browser can show the image or not (and its
+  // width from that shape where a tall image would be taller than the screen: style.css)
   $("frame").style.aspectRatio = `${w} / ${h}`;
+  $("frame").style.setProperty("--aspect", String(w / h));
   $("frame").classList.toggle("blank", !image.shown);
   const picture = $("picture");
   picture.hidden = !image.shown;
@@ -340,6 +481,7 @@ function select(imageId) {
     for (const off of ["mouseleave", "blur"]) item.addEventListener(off, () => highlight(null));
     return item;
   }));
+  noteOtherImage();
   draw();
 }
 
@@ -485,7 +627,8 @@ function drawAttention(entry, layer) {
   if (best >= 0) layer.append(label(entry.boxes[best], fmt(weights[best]), "attn-label"));
 }
 
-function setExplain(route, entries) {
+// follow: the entry's image is shown (not where the user picked another image while the request ran)
+function setExplain(route, entries, follow) {
   if (!entries || !entries.length) return;
   state.explain = {route, entries};
   state.entry = 0; state.head = 0;
@@ -495,13 +638,15 @@ function setExplain(route, entries) {
   $("explain-image").replaceChildren(...entries.map((e, i) => el("option", {value: i,
     text: `${entries.length === 2 && route === "/nlvr2" ? (i ? "right" : "left") + " · " : ""}${shortId(e.image_id)}`})));
   $("explain-image").disabled = entries.length < 2;
-  renderExplain();
+  renderExplain(follow);
 }
 
-function renderExplain() {
+// follow: show the explained entry's image (a word, a head or an image of the explanation picked; an answer that
+// may change the image shown)
+function renderExplain(follow = true) {
   const entry = explainedEntry();
   if (!entry) return;
-  if (state.images.has(entry.image_id) && state.current !== entry.image_id) select(entry.image_id);
+  if (follow && state.images.has(entry.image_id) && state.current !== entry.image_id) select(entry.image_id);
   $("explain-about").textContent = `${state.explain.route}: "${entry.text}" over image ${shortId(entry.image_id)}, ` +
     `${entry.layers} ${entry.layer_kind}s × ${entry.heads_per_layer} heads; heads ` +
     (entry.ranked_by === "grounding" ? "ranked best first by the grounding analysis" : "in layer order") +
@@ -509,8 +654,7 @@ function renderExplain() {
   $("explain-head").replaceChildren(...entry.attention.map((a, i) => el("option", {value: i,
     text: `${i + 1}. layer ${a.layer} · head ${a.head}`})));
   $("explain-head").value = String(state.head);
-  const tokens = $("tokens");
-  tokens.replaceChildren(...entry.tokens.map((t, i) => {
+  replaceKeepingFocus($("tokens"), "token", entry.tokens.map((t, i) => {
     const b = el("button", {type: "button", "aria-pressed": String(i === state.token), "data-token": i, text: t});
     b.addEventListener("click", () => { state.token = i; renderExplain(); });
     return b;
@@ -551,53 +695,152 @@ const TASKS = {"vqa-form": ["Question", ["vqa-answers"]], "refer-form": ["Referr
                "t2i-form": ["Text → images", ["t2i-results"]], "i2t-form": ["Image → texts", ["i2t-results"]],
                "nlvr2-form": ["Statement", ["nlvr2-result"]]};
 
-// A task's request: its answer shown by show(result); where it fails, the answers still shown (to the request
-// before) are marked as such.
+// The images a task's request names
+const imagesOf = (json) => [json.image_id, ...(json.image_ids || []), ...(json.images || []).map((i) => i.image_id)]
+  .filter(Boolean);
+
+const unknownImage = (err) => err.status === 404 && err.type.endsWith("unknown-image");
+
+// A plain problem where the service lost images of a request (it restarted, or dropped them) and registering them
+// again from the page did not help
+function forgotten(ids, why) {
+  const names = [...new Set(ids.map((id) => state.images.get(id).name))].join(", ");
+  return new Problem({title: "Image unknown to the service", detail: `the service no longer holds ${names} (it `
+                      + `restarted, or dropped it) and ${why}: choose the photo again`}, 404);
+}
+
+// Registers images again from the bytes the page keeps: each must come back under its image_id.
+async function registerAgain(ids, waiting) {
+  for (const id of ids) {
+    const image = state.images.get(id);
+    const form = new FormData();
+    form.append("file", image.blob, image.name);
+    let registered;
+    try {
+      registered = await api("/images", {form, waiting});
+    } catch (err) {
+      throw err.status === 401 ? err : forgotten([id], `registering it again failed (${err.title}: ${err.detail})`);
+    }
+    if (registered.image_id !== id) throw forgotten([id], "registered again it has another image_id");
+  }
+}
+
+// A task's request, sent with the tasks' params. Where the service no longer knows its images (restarted, or it
+// dropped them), the page registers them again and sends the request once more.
+async function askTask(path, json, waiting) {
+  const options = {json, params: TASK_PARAMS, waiting};
+  const ids = imagesOf(json).filter((id) => state.images.has(id));
+  try {
+    return await api(path, options);
+  } catch (err) {
+    if (!unknownImage(err) || !ids.length) throw err;
+  }
+  await registerAgain(ids, waiting);
+  try {
+    return await api(path, options);
+  } catch (err) {
+    throw unknownImage(err) ? forgotten(ids, "registering again did not help") : err;
+  }
+}
+
+// A 422 refusing a count the page sets (top_k: every caption or image ranked; the candidates) in the user's words:
+// the service states its limit there, and only there.
+function tooMany(err, count, things) {
+  const refused = err.status === 422 && err.errors.find((e) => e.type === "limit" && Array.isArray(e.loc)
+                                                             && ["top_k", "texts", "image_ids"].includes(e.loc.at(-1)));
+  if (!refused) return err;
+  const limit = (String(refused.msg).match(/(?:at most|and) (\d+)/) || [])[1];
+  return new Problem({title: `Too many ${things}`,
+                      detail: limit ? `at most ${limit} ${things} at once (there are ${count})`
+                                    : `this service takes fewer ${things} at once than the ${count} here`}, 422);
+}
+
+// A task's request: its answer shown by show(result, follow) (follow: the image it is about may be shown: the user
+// picked no other while it ran); where it fails, the answers still shown (to the request before) are marked as such.
 function onSubmit(formId, route, request, show) {
   const [name, outputs] = TASKS[formId];
   $(formId).addEventListener("submit", async (event) => {
     event.preventDefault();
     const button = event.submitter || $(formId).querySelector("button[type=submit]");
-    const result = await call(formId, name, button, route, request);
+    const picks = state.picks;
+    const result = await call(formId, name, button, route, async (waiting) => {
+      const answer = await request((path, json) => askTask(path, json, waiting));
+      show(answer, state.picks === picks);
+      return answer;
+    });
     markStale(formId, outputs, !result);
-    if (result) show(result);
   });
+}
+
+// A hint above a form's answers (made once): class `cls`
+function noteOf(formId, cls) {
+  let note = $(formId).querySelector(`.${cls}`);
+  if (!note) {
+    note = el("p", {class: `${cls} hint`});
+    note.hidden = true;
+    $(TASKS[formId][1][0]).before(note);
+  }
+  return note;
 }
 
 function markStale(formId, outputs, stale) {
   const shown = outputs.filter((id) => $(id).textContent.trim());
   for (const id of outputs) $(id).toggleAttribute("data-stale", stale && shown.includes(id));
-  let note = $(formId).querySelector(".stale-note");
-  if (!note) {
-    note = el("p", {class: "stale-note hint", text: "The request failed (the error above): the answers below are "
-                                                   + "those to the request before it."});
-    $(outputs[0]).before(note);
-  }
+  const note = noteOf(formId, "stale-note");
+  note.textContent = "The request failed (the error above): the answers below are those to the request before it.";
   note.hidden = !(stale && shown.length);
 }
 
-onSubmit("vqa-form", "POST /vqa", async () => api("/vqa", {params: TASK_PARAMS, json: {
-  image_id: await imageToAsk(), question: $("vqa-question").value, top_k: Number($("vqa-top-k").value) || 5}}), (result) => {
+// The image the answers of each one-image task are about: form id -> image_id. Where another image is shown, they
+// are dimmed and say which image they are about.
+const answeredAbout = new Map();
+
+function noteOtherImage() {
+  for (const [formId, imageId] of answeredAbout) {
+    const other = imageId !== state.current;
+    for (const id of TASKS[formId][1]) $(id).toggleAttribute("data-other-image", other);
+    const note = noteOf(formId, "other-image-note");
+    const image = state.images.get(imageId);
+    note.textContent = `The answers below are about ${image ? `${image.name} · ` : "image "}${shortId(imageId)}, `
+      + "not the image shown.";
+    note.hidden = !other;
+  }
+}
+
+function answered(formId, imageId) {
+  answeredAbout.set(formId, imageId);
+  noteOtherImage();
+}
+
+onSubmit("vqa-form", "POST /vqa", async (ask) => ask("/vqa", {
+  image_id: await imageToAsk(), question: $("vqa-question").value, top_k: Number($("vqa-top-k").value) || 5}),
+(result, follow) => {
   $("vqa-answers").replaceChildren(...result.answers.map((a) => bar(a.answer, a.score, fmt(a.score))));
-  setExplain("/vqa", result.explain);
+  answered("vqa-form", result.image_id);
+  setExplain("/vqa", result.explain, follow);
 });
 
-onSubmit("refer-form", "POST /refer", async () => api("/refer", {params: TASK_PARAMS, json: {
-  image_id: await imageToAsk(), expression: $("refer-expression").value}}), (result) => {
+onSubmit("refer-form", "POST /refer", async (ask) => ask("/refer", {
+  image_id: await imageToAsk(), expression: $("refer-expression").value}), (result, follow) => {
   state.refer = result;
   const image = state.images.get(result.image_id);
   const name = (r) => { const d = image && image.regions[r.index]; return d ? `region ${r.index} · ${d.label}, ${d.attribute}` : `region ${r.index}`; };
   $("refer-result").textContent = `${name(result.region)}, score ${fmt(result.score)}, box ${result.box.map((v) => Math.round(v)).join(", ")}`;
   $("refer-runners").replaceChildren(...[result.region, ...result.runner_up].map((r) => bar(name(r), r.score, fmt(r.score))));
-  setExplain("/refer", result.explain);
+  answered("refer-form", result.image_id);
+  setExplain("/refer", result.explain, follow);
   draw();
 });
 
-onSubmit("t2i-form", "POST /retrieve", async () => {
+onSubmit("t2i-form", "POST /retrieve", async (ask) => {
   const ids = await allImages();
   if (!ids.length) await imageToAsk();
-  return api("/retrieve", {params: TASK_PARAMS, json: {text: $("t2i-text").value, image_ids: ids, top_k: ids.length}});
-}, (result) => {
+  try {
+    return await ask("/retrieve", {text: $("t2i-text").value, image_ids: ids, top_k: ids.length});
+  } catch (err) {
+    throw tooMany(err, ids.length, "images");
+  }
+}, (result, follow) => {
   // ranked by bank_score where the model has a query bank, else by score; bars: a softmax over the images shown
   const key = (hit) => (hit.bank_score !== undefined ? hit.bank_score : hit.score);
   const top = Math.max(...result.results.map(key));
@@ -607,26 +850,32 @@ onSubmit("t2i-form", "POST /retrieve", async () => {
     return bar(`${image ? image.name : ""} · ${shortId(hit.image_id)}`, Math.exp(key(hit) - top) / total, fmt(key(hit), 2),
                image ? thumbnail(image) : null);
   }));
-  setExplain("/retrieve", result.explain);
+  setExplain("/retrieve", result.explain, follow);
 });
 
-onSubmit("i2t-form", "POST /retrieve", async () => {
+onSubmit("i2t-form", "POST /retrieve", async (ask) => {
   const texts = $("i2t-texts").value.split("\n").map((t) => t.trim()).filter(Boolean);
-  return api("/retrieve", {params: TASK_PARAMS, json: {image_id: await imageToAsk(), texts, top_k: Math.max(1, texts.length)}});
-}, (result) => {
+  if (!texts.length) throw new Problem({title: "No caption", detail: "type at least one caption (one a line)"}, 0);
+  const imageId = await imageToAsk();
+  try {
+    return await ask("/retrieve", {image_id: imageId, texts, top_k: texts.length});
+  } catch (err) {
+    throw tooMany(err, texts.length, "captions");
+  }
+}, (result, follow) => {
   $("i2t-results").replaceChildren(...result.results.map((hit) => bar(hit.text, hit.probability, fmt(hit.probability))));
-  setExplain("/retrieve", result.explain);
+  answered("i2t-form", result.image_id);
+  setExplain("/retrieve", result.explain, follow);
 });
 
-onSubmit("nlvr2-form", "POST /nlvr2", async () => {
+onSubmit("nlvr2-form", "POST /nlvr2", async (ask) => {
   if (!$("nlvr2-left").value || !$("nlvr2-right").value) await allImages();  // the pair fills as photos register
   const left = $("nlvr2-left").value, right = $("nlvr2-right").value;
   if (!left || !right) await imageToAsk();
-  return api("/nlvr2", {params: TASK_PARAMS, json: {statement: $("nlvr2-statement").value,
-                                                     images: [{image_id: left}, {image_id: right}]}});
-}, (result) => {
+  return ask("/nlvr2", {statement: $("nlvr2-statement").value, images: [{image_id: left}, {image_id: right}]});
+}, (result, follow) => {
   $("nlvr2-result").textContent = `${result.answer ? "True" : "False"} · P(true) = ${fmt(result.probability)}`;
-  setExplain("/nlvr2", result.explain);
+  setExplain("/nlvr2", result.explain, follow);
 });
 
 // ---- start -------------------------------------------------------------------------------------------------------
@@ -688,7 +937,9 @@ function init() {
   layer.addEventListener("pointerleave", () => highlight(null));
   setInterval(tick, 1000);
   window.addEventListener("resize", draw);
-  $("explain-image").addEventListener("change", () => { state.entry = Number($("explain-image").value); state.head = 0; renderExplain(); });
+  $("explain-image").addEventListener("change", () => {
+    state.entry = Number($("explain-image").value); state.head = 0; state.picks++; renderExplain();
+  });
   $("explain-head").addEventListener("change", () => { state.head = Number($("explain-head").value); renderExplain(); });
   showModel();
 }

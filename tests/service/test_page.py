@@ -5,6 +5,7 @@ the page is checked against what the API itself answers for the same requests.""
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import shutil
@@ -262,11 +263,11 @@ def test_a_file_that_is_not_an_image_shows_the_problem(page, server, tmp_path):
     problem = api(server, "POST", "/images", files={"file": ("notes.txt", b"not an image", "text/plain")}).json()
     assert page.text_content("#error-title") == problem["title"] == "Invalid image"
     assert page.text_content("#error-detail") == problem["detail"]
-    # a wrong key: the 401's title and detail
+    # a wrong key: the 401's title, and where to fix it
     page.fill("#api-key", "wrong")
     page.click("button[data-sample='sample-photo.jpg']")
     expect(page.locator("#error-title")).to_have_text("Unauthorized")
-    assert "X-API-Key" in page.text_content("#error-detail")
+    assert "does not take the API key typed in the field at the top" in page.text_content("#error-detail")
 
 
 def test_keyboard_and_phone_width(browser, server):
@@ -364,21 +365,25 @@ def test_an_error_belongs_to_the_action_that_raised_it(page, server):
     page.click("#uploads li.failed button.remove")
     expect(page.locator("#uploads li")).to_have_count(0)
 
-    # an upload refused 429 (a full queue; the service answers it here) stays listed; Retry registers it
+    # an upload refused 429 (a full queue; the service answers it here) is sent again after its Retry-After, a few
+    # times, saying so; refused each time, it stays listed; Retry registers it
     refused = []
 
-    def full_once(route):
-        if refused:
+    def full(route):
+        if refused == ["open"]:
             return route.continue_()
         refused.append(route.request.url)
         route.fulfill(status=429, content_type="application/problem+json", headers={"Retry-After": "1"},
                       body='{"type": "/problems/queue-full", "title": "Too many requests", "status": 429, '
                            '"detail": "the detector queue is full; retry in 1 s"}')
 
-    fail_requests(page, "/images", full_once)
+    fail_requests(page, "/images", full)
     page.click("button[data-sample='sample-shapes-2.png']")
+    expect(page.locator("#uploads li[aria-busy=true]")).to_contain_text("the service is busy: trying again in 1 s")
     expect(page.locator("#uploads li.failed")).to_contain_text("sample-shapes-2.png not registered: Too many requests")
     expect(page.locator("#error-title")).to_have_text("Too many requests")
+    assert len(refused) == 3  # sent, and sent again twice
+    refused[:] = ["open"]
     page.click("#uploads li.failed button.retry")
     expect(page.locator("#gallery button")).to_have_count(2)
     expect(page.locator("#uploads li")).to_have_count(0)
@@ -599,3 +604,346 @@ def test_the_schema_page_renders_offline(browser, server):
     finally:
         context.close()
     assert not elsewhere and not errors, (elsewhere, errors)
+
+
+# ---- behind a proxy, after a restart, when busy, and answers that are not the API's --------------------------------
+
+@contextmanager
+def prefix_proxy(backend: str, prefix: str = "/vlserve") -> Iterator[str]:
+    """A reverse proxy as nginx's `location /vlserve/ { proxy_pass http://backend/; }`: PREFIX/X is backend's /X,
+    anything else a 404 page; its base URL (with the prefix)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    dropped = {"host", "connection", "content-length", "content-encoding", "transfer-encoding", "keep-alive"}
+
+    class Forward(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's names)
+            if not self.path.startswith(f"{prefix}/"):
+                return self.answer(404, {"Content-Type": "text/html"}, b"<html><body><h1>404 Not Found</h1></body></html>")
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in dropped}
+            r = httpx.request(self.command, f"{backend}{self.path[len(prefix):]}", headers=headers, content=body,
+                              timeout=120)
+            self.answer(r.status_code, {k: v for k, v in r.headers.items() if k.lower() not in dropped}, r.content)
+
+        do_POST = do_GET
+
+        def answer(self, status: int, headers: dict, body: bytes) -> None:
+            self.send_response(status)
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), Forward)
+    thread = threading.Thread(target=proxy.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{proxy.server_port}{prefix}"
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+
+
+def test_the_page_works_under_a_proxys_path_prefix(browser, server):
+    """Served under a prefix (nginx's proxy_pass to the service's /), the page loads its files, samples and API
+    requests under that prefix too (opened() fails on any of them answered the proxy's 404), and /docs is linked
+    there."""
+    with prefix_proxy(server) as base, opened(browser, base) as page:
+        assert page.url == f"{base}/"
+        shapes = upload_sample(page, "sample-shapes.png")
+        page.set_input_files("#file", files=[file_payload("more.png", sample_bytes("sample-shapes-2.png"))])
+        expect(page.locator("#gallery button")).to_have_count(2)
+        page.click(f"#gallery button[data-image-id='{shapes}']")
+        page.click("#vqa-form button[type=submit]")
+        page.wait_for_selector("#vqa-answers li")
+        answered = api(server, "POST", "/vqa", json={"image_id": shapes, "question": page.input_value("#vqa-question"),
+                                                     "top_k": 5}).json()
+        assert page.locator("#vqa-answers li .name").all_text_contents() == [a["answer"] for a in answered["answers"]]
+        assert page.is_hidden("#error")
+        assert page.evaluate("document.querySelector('footer a').href") == f"{base}/docs"
+
+
+def unknown_image(image_id: str) -> str:
+    return json.dumps({"type": "/problems/unknown-image", "title": "Unknown image", "status": 404,
+                       "detail": f"unknown image_id {image_id}: no regions are cached for it (never registered, "
+                                 "evicted or expired); send the image itself or register it again with POST /images"})
+
+
+def test_an_image_the_service_no_longer_holds_is_registered_again(page, server):
+    """After a restart (or an eviction) the service answers 404 unknown-image for the page's images: the page
+    registers the image again from the bytes it keeps and asks once more; where that does not help, it says so."""
+    shapes = upload_sample(page, "sample-shapes.png")
+    sent: list[str] = []
+    page.on("request", lambda request: request.method == "POST" and sent.append(urlparse(request.url).path))
+    forget = [1]  # the answers still to refuse
+
+    def forgotten(route):
+        if not forget:
+            return route.continue_()
+        forget.pop()
+        route.fulfill(status=404, content_type="application/problem+json", body=unknown_image(shapes))
+
+    fail_requests(page, "/vqa", forgotten)
+    page.click("#vqa-form button[type=submit]")
+    page.wait_for_selector("#vqa-answers li")
+    assert sent == ["/vqa", "/images", "/vqa"]
+    answered = api(server, "POST", "/vqa", json={"image_id": shapes, "question": page.input_value("#vqa-question"),
+                                                 "top_k": 5}).json()
+    assert page.locator("#vqa-answers li .name").all_text_contents() == [a["answer"] for a in answered["answers"]]
+    assert page.is_hidden("#error")
+
+    forget[:] = [1, 1]  # registered again, still unknown: a plain message, not a loop
+    sent.clear()
+    page.click("#vqa-form button[type=submit]")
+    expect(page.locator("#error-title")).to_have_text("Image unknown to the service")
+    assert "sample-shapes.png" in page.text_content("#error-detail")
+    assert "choose the photo again" in page.text_content("#error-detail")
+    assert sent == ["/vqa", "/images", "/vqa"]
+
+
+def held_route(page, held: list) -> None:
+    """Waits until a request routed to held.append is held (the handler runs while Playwright is waited on)."""
+    deadline = time.monotonic() + 60
+    while not held and time.monotonic() < deadline:
+        page.wait_for_timeout(50)
+    assert held, "the request was never sent"
+
+
+QUEUE_FULL = ('{"type": "/problems/queue-full", "title": "Too many requests", "status": 429, '
+              '"detail": "the task queue is full; retry after Retry-After seconds"}')
+
+
+def test_a_task_counts_its_seconds_and_waits_out_a_full_queue(page, server):
+    """A request under way shows the seconds it has run (text -> images over new photos takes tens of seconds); a
+    429 with Retry-After is sent again after that wait, saying so, a few times before it is an error."""
+    upload_sample(page, "sample-shapes.png")
+    held: list = []
+    pattern = re.compile(r"/vqa\?")
+    page.route(pattern, lambda route: held.append(route))
+    page.click("#vqa-form button[type=submit]")
+    line = page.locator("#vqa-form .pending")
+    expect(line).to_contain_text("Waiting for the answer…")
+    expect(line.locator(".elapsed")).to_have_text(re.compile(r"^ [1-9]\d* s$"))  # counting
+    held_route(page, held)
+    held[0].continue_()
+    page.unroute(pattern)
+    page.wait_for_selector("#vqa-answers li")
+    expect(line).to_be_hidden()
+
+    refused: list[str] = []
+
+    def full_once(route):
+        if refused:
+            return route.continue_()
+        refused.append(route.request.url)
+        route.fulfill(status=429, content_type="application/problem+json", headers={"Retry-After": "2"},
+                      body=QUEUE_FULL)
+
+    fail_requests(page, "/refer", full_once)
+    page.click("#refer-form button[type=submit]")
+    expect(page.locator("#refer-form .pending")).to_contain_text("The service is busy: asking again in 2 s…")
+    page.wait_for_selector("#layer-refer rect.chosen")
+    assert len(refused) == 1 and page.is_hidden("#error")
+
+    always: list[str] = []
+    fail_requests(page, "/retrieve", lambda route: (always.append(route.request.url), route.fulfill(
+        status=429, content_type="application/problem+json", headers={"Retry-After": "0"}, body=QUEUE_FULL)))
+    page.click("#i2t-form button[type=submit]")
+    expect(page.locator("#error-title")).to_have_text("Too many requests")
+    assert page.text_content("#error-action") == "Image → texts: "
+    assert len(always) == 3  # sent, and sent again twice
+
+
+NGINX_502 = ("<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n<center><h1>502 Bad Gateway</h1>"
+             "</center>\r\n<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n")
+
+
+def test_answers_that_are_not_the_apis_are_errors_that_change_nothing(page, server):
+    """A proxy's HTML page (an error, or even a 200), a body cut off, or JSON of another shape: a short error, never
+    the markup, never a script error (opened() checks), and the page as it was (the answers, the gallery)."""
+    shapes = upload_sample(page, "sample-shapes.png")
+    page.click("#vqa-form button[type=submit]")
+    page.wait_for_selector("#vqa-answers li")
+    answers = page.locator("#vqa-answers li .name").all_text_contents()
+    answer: list[tuple[int, str, str]] = []
+    fail_requests(page, "/vqa", lambda route: route.fulfill(status=answer[0][0], content_type=answer[0][1],
+                                                            body=answer[0][2]))
+    for status, kind, body, said in [(502, "text/html", NGINX_502, "with a page"),
+                                     (200, "text/html", NGINX_502, "with a page"),
+                                     (200, "application/json", '{"image_id": "' + shapes[:20], "with JSON cut off"),
+                                     (200, "application/json", '{"detail": "ok"}', "with JSON of another shape")]:
+        answer[:] = [(status, kind, body)]
+        page.click("#vqa-form button[type=submit]")
+        expect(page.locator("#error-detail")).to_contain_text(f"the service or a proxy answered {status} {said}")
+        assert page.text_content("#error-title").startswith(f"HTTP {status}")
+        assert page.text_content("#error-detail").endswith("not the API")
+        assert "<" not in page.text_content("#error")
+        assert page.locator("#vqa-answers li .name").all_text_contents() == answers
+        expect(page.locator("#vqa-form .stale-note")).to_be_visible()
+
+    uploads: list[tuple[int, str, str]] = []
+    fail_requests(page, "/images", lambda route: route.continue_() if not uploads else route.fulfill(
+        status=uploads[0][0], content_type=uploads[0][1], body=uploads[0][2]))
+    too_large = NGINX_502.replace("502 Bad Gateway", "413 Request Entity Too Large")
+    for status, kind, body, said in [(200, "text/html", NGINX_502, "HTTP 200"),
+                                     (413, "text/html", too_large, "HTTP 413"),
+                                     (200, "application/json", '{"image_id": "ab', "HTTP 200"),
+                                     (200, "application/json", '{"status": "ok"}', "HTTP 200")]:
+        uploads[:] = [(status, kind, body)]
+        page.set_input_files("#file", files=[file_payload("more.png", sample_bytes("sample-shapes-2.png"))])
+        failed = page.locator("#uploads li.failed")
+        expect(failed).to_contain_text(f"more.png not registered: {said}")
+        assert "undefined" not in failed.text_content()
+        failed.locator("button.remove").click()
+        assert page.locator("#gallery button").count() == 1
+    uploads.clear()  # the next upload works, as the first did
+    upload_sample(page, "sample-shapes-2.png")
+    assert page.locator("#gallery button").count() == 2
+
+
+def test_an_answer_for_an_image_no_longer_shown_leaves_the_image_shown(page, server):
+    """A request asked about image A answers after the user picked B: B stays shown; the answers say they are about
+    A; /refer's box is drawn when A is shown again."""
+    a = upload_sample(page, "sample-shapes.png")
+    b = upload_sample(page, "sample-shapes-2.png")
+    page.click(f"#gallery button[data-image-id='{a}']")
+    held: list = []
+    pattern = re.compile(r"/refer\?")
+    page.route(pattern, lambda route: held.append(route))
+    page.click("#refer-form button[type=submit]")
+    held_route(page, held)
+    page.click(f"#gallery button[data-image-id='{b}']")
+    held[0].continue_()
+    page.unroute(pattern)
+    expect(page.locator("#refer-result")).not_to_be_empty()
+    expect(page.locator("#refer-form button[type=submit]")).to_be_enabled()
+    assert page.get_attribute("#picture", "data-image-id") == b
+    expect(page.locator("#refer-form .other-image-note")).to_have_text(
+        f"The answers below are about sample-shapes.png · {a[:8]}, not the image shown.")
+    assert page.get_attribute("#refer-result", "data-other-image") is not None
+    assert page.locator("#layer-refer rect").count() == 0
+    page.click(f"#gallery button[data-image-id='{a}']")
+    expect(page.locator("#layer-refer rect.chosen")).to_have_count(1)
+    referred = api(server, "POST", "/refer", json={"image_id": a, "expression": page.input_value("#refer-expression")})
+    assert_box(drawn_box(page, "#layer-refer rect.chosen"), referred.json()["box"])
+    expect(page.locator("#refer-form .other-image-note")).to_be_hidden()
+
+    page.click("#vqa-form button[type=submit]")  # answered, then another image picked
+    page.wait_for_selector("#vqa-answers li")
+    expect(page.locator("#vqa-form .other-image-note")).to_be_hidden()
+    page.click(f"#gallery button[data-image-id='{b}']")
+    expect(page.locator("#vqa-form .other-image-note")).to_contain_text(f"about sample-shapes.png · {a[:8]}")
+    assert page.get_attribute("#vqa-answers", "data-other-image") is not None
+
+
+def test_a_long_file_name_does_not_widen_the_page_at_phone_width(page):
+    """An 80-character file name, in the gallery and in the /nlvr2 pair's options: nothing scrolls sideways."""
+    page.set_viewport_size({"width": 375, "height": 667})
+    name = ("a-photo-with-a-rather-long-file-name-" * 3)[:76] + ".png"
+    assert len(name) == 80
+    page.set_input_files("#file", files=[file_payload(name, sample_bytes("sample-shapes.png"))])
+    expect(page.locator("#gallery button")).to_have_count(1)
+    expect(page.locator("#nlvr2-left option")).to_have_text(re.compile(rf"^{re.escape(name)} · "))
+    assert page.evaluate("document.documentElement.scrollWidth") <= 375
+    assert page.locator("#tasks").bounding_box()["width"] <= 375
+
+
+def test_keyboard_focus_stays_on_a_control_that_is_rebuilt(page, server):
+    """A word of the explanation chosen with Enter, an upload finishing while a gallery button has focus, Retry and
+    Remove of a failed upload: focus stays on that control, or goes to its equivalent, never back to the body."""
+    shapes = upload_sample(page, "sample-shapes.png")
+    page.click("#vqa-form button[type=submit]")
+    page.wait_for_selector("#tokens button")
+    word = page.locator("#tokens button").nth(2)
+    word.focus()
+    page.keyboard.press("Enter")
+    expect(word).to_have_attribute("aria-pressed", "true")
+    expect(word).to_be_focused()
+
+    held: list = []
+    pattern = re.compile(r"/images\?")
+    page.route(pattern, lambda route: held.append(route))
+    page.click("button[data-sample='sample-shapes-2.png']")
+    held_route(page, held)
+    shown = page.locator(f"#gallery button[data-image-id='{shapes}']")
+    shown.focus()
+    held[0].continue_()
+    page.unroute(pattern)
+    expect(page.locator("#gallery button")).to_have_count(2)
+    expect(shown).to_be_focused()
+
+    page.set_input_files("#file", files=[file_payload("one.txt", b"not an image", "text/plain"),
+                                         file_payload("two.txt", b"not an image either", "text/plain")])
+    failed = page.locator("#uploads li.failed")
+    expect(failed).to_have_count(2)
+    failed.first.locator("button.retry").focus()
+    page.keyboard.press("Enter")  # fails again: focus on its Retry again
+    expect(page.locator("#error-action")).to_have_text("one.txt: ")
+    expect(failed.first.locator("button.retry")).to_be_focused()
+    failed.first.locator("button.remove").focus()
+    page.keyboard.press("Enter")  # removed: the next line's remove button
+    expect(failed).to_have_count(1)
+    expect(failed.first.locator("button.remove")).to_be_focused()
+    page.keyboard.press("Enter")  # the last one: the file chooser
+    expect(failed).to_have_count(0)
+    expect(page.locator("#file")).to_be_focused()
+
+
+def test_a_missing_api_key_says_where_to_type_it(page, server):
+    """With API keys on, a request without one says plainly where the key goes and focuses that field; the footer
+    says /docs needs the key too (a link cannot send it)."""
+    page.fill("#api-key", "")
+    page.click("button[data-sample='sample-shapes.png']")
+    expect(page.locator("#error-detail")).to_have_text(
+        "this service needs an API key: type it in the API key field at the top")
+    expect(page.locator("#api-key")).to_be_focused()
+    assert "/docs needs it too" in page.text_content("footer")
+    page.fill("#api-key", KEY)
+    page.click("#uploads li.failed button.retry")
+    expect(page.locator("#gallery button")).to_have_count(1)
+    assert page.is_hidden("#error")
+
+
+def test_a_tall_image_fits_the_screen_with_its_boxes_aligned(page, server):
+    """A 128 x 2048 image is shown no taller than 80% of the window (not 512 x 8192), its regions where the API put
+    them."""
+    from PIL import Image, ImageDraw
+
+    tall = Image.new("RGB", (128, 2048), "white")
+    for i, color in enumerate(["red", "blue", "green", "black"] * 2):
+        ImageDraw.Draw(tall).ellipse((20, 40 + i * 250, 100, 120 + i * 250), fill=color)
+    buf = io.BytesIO()
+    tall.save(buf, format="PNG")
+    page.set_input_files("#file", files=[file_payload("tall.png", buf.getvalue())])
+    expect(page.locator("#gallery button")).to_have_count(1)
+    registered = api(server, "POST", "/images", params={"regions": "true"},
+                     files={"file": ("t.png", buf.getvalue())}).json()
+    frame = page.locator("#frame").bounding_box()
+    assert frame["height"] <= 0.8 * page.viewport_size["height"] + 1, frame
+    assert abs(frame["height"] - frame["width"] * 2048 / 128) <= 1.5, frame
+    picture = page.locator("#picture").bounding_box()
+    assert abs(picture["height"] - frame["height"]) <= 1 and abs(picture["width"] - frame["width"]) <= 1
+    assert page.locator("#layer-regions rect.region").count() == len(registered["regions"]) >= 1
+    for region in registered["regions"]:
+        assert_box(drawn_box(page, f"#layer-regions rect[data-index='{region['index']}']"), region["box"], pixels=3)
+
+
+def test_captions_are_checked_with_plain_messages(page, server):
+    """Image -> texts: blank lines only, or more captions than the service ranks at once, say so in those words."""
+    from service.settings import Settings
+
+    upload_sample(page, "sample-shapes.png")
+    page.fill("#i2t-texts", "  \n \n")
+    page.click("#i2t-form button[type=submit]")
+    expect(page.locator("#error-detail")).to_have_text("type at least one caption (one a line)")
+    limit = min(Settings.model_fields["max_top_k"].default, Settings.model_fields["max_candidates"].default)
+    page.fill("#i2t-texts", "\n".join(f"caption {i}" for i in range(limit + 50)))
+    page.click("#i2t-form button[type=submit]")
+    expect(page.locator("#error-title")).to_have_text("Too many captions")
+    assert page.text_content("#error-detail") == f"at most {limit} captions at once (there are {limit + 50})"
