@@ -216,7 +216,8 @@ def load_checkpoint(
 
 
 def load_state_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path | str) -> None:
-    """load_state_dict that names the first missing, unexpected or mis-shaped tensor."""
+    """load_state_dict that names the first missing, unexpected, mis-shaped or mis-typed tensor (load_state_dict casts
+    an integer, bool or complex tensor into a float parameter silently)."""
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
@@ -227,4 +228,7 @@ def load_state_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], so
     for key, value in state.items():
         if tuple(value.shape) != tuple(own[key].shape):
             raise CheckpointError(f"{source}: tensor {key} has shape {tuple(value.shape)}, the config needs {tuple(own[key].shape)}")
+        if own[key].is_floating_point() and not value.is_floating_point():
+            raise CheckpointError(f"{source}: tensor {key} is {str(value.dtype).removeprefix('torch.')}, not floating "
+                                  "point")
     model.load_state_dict(state)

@@ -30,8 +30,7 @@ def main(quiet: bool = typer.Option(False, "--quiet", "-q", help="only warnings 
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
 
-app.add_typer(import_app, name="import", help="Convert public checkpoints (transformers' VisualBERT and LXMERT, the original "
-              "LXMERT code's, the frcnn-vg detector) into vlserve checkpoint and detector directories.")
+app.add_typer(import_app, name="import")  # its help: import_cmd.app's, written once there
 app.command("info")(info)
 app.command("extract")(extract)
 app.command("export")(export)

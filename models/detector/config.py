@@ -7,6 +7,7 @@ One config for both detector families (`family`): "efficientnet-fpn", vlserve's 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,13 @@ CHOICES = {  # fields with a fixed set of values
     "selection": ("per-class-nms", "argmax-nms"),
 }
 RESNET_BLOCKS = {50: (3, 4, 6), 101: (3, 4, 23), 152: (3, 8, 36)}  # blocks of res2, res3, res4 per depth (res5: 3)
+# the butd family's ranges, checked before a module divides by a group count or sizes a tensor by a width
+BUTD_COUNTS = ("resnet_stem_channels", "resnet_res2_channels", "resnet_groups", "resnet_bottleneck_channels",
+               "rpn_channels", "roi_size", "min_size", "max_size", "size_divisible", "rpn_pre_nms_top_n",
+               "rpn_post_nms_top_n")  # positive integers
+BUTD_FRACTIONS = ("rpn_nms_thresh", "region_nms_thresh", "det_nms_thresh", "conf_thresh",
+                  "det_score_thresh")  # IoU and score thresholds, 0 to 1
+BUTD_POSITIVE = ("std", "anchor_sizes", "aspect_ratios", "rpn_box_weights", "box_weights")  # numbers above 0 (divisors)
 
 
 @dataclass
@@ -90,17 +98,38 @@ class DetectorConfig:
             raise ValueError("num_boxes must be positive")
 
     def _check_butd(self) -> None:
+        """The fields a butd detector runs with; a message starts with the field at fault."""
         if len(self.anchor_sizes) != 1:
-            raise ValueError("a butd detector has one feature level (res4): anchor_sizes needs one tuple")
+            raise ValueError("anchor_sizes needs one tuple: a butd detector has one feature level (res4)")
         if self.resnet_depth not in RESNET_BLOCKS:
             raise ValueError(f"resnet_depth must be one of {', '.join(map(str, RESNET_BLOCKS))}")
+        for name in BUTD_COUNTS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, not {value!r}")
+        for name in BUTD_FRACTIONS:
+            if not (_finite(getattr(self, name)) and 0 <= getattr(self, name) <= 1):
+                raise ValueError(f"{name} must be a number from 0 to 1, not {getattr(self, name)!r}")
+        for name in BUTD_POSITIVE:
+            values = self.anchor_sizes[0] if name == "anchor_sizes" else getattr(self, name)  # the one level's sizes
+            if not values or not all(_finite(v) and v > 0 for v in values):
+                raise ValueError(f"{name} must hold numbers above 0, not {values!r}")
+        if not (_finite(self.pixel_range) and self.pixel_range > 0):
+            raise ValueError(f"pixel_range must be a number above 0, not {self.pixel_range!r}")
+        if not all(_finite(v) for v in self.mean):
+            raise ValueError(f"mean must hold finite numbers, not {self.mean!r}")
+        if not (_finite(self.anchor_offset) and 0 <= self.anchor_offset < 1):
+            raise ValueError(f"anchor_offset must be a number from 0 to below 1 (of a stride), not {self.anchor_offset!r}")
+        if not (_finite(self.rpn_min_size) and self.rpn_min_size >= 0):
+            raise ValueError(f"rpn_min_size must be a number of pixels, 0 or more, not {self.rpn_min_size!r}")
         if self.feature_dim != 8 * self.resnet_res2_channels:
             raise ValueError(f"a butd detector's features are res5's width: feature_dim must be 8 x resnet_res2_channels "
                              f"({8 * self.resnet_res2_channels}), not {self.feature_dim}")
-        if self.resnet_res2_channels % 4 or self.resnet_bottleneck_channels % self.resnet_groups:
-            raise ValueError("resnet_res2_channels must be a multiple of 4 and resnet_bottleneck_channels of resnet_groups")
-        if self.size_divisible < 1:
-            raise ValueError("size_divisible must be at least 1")
+        if self.resnet_res2_channels % 4:
+            raise ValueError(f"resnet_res2_channels must be a multiple of 4, not {self.resnet_res2_channels}")
+        if self.resnet_bottleneck_channels % self.resnet_groups:
+            raise ValueError(f"resnet_bottleneck_channels ({self.resnet_bottleneck_channels}) must be a multiple of "
+                             f"resnet_groups ({self.resnet_groups})")
 
     @property
     def max_regions(self) -> int:
@@ -117,3 +146,8 @@ class DetectorConfig:
         if unknown:
             raise ValueError(f"detector config has unknown keys: {', '.join(sorted(unknown))}")
         return cls(**data)
+
+
+def _finite(value: Any) -> bool:
+    """A real number (not a bool, NaN or an infinity)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

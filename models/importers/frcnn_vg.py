@@ -27,7 +27,7 @@ import yaml
 from ..checkpoint import CheckpointError, load_state_strict
 from ..detector import DetectorConfig, RegionDetector
 from ..detector.io import save_detector
-from .hf_common import load_weight_file
+from .hf_common import checked_values, load_weight_file
 
 FORMAT = "frcnn-vg"
 CONFIG_FILE = "config.yaml"
@@ -75,6 +75,10 @@ FIELDS = {
 # read and turned into fields by hand in detector_config
 DERIVED = ("RESNETS.WIDTH_PER_GROUP", "ANCHOR_GENERATOR.SIZES", "ANCHOR_GENERATOR.ASPECT_RATIOS",
            "ROI_HEADS.NMS_THRESH_TEST", "ROI_HEADS.NUM_CLASSES", "ROI_BOX_HEAD.NUM_ATTRS", "ROI_BOX_HEAD.RES5HALVE")
+# DetectorConfig field -> the config.yaml key it comes from, named when DetectorConfig refuses the field's value
+SOURCE_KEYS = {field: key for key, (field, _) in FIELDS.items()} | {
+    "resnet_bottleneck_channels": "RESNETS.WIDTH_PER_GROUP", "anchor_sizes": "ANCHOR_GENERATOR.SIZES",
+    "aspect_ratios": "ANCHOR_GENERATOR.ASPECT_RATIOS", "region_nms_thresh": "ROI_HEADS.NMS_THRESH_TEST"}
 # keys whose only value the reference runs with (any other crashes it or is not implemented there)
 SUPPORTED = {
     "SIZE_DIVISIBILITY": 0,
@@ -153,6 +157,8 @@ def read_config(path: Path) -> dict[str, Any]:
         raise FrcnnImportError(f"{path.parent}: missing file {path.name}")
     try:
         tree = yaml.safe_load(path.read_text())
+    except RecursionError:
+        raise FrcnnImportError(f"{path}: not valid YAML (nested too deeply)") from None
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise FrcnnImportError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
     if not isinstance(tree, dict):
@@ -257,15 +263,17 @@ def detector_config(cfg: _Config, objects: Path, attributes: Path,
         fields |= ADAPTIVE
     try:
         config = DetectorConfig(**fields)
-    except ValueError as exc:
-        raise FrcnnImportError(f"{cfg.path}: {exc}") from None
+    except ValueError as exc:  # its message starts with the field at fault
+        key = SOURCE_KEYS.get(str(exc).split()[0])
+        raise FrcnnImportError(f"{cfg.path}: {f'{key}: ' if key else ''}{exc}") from None
     return config, sorted(k for k in cfg.flat if k not in FIELDS and k not in DERIVED and k not in SUPPORTED)
 
 
 def map_weights(model: RegionDetector, state: dict[str, torch.Tensor],
                 path: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Our state dict from the source's, and the source tensors deliberately unused. A missing, mis-shaped or extra
-    source tensor fails naming it."""
+    """Our state dict from the source's (`model` may be built on the meta device: only its tensors' shapes and
+    types are read), and the source tensors deliberately unused. A missing, mis-shaped or extra source tensor, or one
+    not floating point or not finite, fails naming it."""
     weights, used = {}, set()
     for ours, want in model.state_dict().items():
         src = source_key(ours)
@@ -274,7 +282,10 @@ def map_weights(model: RegionDetector, state: dict[str, torch.Tensor],
         if tuple(state[src].shape) != tuple(want.shape):
             raise FrcnnImportError(f"{path}: tensor {src} has shape {tuple(state[src].shape)}, the config needs "
                                    f"{tuple(want.shape)}")
-        weights[ours] = state[src].to(want.dtype)
+        try:
+            weights[ours] = checked_values(path, src, state[src]).to(want.dtype)
+        except CheckpointError as exc:
+            raise FrcnnImportError(str(exc)) from None
         used.add(src)
     unused = sorted(k for k in state if k.endswith(UNUSED_TENSOR) and
                     k.removesuffix(UNUSED_TENSOR) + ".running_mean" in used)
@@ -301,8 +312,10 @@ def import_frcnn_vg(src: str | Path, out: str | Path, objects: str | Path, attri
         state = load_weight_file(src / weights_file)
     except CheckpointError as exc:
         raise FrcnnImportError(str(exc)) from None
+    with torch.device("meta"):  # the shapes the config gives, checked before any memory is taken
+        shapes = RegionDetector(config)
+    weights, unused = map_weights(shapes, state, src / weights_file)
     model = RegionDetector(config).eval()
-    weights, unused = map_weights(model, state, src / weights_file)
     load_state_strict(model, weights, src / weights_file)
     record = {
         "format": FORMAT,

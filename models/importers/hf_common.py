@@ -8,6 +8,8 @@ A source directory holds config.json and model.safetensors or pytorch_model.bin 
 from __future__ import annotations
 
 import json
+import math
+import os
 import pickle
 import re
 from dataclasses import dataclass, field
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load, load_file
 
 from ..checkpoint import CheckpointError, load_state_strict, save_checkpoint
 from ..config import EncoderConfig, HeadConfig, ModelConfig
@@ -28,6 +30,8 @@ CONFIG_FILE = "config.json"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # preferred first
 SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _MISSING = object()
+KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list",
+         dict: "an object"}  # a config field's type, as an error says it
 
 
 class HFImportError(CheckpointError):
@@ -64,7 +68,9 @@ class HFSource:
             return default
         numeric = (int, float) if kind is float else kind  # JSON writes 0.0 as 0
         if not isinstance(value, numeric) or (isinstance(value, bool) and kind is not bool):
-            raise HFImportError(f"{self.config_path}: field {name!r} is {value!r}, expected {kind.__name__}")
+            raise HFImportError(f"{self.config_path}: field {name!r} is {value!r}, expected {KINDS.get(kind, kind.__name__)}")
+        if kind is float and not math.isfinite(value):  # Python's json reads NaN and Infinity
+            raise HFImportError(f"{self.config_path}: field {name!r} is {value!r}, expected a finite number")
         if least is not None and value < least:
             raise HFImportError(f"{self.config_path}: field {name!r} is {value!r}, expected at least {least}")
         return float(value) if kind is float else value
@@ -87,18 +93,36 @@ class HFSource:
     def has(self, key: str) -> bool:
         return key in self.state
 
-    def rows(self, key: str) -> int:
+    def shape(self, key: str, rank: int = 2) -> tuple[int, ...]:
+        """The shape of source tensor `key`, which must have `rank` dimensions (2: a weight matrix, 1: a bias or a
+        LayerNorm's vector); a missing tensor or one of another rank fails naming it."""
         if key not in self.state:
             raise HFImportError(f"{self.weights_path}: tensor {key} is missing")
-        return int(self.state[key].shape[0])
+        shape = tuple(self.state[key].shape)
+        if len(shape) != rank:
+            raise HFImportError(f"{self.weights_path}: tensor {key} has shape {shape}, expected a {rank}-d tensor")
+        return shape
+
+    def rows(self, key: str) -> int:
+        """The rows (outputs) of the weight matrix `key`."""
+        return self.shape(key)[0]
+
+    def tensor(self, key: str, rank: int = 2) -> torch.Tensor:
+        """Source tensor `key`, read as it is (not through a key map): of `rank` dimensions and checked_values."""
+        self.shape(key, rank)
+        return checked_values(self.weights_path, key, self.state[key])
 
     def take(self, keymap: KeyMap) -> dict[str, torch.Tensor]:
-        """Our tensors from the key map; a source tensor it needs and the file lacks fails naming both."""
+        """Our tensors from the key map; a source tensor it needs and the file lacks, one that cannot be fused, and
+        one that is not floating point or not finite (checked_values) fails naming it."""
         try:
             out = apply_keymap(keymap, self.state)
         except (KeyError, ValueError) as exc:
             raise HFImportError(f"{self.weights_path}: {exc.args[0]}") from None
-        self.used.update(s for srcs in keymap.values() for s in srcs)
+        read = {s for srcs in keymap.values() for s in srcs}
+        for key in sorted(read):
+            checked_values(self.weights_path, key, self.state[key])
+        self.used.update(read)
         self.keymap |= keymap
         return out
 
@@ -131,25 +155,75 @@ class HFSource:
 
 def load_weight_file(path: Path) -> dict[str, torch.Tensor]:
     """A safetensors file, or a torch.save pickle read with weights_only: it may hold tensors and containers only."""
-    try:
-        if path.suffix == ".safetensors":
-            return load_file(str(path), device="cpu")
-        state = torch.load(path, weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError as exc:  # weights_only met a class: a pickled object, never unpickled here
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-        what = found.group(1) if found else "an object weights_only loading refuses"
-        raise HFImportError(
-            f"{path}: unreadable weights: the pickle holds {what}, not only tensors (vlserve unpickles plain "
-            "tensor dictionaries only)"
-        ) from None
-    except Exception as exc:  # safetensors/IO errors, a truncated zip or pickle
-        first = re.split(r"(?<=\.)\s", (str(exc).strip().splitlines() or [""])[0])[0]
-        raise HFImportError(f"{path}: unreadable weights, truncated or corrupt ({type(exc).__name__}: {first})") from None
+    if path.suffix == ".safetensors":
+        try:
+            return _load_safetensors(path)
+        except Exception as exc:  # safetensors/IO errors, a truncated file
+            raise unreadable_weights(path, exc) from None
+    state = load_pickle(path)
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):  # what a training loop saves
+        vl_bert = any(isinstance(k, str) and "vlbert." in k for k in state["state_dict"])
+        hint = ": a VL-BERT .model file; import it with `vlserve import vl-bert`" if vl_bert else ""
+        raise HFImportError(f"{path}: a training checkpoint (its tensors under 'state_dict'), not a state dict{hint}")
     if not isinstance(state, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
     ):
         raise HFImportError(f"{path}: not a state dict (a dictionary of tensors by name)")
     return state
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """safetensors' load_file takes UTF-8 paths only: a file under another name is read whole from its bytes."""
+    try:
+        os.fsdecode(path).encode("utf-8")
+    except UnicodeEncodeError:  # undecodable bytes of the file system name (surrogate escapes)
+        return load(path.read_bytes())
+    return load_file(str(path), device="cpu")
+
+
+def load_pickle(path: Path) -> Any:
+    """What a torch.save file holds, unpickled with weights_only (tensors and plain containers only)."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # weights_only met a class; not a torch file at all; a truncated zip or pickle
+        raise unreadable_weights(path, exc) from None
+
+
+def unreadable_weights(path: Path, exc: Exception) -> HFImportError:
+    """The error for a weights file that could not be read: a Git LFS pointer or an HTML page (the usual broken
+    downloads) said as such, a pickled object named, anything else truncated or corrupt."""
+    kind = "safetensors" if path.suffix == ".safetensors" else "PyTorch weights"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError:
+        head = b""
+    if head.startswith(b"version https://git-lfs"):
+        return HFImportError(f"{path}: not a {kind} file but a Git LFS pointer to one: fetch the weights with "
+                             "`git lfs pull` in the repository it came from")
+    if head.lstrip().startswith(b"<"):
+        return HFImportError(f"{path}: not a {kind} file: it looks like an HTML page (a failed download; download "
+                             "it again)")
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+    if found:  # weights_only met a class: a pickled object, never unpickled here
+        return HFImportError(f"{path}: unreadable weights: the pickle holds {found.group(1)}, not only tensors "
+                             "(vlserve unpickles plain tensor dictionaries only)")
+    first = re.split(r"(?<=\.)\s", (str(exc).strip().splitlines() or [""])[0])[0]
+    if isinstance(exc, pickle.UnpicklingError):
+        return HFImportError(f"{path}: unreadable weights: not a {kind} file ({first})")
+    return HFImportError(f"{path}: unreadable weights, truncated or corrupt ({type(exc).__name__}: {first})")
+
+
+def checked_values(path: Path, key: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A source tensor a model is built from: floating point (fp16, bf16 and fp64 load as fp32; an integer, bool or
+    complex tensor would be cast silently) with every value finite; else fails naming it. Returns the tensor."""
+    if not tensor.is_floating_point():
+        raise HFImportError(f"{path}: tensor {key} is {str(tensor.dtype).removeprefix('torch.')}, not floating point "
+                            "(weights are fp32, fp16, bf16 or fp64)")
+    if not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise HFImportError(f"{path}: tensor {key} holds {bad} NaN or infinite values")
+    return tensor
 
 
 def _load_weights(src: Path) -> tuple[dict[str, torch.Tensor], str]:
@@ -159,28 +233,47 @@ def _load_weights(src: Path) -> tuple[dict[str, torch.Tensor], str]:
     for name in SHARD_INDEXES:
         index = src / name
         if index.is_file():
-            try:
-                shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
-            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-                raise HFImportError(f"{index}: not a valid shard index ({exc})") from None
-            # a shard is a file beside the index: no other type, no directory part (nothing read outside SRC)
-            other = next((shard for shard in shards if not isinstance(shard, str) or Path(shard).name != shard), None)
-            if other is not None:
-                raise HFImportError(f"{index}: not a valid shard index (weight_map gives {other!r}, not a file name "
-                                    "beside it)")
-            state: dict[str, torch.Tensor] = {}
-            for shard in sorted(shards):
-                if not (src / shard).is_file():
-                    raise HFImportError(f"{index}: lists shard {shard}, which is missing")
-                state.update(load_weight_file(src / shard))
-            return state, name
+            return _load_shards(index), name
     raise HFImportError(f"{src}: no weights file (looked for {', '.join(WEIGHT_FILES + SHARD_INDEXES)})")
 
 
-def read_config(path: Path) -> dict[str, Any]:
-    """A JSON object file (config.json, bert_config.json)."""
+def _load_shards(index: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a sharded checkpoint, each from the shard its index names (a copy in another shard fails)."""
     try:
-        config = json.loads(path.read_text())
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        shards = set(weight_map.values())
+    except RecursionError:
+        raise HFImportError(f"{index}: not a valid shard index (nested too deeply)") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise HFImportError(f"{index}: not a valid shard index ({exc})") from None
+    # a shard is a file beside the index: no other type, no directory part (nothing read outside SRC)
+    other = next((shard for shard in shards if not isinstance(shard, str) or Path(shard).name != shard), None)
+    if other is not None:
+        raise HFImportError(f"{index}: not a valid shard index (weight_map gives {other!r}, not a file name "
+                            "beside it)")
+    state: dict[str, torch.Tensor] = {}
+    found_in: dict[str, str] = {}
+    for shard in sorted(shards):
+        if not (index.parent / shard).is_file():
+            raise HFImportError(f"{index}: lists shard {shard}, which is missing")
+        for key, tensor in load_weight_file(index.parent / shard).items():
+            named = weight_map.get(key)
+            if key in found_in:
+                raise HFImportError(f"{index}: tensor {key} is in both {found_in[key]} and {shard}"
+                                    + (f"; the index names {named}" if named else ""))
+            if named is not None and named != shard:
+                raise HFImportError(f"{index}: tensor {key} is in {shard}, but the index names {named}")
+            state[key], found_in[key] = tensor, shard
+    return state
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """A JSON object file (config.json, bert_config.json), a UTF-8 byte-order mark skipped (as Windows editors write
+    one); not JSON, not UTF-8 or nested too deeply for the parser fails naming the file."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8-sig"))
+    except RecursionError:
+        raise HFImportError(f"{path}: invalid JSON (nested too deeply)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise HFImportError(f"{path}: invalid JSON ({exc})") from None
     if not isinstance(config, dict):
@@ -202,11 +295,6 @@ def read_source(src: str | Path, model_type: str) -> HFSource:
         raise HFImportError(f"{cfg_path}: model_type is {found!r}, this importer reads {model_type!r}")
     state, weights_file = _load_weights(src)
     return HFSource(path=src, config=config, state=state, weights_file=weights_file)
-
-
-def tensor_shape(source: HFSource, key: str) -> tuple[int, ...]:
-    source.rows(key)  # fails naming a missing tensor
-    return tuple(source.state[key].shape)
 
 
 def layer_count(source: HFSource, stack: str) -> int:
@@ -243,10 +331,19 @@ def bert_fields(source: HFSource, layer_norm_eps: float | None = None) -> dict[s
         intermediate_size=source.get("intermediate_size"),
         max_position_embeddings=source.get("max_position_embeddings", default=512),
         type_vocab_size=source.get("type_vocab_size", default=2),
-        layer_norm_eps=layer_norm_eps if layer_norm_eps is not None else source.get("layer_norm_eps", float, default=1e-12),
+        layer_norm_eps=layer_norm_eps if layer_norm_eps is not None else stated_layer_norm_eps(source),
         dropout=source.get("hidden_dropout_prob", float, default=0.1),
         attention_dropout=source.get("attention_probs_dropout_prob", float, default=0.1),
     )
+
+
+def stated_layer_norm_eps(source: HFSource) -> float:
+    """config.json's layer_norm_eps (BERT's 1e-12 when absent), which must be above 0: LayerNorm divides by
+    sqrt(variance + eps)."""
+    eps = source.get("layer_norm_eps", float, default=1e-12)
+    if eps <= 0:
+        raise HFImportError(f"{source.config_path}: field 'layer_norm_eps' is {eps!r}, expected a number above 0")
+    return eps
 
 
 def build_encoder_config(source: HFSource, preset: str, fields: dict[str, Any]) -> EncoderConfig:
@@ -299,6 +396,8 @@ def read_answers(path: str | Path) -> list[str]:
         if path.suffix.lower() == ".txt":
             return answer_lines(path, text)
         table = json.loads(text)
+    except RecursionError:
+        raise HFImportError(f"{path}: unreadable answer table (JSON nested too deeply)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise HFImportError(f"{path}: unreadable answer table ({exc})") from None
     if isinstance(table, list) and all(isinstance(a, dict) and isinstance(a.get("ans"), str) for a in table):
@@ -351,10 +450,15 @@ def name_answers(source: HFSource, heads: dict[str, HeadConfig], labels: dict[st
 
 def source_tokenizer(source: HFSource, vocab_size: int) -> VLTokenizer:
     """The source's vocab.txt when it ships one, else our bert-base-uncased vocab (the public checkpoints' vocab)."""
+    vocab = source.path / "vocab.txt"
     try:
-        tok = VLTokenizer.from_dir(source.path) if (source.path / "vocab.txt").is_file() else VLTokenizer.pretrained_minilm()
-    except (ValueError, OSError, json.JSONDecodeError) as exc:
-        raise HFImportError(f"{source.path / 'vocab.txt'}: {exc}") from None
+        tok = VLTokenizer.from_dir(source.path) if os.path.lexists(vocab) else VLTokenizer.pretrained_minilm()
+    except RecursionError:
+        raise HFImportError(f"{source.path / 'tokenizer_config.json'}: invalid JSON (nested too deeply)") from None
+    except OSError as exc:  # a vocab.txt that is a directory, a dangling link, unreadable
+        raise HFImportError(f"{exc.filename or vocab}: cannot read the vocabulary ({exc.strerror or exc})") from None
+    except ValueError as exc:  # names the file: not UTF-8, not JSON, without the special tokens
+        raise HFImportError(str(exc)) from None
     if len(tok.vocab) > vocab_size:
         raise HFImportError(
             f"{tok.vocab_file}: {len(tok.vocab)} tokens, more than the model's vocab_size {vocab_size} "
@@ -373,9 +477,13 @@ def write_checkpoint(
     architecture: str | None,
     answers: Path | None = None,
 ) -> Path:
-    """Build our model from the mapped tensors (strictly) and save it with an `import` record in the manifest."""
+    """Build our model from the mapped tensors (strictly) and save it with an `import` record in the manifest. The
+    tensors' shapes are checked against the config's first, on a model without memory: a config size the weights
+    do not have (max_position_embeddings 10**8) fails naming the tensor instead of allocating it."""
+    with torch.device("meta"):
+        shapes = VLModel(config).state_dict()
+    source.check_shapes(shapes)
     model = VLModel(config)
-    source.check_shapes(model.state_dict())
     load_state_strict(model, weights, source.weights_path)
     tokenizer = source_tokenizer(source, config.encoder.vocab_size)
     record = {

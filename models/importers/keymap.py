@@ -57,15 +57,19 @@ def bert_embeddings(dst: str, src: str) -> KeyMap:
 
 def apply_keymap(keymap: KeyMap, source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Build our tensors from the source state; raises KeyError naming the first absent source key, ValueError
-    naming a tensor that cannot be fused with the first of its group."""
+    naming a 0-d tensor (our weights are vectors and matrices) or one that cannot be fused with the first of its
+    group."""
     out = {}
     for dst, srcs in keymap.items():
         absent = [s for s in srcs if s not in source]
         if absent:
             raise KeyError(f"source checkpoint lacks {absent[0]} (needed for {dst})")
         tensors = [source[s] for s in srcs]
+        for s, t in zip(srcs, tensors):
+            if t.dim() == 0:
+                raise ValueError(f"tensor {s} has shape (), expected a 1-d or 2-d tensor (for {dst})")
         for s, t in zip(srcs[1:], tensors[1:]):
-            if t.shape[1:] != tensors[0].shape[1:]:
+            if t.dim() != tensors[0].dim() or t.shape[1:] != tensors[0].shape[1:]:
                 raise ValueError(f"tensor {s} has shape {tuple(t.shape)}, which cannot be fused with {srcs[0]} "
                                  f"{tuple(tensors[0].shape)} into {dst}")
         out[dst] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)

@@ -19,7 +19,6 @@ config, which the reference always builds from. The tokenizer: a vocab.txt besid
 """
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 from ..config import HeadConfig, ModelConfig
@@ -33,7 +32,6 @@ from .hf_common import (
     name_answers,
     pretraining_heads,
     read_config,
-    tensor_shape,
     write_checkpoint,
 )
 from .hf_lxmert import LAYER_NORM_EPS, answer_head, encoder_keymap, object_heads
@@ -94,7 +92,7 @@ def encoder_prefix(source: HFSource) -> str:
 def word_embedding_size(source: HFSource, p: str) -> tuple[int, int]:
     """Vocabulary and hidden size of the word embeddings under `p`; a width other than bert-base-uncased's needs the
     BERT config beside the weights (no tensor shows the number of attention heads)."""
-    vocab_size, hidden = tensor_shape(source, f"{p}embeddings.word_embeddings.weight")
+    vocab_size, hidden = source.shape(f"{p}embeddings.word_embeddings.weight")
     if not source.config_path.is_file() and hidden != BERT_BASE_UNCASED["hidden_size"]:
         raise HFImportError(
             f"{source.weights_path}: hidden size {hidden}, not bert-base-uncased's 768: put the {BERT_CONFIG} the model "
@@ -105,20 +103,19 @@ def word_embedding_size(source: HFSource, p: str) -> tuple[int, int]:
 
 def encoder_fields(source: HFSource, p: str) -> dict:
     """EncoderConfig fields: widths and layer counts from the tensors, heads and dropout from the BERT config."""
-    shape = partial(tensor_shape, source)
     vocab_size, hidden = word_embedding_size(source, p)
     ffn = (f"{p}encoder.layer.0.intermediate.dense.weight", f"{p}encoder.x_layers.0.lang_inter.dense.weight")
-    intermediate = next((shape(k)[0] for k in ffn if source.has(k)), source.get("intermediate_size"))
-    feat_dim = shape(f"{p}encoder.visn_fc.visn_fc.weight")[1]
-    box_dim = shape(f"{p}encoder.visn_fc.box_fc.weight")[1]
+    intermediate = next((source.shape(k)[0] for k in ffn if source.has(k)), source.get("intermediate_size"))
+    feat_dim = source.shape(f"{p}encoder.visn_fc.visn_fc.weight")[1]
+    box_dim = source.shape(f"{p}encoder.visn_fc.box_fc.weight")[1]
     if box_dim != 4:
         raise HFImportError(f"{source.weights_path}: {p}encoder.visn_fc.box_fc takes {box_dim} values, not a 4-d box")
     return bert_fields(source, layer_norm_eps=LAYER_NORM_EPS) | dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=intermediate,
-        max_position_embeddings=shape(f"{p}embeddings.position_embeddings.weight")[0],
-        type_vocab_size=shape(f"{p}embeddings.token_type_embeddings.weight")[0],
+        max_position_embeddings=source.shape(f"{p}embeddings.position_embeddings.weight")[0],
+        type_vocab_size=source.shape(f"{p}embeddings.token_type_embeddings.weight")[0],
         num_layers=layer_count(source, f"{p}encoder.layer"),
         num_image_layers=layer_count(source, f"{p}encoder.r_layers"),
         num_cross_layers=layer_count(source, f"{p}encoder.x_layers"),
@@ -143,9 +140,9 @@ def convert(source: HFSource, answers: Path | None = None) -> tuple[ModelConfig,
             keymap |= qa_keys
         model = "LXRTPretraining" if heads else "LXRTFeatureExtraction"
     else:  # a fine-tuned task model: lxrt_encoder + logit_fc
-        if source.has("logit_fc.0.weight") and source.state["logit_fc.0.weight"].shape[1] != encoder.hidden_size:
+        if source.has("logit_fc.0.weight") and (reads := source.shape("logit_fc.0.weight")[1]) != encoder.hidden_size:
             raise HFImportError(
-                f"{source.weights_path}: logit_fc reads {source.state['logit_fc.0.weight'].shape[1]} values, not the "
+                f"{source.weights_path}: logit_fc reads {reads} values, not the "
                 f"pooled {encoder.hidden_size}: an NLVR2Model (two images' pooled vectors), which vlserve cannot import"
             )
         if source.has("logit_fc.3.weight"):

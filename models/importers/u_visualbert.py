@@ -37,7 +37,6 @@ beside the weights, else bert-base-uncased's.
 """
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 from ..config import HeadConfig, ModelConfig
@@ -49,7 +48,6 @@ from .hf_common import (
     layer_count,
     name_answers,
     pretraining_heads,
-    tensor_shape,
     write_checkpoint,
 )
 from .hf_lxmert import LAYER_NORM_EPS, answer_head, object_heads
@@ -109,24 +107,22 @@ def encoder_prefix(source: HFSource) -> str:
 def encoder_fields(source: HFSource, p: str) -> dict:
     """EncoderConfig fields: widths and the layer count from the tensors, heads and dropout from the BERT config,
     whose sizes must agree with the tensors'."""
-
-    shape = partial(tensor_shape, source)
     vocab_size, hidden = word_embedding_size(source, p)
     for sub in ("x_layers", "r_layers"):
         if layer_count(source, f"{p}encoder.{sub}"):
             raise HFImportError(f"{source.weights_path}: has {p}encoder.{sub}: a two-stream LXMERT, not the single "
                                 "VisualBERT stack (visualbert_style)")
-    box_dim = shape(f"{p}embeddings.box_fc.weight")[1]
+    box_dim = source.shape(f"{p}embeddings.box_fc.weight")[1]
     if box_dim != 4:
         raise HFImportError(f"{source.weights_path}: {p}embeddings.box_fc takes {box_dim} values, not a 4-d box")
     fields = bert_fields(source, layer_norm_eps=LAYER_NORM_EPS) | dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=shape(f"{p}encoder.layer.0.intermediate.dense.weight")[0],
-        max_position_embeddings=shape(f"{p}embeddings.position_embeddings.weight")[0],
-        type_vocab_size=shape(f"{p}embeddings.token_type_embeddings.weight")[0],
+        intermediate_size=source.shape(f"{p}encoder.layer.0.intermediate.dense.weight")[0],
+        max_position_embeddings=source.shape(f"{p}embeddings.position_embeddings.weight")[0],
+        type_vocab_size=source.shape(f"{p}embeddings.token_type_embeddings.weight")[0],
         num_layers=layer_count(source, f"{p}encoder.layer"),
-        visual_feat_dim=shape(f"{p}embeddings.visn_fc.weight")[1],
+        visual_feat_dim=source.shape(f"{p}embeddings.visn_fc.weight")[1],
         region_tags=True,  # fine-tuned and pretrained with the detector's tags (add_tags, use_visual_tag_flag)
         embedding_style="published",
     )
@@ -186,8 +182,8 @@ def convert(source: HFSource, answers: Path | None = None) -> tuple[ModelConfig,
         keymap |= head_keys
         model = "LXRTPretraining" + (" (lxmert_style_nlvr)" if "nlvr2" in heads else "")
     else:
-        if source.has("logit_fc.0.weight") and source.state["logit_fc.0.weight"].shape[1] != encoder.hidden_size:
-            raise HFImportError(f"{source.weights_path}: logit_fc reads {source.state['logit_fc.0.weight'].shape[1]} "
+        if source.has("logit_fc.0.weight") and (reads := source.shape("logit_fc.0.weight")[1]) != encoder.hidden_size:
+            raise HFImportError(f"{source.weights_path}: logit_fc reads {reads} "
                                 f"values, not the pooled {encoder.hidden_size}")
         if source.has("logit_fc.3.weight"):
             heads["vqa"], qa_keys = answer_head(source, "vqa", "logit_fc")

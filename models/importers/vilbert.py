@@ -142,10 +142,13 @@ def setting(source: HFSource, name: str, kind: type = int, least: int | None = N
     return source.get(name, kind, default=REFERENCE_DEFAULTS[name], least=least)
 
 
-def ids(source: HFSource, name: str) -> tuple[int, ...]:
+def ids(source: HFSource, name: str, layers: int) -> tuple[int, ...]:
+    """A list of layer ids 0..`layers` (the reference slices its layer lists with them: a negative id would count
+    from the end and run the layers in another order)."""
     value = setting(source, name, list)
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
-        raise HFImportError(f"{source.config_path}: field {name!r} is {value!r}, expected a list of layer indices")
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= layers for i in value):
+        raise HFImportError(f"{source.config_path}: field {name!r} is {value!r}, expected a list of layer indices "
+                            f"from 0 to {layers}")
     return tuple(value)
 
 
@@ -160,19 +163,21 @@ def encoder_fields(source: HFSource) -> dict:
             raise HFImportError(f"{source.config_path}: {name} is not supported (vlserve's vilbert has no {name})")
     if not setting(source, "with_coattention", bool):
         raise HFImportError(f"{source.config_path}: with_coattention false is not supported")
-    text_ids, image_ids = ids(source, "t_biattention_id"), ids(source, "v_biattention_id")
+    num_layers = stated_layers(source, "num_hidden_layers", "bert.encoder.layer")
+    num_image_layers = stated_layers(source, "v_num_hidden_layers", "bert.encoder.v_layer",
+                                     REFERENCE_DEFAULTS["v_num_hidden_layers"])
+    text_ids, image_ids = ids(source, "t_biattention_id", num_layers), ids(source, "v_biattention_id", num_image_layers)
     if len(text_ids) != len(image_ids):
         raise HFImportError(f"{source.config_path}: t_biattention_id and v_biattention_id differ in length")
     task = "bert.embeddings.task_embeddings.weight"
     size = partial(setting, source, least=1)  # EncoderConfig reads a 0 width or head count as another stream's
     return bert_fields(source, layer_norm_eps=LAYER_NORM_EPS) | dict(
-        num_layers=stated_layers(source, "num_hidden_layers", "bert.encoder.layer"),
+        num_layers=num_layers,
         visual_feat_dim=setting(source, "v_feature_size"),
         image_hidden_size=size("v_hidden_size"),
         image_num_heads=size("v_num_attention_heads"),
         image_intermediate_size=size("v_intermediate_size"),
-        num_image_layers=stated_layers(source, "v_num_hidden_layers", "bert.encoder.v_layer",
-                                       REFERENCE_DEFAULTS["v_num_hidden_layers"]),
+        num_image_layers=num_image_layers,
         num_cross_layers=len(text_ids),
         coattention_text_layers=text_ids,
         coattention_image_layers=image_ids,
@@ -234,9 +239,8 @@ def pretraining_heads(source: HFSource) -> tuple[dict[str, HeadConfig], KeyMap, 
         keymap |= linear(f"heads.mrc.{part}", f"cls.imagePredictions.{part}")
     # the reference's label 0 is "the caption is the image's" (concept_cap_dataset.random_cap), ours is 1
     swapped = {}
-    for t in ("weight", "bias"):
-        source.rows(f"cls.bi_seq_relationship.{t}")  # fails naming a missing tensor
-        swapped[f"heads.itm.seq_relationship.{t}"] = source.state[f"cls.bi_seq_relationship.{t}"].flip(0)
+    for t, rank in (("weight", 2), ("bias", 1)):
+        swapped[f"heads.itm.seq_relationship.{t}"] = source.tensor(f"cls.bi_seq_relationship.{t}", rank).flip(0)
         source.used.add(f"cls.bi_seq_relationship.{t}")
     return heads, keymap, swapped
 
@@ -256,9 +260,7 @@ def task_heads(source: HFSource, enc: EncoderConfig) -> tuple[dict[str, HeadConf
     keymap = mlp("heads.vqa.cls", "vil_prediction") | mlp("heads.gqa.cls", "vil_prediction_gqa")
     keymap |= mlp("heads.nlvr2.cls", "vil_binary_prediction") | linear("heads.refer.score", "vision_logit")
     # one retrieval score s -> logits (0, s): "matches" minus "does not" is s
-    w, b = source.state.get("vil_logit.weight"), source.state.get("vil_logit.bias")
-    if w is None or b is None:
-        raise HFImportError(f"{source.weights_path}: tensor vil_logit.{'weight' if w is None else 'bias'} is missing")
+    w, b = source.tensor("vil_logit.weight"), source.tensor("vil_logit.bias", 1)
     rank = {"heads.rank.seq_relationship.weight": torch.cat([torch.zeros_like(w), w]),
             "heads.rank.seq_relationship.bias": torch.cat([torch.zeros_like(b), b])}
     source.used.update(("vil_logit.weight", "vil_logit.bias"))

@@ -36,8 +36,6 @@ The tokenizer: a vocab.txt beside the weights, else bert-base-uncased's.
 """
 from __future__ import annotations
 
-import pickle
-import re
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +48,8 @@ from .hf_common import (
     HFSource,
     build_encoder_config,
     layer_count,
+    load_pickle,
     read_answers,
-    tensor_shape as shape,
     write_checkpoint,
 )
 from .keymap import KeyMap, bert_layer, linear
@@ -79,16 +77,7 @@ OTHER_FORMATS = {  # first key of a checkpoint this importer does not read -> th
 def load_release(path: Path) -> dict[str, torch.Tensor]:
     """The state dict of a VL-BERT checkpoint file: `{'state_dict': ...}` (what its training saves) or a bare one,
     unpickled with weights_only (tensors and plain containers only)."""
-    try:
-        data = torch.load(path, weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError as exc:  # weights_only met a class: a pickled object, never unpickled here
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-        what = found.group(1) if found else "an object weights_only loading refuses"
-        raise HFImportError(f"{path}: unreadable weights: the pickle holds {what}, not only tensors (vlserve "
-                            "unpickles plain tensor dictionaries only)") from None
-    except Exception as exc:  # a truncated zip or pickle, not a torch file at all
-        first = re.split(r"(?<=\.)\s", (str(exc).strip().splitlines() or [""])[0])[0]
-        raise HFImportError(f"{path}: unreadable weights, truncated or corrupt ({type(exc).__name__}: {first})") from None
+    data = load_pickle(path)
     state = data.get("state_dict", data) if isinstance(data, dict) else data
     if not isinstance(state, dict) or not state or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
@@ -101,6 +90,8 @@ def read_yaml(path: Path) -> dict[str, Any]:
     """NETWORK.VLBERT of a VL-BERT yaml config, with NETWORK's CLASSIFIER_TYPE beside it."""
     try:
         data = yaml.safe_load(path.read_text())
+    except RecursionError:
+        raise HFImportError(f"{path}: unreadable config (nested too deeply)") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise HFImportError(f"{path}: unreadable config ({type(exc).__name__})") from None
     network = data.get("NETWORK") if isinstance(data, dict) else None
@@ -131,6 +122,8 @@ def layout_prefix(source: HFSource) -> str:
     for p in ("module.", ""):
         if source.has(f"{p}vlbert.word_embeddings.weight"):
             return p
+    if any(k.startswith("bert.encoder.layer.0.attention_self.") for k in source.state):  # VOLTA's sublayer names
+        raise HFImportError(f"{source.weights_path}: a VOLTA checkpoint: import it with `vlserve import volta`")
     first = next(iter(source.state), "")
     for other, what in OTHER_FORMATS.items():
         if first.startswith(other):
@@ -151,7 +144,7 @@ def refuse_unsupported(source: HFSource, p: str) -> None:
     for key, what in unsupported.items():
         if source.has(key):
             raise HFImportError(f"{source.weights_path}: {what}, which vlserve does not build (tensor {key})")
-    rows = shape(source, f"{p}object_linguistic_embeddings.weight")[0]
+    rows = source.shape(f"{p}object_linguistic_embeddings.weight")[0]
     if rows != 1:
         raise HFImportError(f"{source.weights_path}: object_linguistic_embeddings has {rows} rows: object_word_embed_mode "
                             "other than 2 (one object embedding), which vlserve does not build")
@@ -160,32 +153,32 @@ def refuse_unsupported(source: HFSource, p: str) -> None:
 def encoder_fields(source: HFSource, p: str) -> dict[str, Any]:
     """EncoderConfig fields: sizes from the tensors, the number of heads from the yaml; a yaml that disagrees fails."""
     v = f"{p}vlbert."
-    vocab, hidden = shape(source, f"{v}word_embeddings.weight")
-    visual_out, visual_in = shape(source, f"{p}image_feature_extractor.obj_downsample.1.weight")
+    vocab, hidden = source.shape(f"{v}word_embeddings.weight")
+    visual_out, visual_in = source.shape(f"{p}image_feature_extractor.obj_downsample.1.weight")
     if visual_out != hidden or visual_in <= GEOMETRY:
         raise HFImportError(f"{source.weights_path}: obj_downsample maps {visual_in} values to {visual_out}, not "
                             f"{GEOMETRY} geometry values and a region feature to the hidden size {hidden}")
     found = dict(
-        vocab_size=vocab, hidden_size=hidden, max_position_embeddings=shape(source, f"{v}position_embeddings.weight")[0],
-        type_vocab_size=shape(source, f"{v}token_type_embeddings.weight")[0],
+        vocab_size=vocab, hidden_size=hidden, max_position_embeddings=source.shape(f"{v}position_embeddings.weight")[0],
+        type_vocab_size=source.shape(f"{v}token_type_embeddings.weight")[0],
         num_hidden_layers=layer_count(source, f"{v}encoder.layer"),
-        intermediate_size=shape(source, f"{v}encoder.layer.0.intermediate.dense.weight")[0],
+        intermediate_size=source.shape(f"{v}encoder.layer.0.intermediate.dense.weight")[0],
         visual_size=visual_out,
     )
     cfg = source.config
     for name, value in found.items():
-        said = cfg.get(name)
+        said = source.get(name, default=None)  # an integer when stated
         if said is not None and said != value:
             raise HFImportError(f"{source.config_path}: {name} is {said}, but the weights have {value}")
     for name, want in (("hidden_act", "gelu"), ("visual_ln", True), ("obj_pos_id_relative", True),
                        ("position_padding_idx", -1), ("word_embedding_frozen", False)):
         if cfg.get(name, want) != want:
             raise HFImportError(f"{source.config_path}: {name} is {cfg[name]!r}; vlserve builds VL-BERT with {want!r}")
-    heads = cfg.get("num_attention_heads", HEADS_BY_WIDTH.get(hidden))
+    heads = source.get("num_attention_heads", default=HEADS_BY_WIDTH.get(hidden))
     if heads is None:
         raise HFImportError(f"{source.weights_path}: hidden size {hidden} is neither BERT-base's nor BERT-large's: give "
                             "the yaml config it was built with (--config; no tensor shows the number of attention heads)")
-    if not isinstance(heads, int) or heads <= 0 or hidden % heads:
+    if heads <= 0 or hidden % heads:
         raise HFImportError(f"{source.config_path}: num_attention_heads {heads!r} does not divide the hidden size {hidden}")
     return dict(
         vocab_size=vocab, hidden_size=hidden, num_layers=found["num_hidden_layers"], num_heads=heads,
@@ -225,7 +218,7 @@ def task_heads(source: HFSource, p: str) -> tuple[dict[str, HeadConfig], KeyMap,
         keymap["heads.mlm.bias"] = [f"{v}mlm_head.predictions.bias"]
         source.tied(f"{v}mlm_head.predictions.decoder.weight", f"{v}word_embeddings.weight")
     if source.has(f"{v}mvrc_head.region_cls_pred.weight"):
-        classes = shape(source, f"{v}mvrc_head.region_cls_pred.weight")[0]
+        classes = source.shape(f"{v}mvrc_head.region_cls_pred.weight")[0]
         heads["mrc"] = HeadConfig(kind="mrc", num_labels=classes, classifier="dense_gelu", mrc_loss="kl")
         keymap |= linear("heads.mrc.transform.dense", f"{v}mvrc_head.transform.dense")
         keymap |= linear("heads.mrc.decoder", f"{v}mvrc_head.region_cls_pred")
@@ -235,20 +228,20 @@ def task_heads(source: HFSource, p: str) -> tuple[dict[str, HeadConfig], KeyMap,
     if heads:
         return heads, keymap, "ResNetVLBERTForPretrainingMultitask"
     if source.has(f"{f}.0.LayerNorm.weight"):  # VQA, CLASSIFIER_TYPE "mlm"
-        answers = shape(source, f"{f}.2.weight")[0]
+        answers = source.shape(f"{f}.2.weight")[0]
         heads["vqa"] = HeadConfig(kind="vqa", num_labels=answers, pool="answer_segment", classifier="bert")
         keymap |= linear("heads.vqa.cls.0.dense", f"{f}.0.dense") | linear("heads.vqa.cls.0.LayerNorm", f"{f}.0.LayerNorm")
         keymap |= linear("heads.vqa.cls.1", f"{f}.2")
         return heads, keymap, "ResNetVLBERT (vqa)"
     if source.has(f"{f}.0.dense.weight"):  # RefCOCO+: a score per region
-        if shape(source, f"{f}.2.weight")[0] != 1:
-            raise HFImportError(f"{source.weights_path}: {f}.2 has {shape(source, f'{f}.2.weight')[0]} outputs, not one "
+        if source.shape(f"{f}.2.weight")[0] != 1:
+            raise HFImportError(f"{source.weights_path}: {f}.2 has {source.shape(f'{f}.2.weight')[0]} outputs, not one "
                                 "score per region (RefCOCO+)")
         heads["refer"] = HeadConfig(kind="refer", classifier="dense_gelu")
         keymap |= linear("heads.refer.transform.dense", f"{f}.0.dense") | linear("heads.refer.score", f"{f}.2")
         return heads, keymap, "ResNetVLBERT (refcoco)"
     if source.has(f"{f}.1.weight"):  # VQA, CLASSIFIER_TYPE "1fc"
-        heads["vqa"] = HeadConfig(kind="vqa", num_labels=shape(source, f"{f}.1.weight")[0], pool="answer_segment",
+        heads["vqa"] = HeadConfig(kind="vqa", num_labels=source.shape(f"{f}.1.weight")[0], pool="answer_segment",
                                   classifier="linear")
         keymap |= linear("heads.vqa.cls", f"{f}.1")
         return heads, keymap, "ResNetVLBERT (vqa)"

@@ -77,6 +77,7 @@ from .hf_common import (
     load_weight_file,
     name_answers,
     read_config,
+    stated_layer_norm_eps,
     write_checkpoint,
 )
 from .keymap import KeyMap, bert_embeddings, fused, linear
@@ -141,7 +142,7 @@ def _is_volta_config(path: Path) -> bool:
     """A JSON object with VOLTA's sublayer lists (its config/*.json); anything else beside the weights is not one."""
     try:
         config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return False
     return isinstance(config, dict) and "tt_attn_sublayers" in config
 
@@ -307,7 +308,7 @@ def shared_fields(source: HFSource) -> dict:
         vocab_size=source.get("vocab_size"),
         max_position_embeddings=source.get("max_position_embeddings", default=512),
         type_vocab_size=source.get("type_vocab_size", default=2),
-        layer_norm_eps=source.get("layer_norm_eps", float, default=1e-12),
+        layer_norm_eps=stated_layer_norm_eps(source),
         dropout=source.get("hidden_dropout_prob", float, default=0.1),
         attention_dropout=source.get("attention_probs_dropout_prob", float, default=0.1),
         visual_feat_dim=source.get("v_feature_size", default=2048),
@@ -427,7 +428,7 @@ def task_heads(source: HFSource, pooled: int, image_width: int) -> tuple[dict[st
         if kind in ("vqa", "nlvr2"):
             if not source.has(f"{p}.logit_fc.0.weight"):
                 raise HFImportError(f"{source.weights_path}: {p} is not the classifier VOLTA builds for {task}")
-            reads = source.state[f"{p}.logit_fc.0.weight"].shape[1]
+            reads = source.shape(f"{p}.logit_fc.0.weight")[1]
             if reads != pooled * (2 if kind == "nlvr2" else 1):
                 raise HFImportError(f"{source.weights_path}: {p}.logit_fc.0 reads {reads} values, not the "
                                     f"{'two ' if kind == 'nlvr2' else ''}pooled {pooled} of {task}'s head")

@@ -335,6 +335,11 @@ def edit_config(edit):
     return make
 
 
+def setting(section: str, key: str, value):
+    """config.yaml with SECTION.KEY set to value."""
+    return edit_config(lambda tree: tree[section].update({key: value}))
+
+
 CLS = "roi_heads.box_predictor.cls_score.weight"
 ERRORS = {
     "pickled-object": (lambda src: torch.save({"model": NotATensor()}, src / "pytorch_model.bin"),
@@ -357,6 +362,52 @@ ERRORS = {
     "vocabulary": (lambda src: (src / "objects_vocab.txt").write_text("a\nb\n"), "objects_vocab.txt: 2 object names"),
     "no-weights": (lambda src: (src / "pytorch_model.bin").unlink(), "no weights file"),
     "no-config": (lambda src: (src / "config.yaml").unlink(), "missing file config.yaml"),
+    # sizes a module divides by or sizes a tensor with
+    "no-groups": (setting("RESNETS", "NUM_GROUPS", 0), "RESNETS.NUM_GROUPS: resnet_groups must be a positive integer, not 0"),
+    "no-res2-channels": (setting("RESNETS", "RES2_OUT_CHANNELS", 0),
+                         "RESNETS.RES2_OUT_CHANNELS: resnet_res2_channels must be a positive integer, not 0"),
+    "negative-stem": (setting("RESNETS", "STEM_OUT_CHANNELS", -8),
+                      "RESNETS.STEM_OUT_CHANNELS: resnet_stem_channels must be a positive integer, not -8"),
+    "no-width-per-group": (setting("RESNETS", "WIDTH_PER_GROUP", 0),
+                           "RESNETS.WIDTH_PER_GROUP: resnet_bottleneck_channels must be a positive integer, not 0"),
+    "zero-aspect-ratio": (setting("ANCHOR_GENERATOR", "ASPECT_RATIOS", [[0.0, 1.0, 2.0]]),
+                          "ANCHOR_GENERATOR.ASPECT_RATIOS: aspect_ratios must hold numbers above 0, not (0.0, 1.0, 2.0)"),
+    "negative-anchor": (setting("ANCHOR_GENERATOR", "SIZES", [[-64, 128]]),
+                        "ANCHOR_GENERATOR.SIZES: anchor_sizes must hold numbers above 0, not (-64, 128)"),
+    # values the detector cannot run with
+    "no-pooler-resolution": (setting("ROI_BOX_HEAD", "POOLER_RESOLUTION", 0),
+                             "ROI_BOX_HEAD.POOLER_RESOLUTION: roi_size must be a positive integer, not 0"),
+    "negative-pooler-resolution": (setting("ROI_BOX_HEAD", "POOLER_RESOLUTION", -14),
+                                   "ROI_BOX_HEAD.POOLER_RESOLUTION: roi_size must be a positive integer, not -14"),
+    "no-max-size": (setting("INPUT", "MAX_SIZE_TEST", 0), "INPUT.MAX_SIZE_TEST: max_size must be a positive integer, not 0"),
+    "negative-max-size": (setting("INPUT", "MAX_SIZE_TEST", -5),
+                          "INPUT.MAX_SIZE_TEST: max_size must be a positive integer, not -5"),
+    "no-proposals": (setting("RPN", "POST_NMS_TOPK_TEST", 0),
+                     "RPN.POST_NMS_TOPK_TEST: rpn_post_nms_top_n must be a positive integer, not 0"),
+    "negative-proposals": (setting("RPN", "POST_NMS_TOPK_TEST", -1),
+                           "RPN.POST_NMS_TOPK_TEST: rpn_post_nms_top_n must be a positive integer, not -1"),
+    "no-proposals-before-nms": (setting("RPN", "PRE_NMS_TOPK_TEST", 0),
+                                "RPN.PRE_NMS_TOPK_TEST: rpn_pre_nms_top_n must be a positive integer, not 0"),
+    "nms-threshold-above-1": (setting("RPN", "NMS_THRESH", 2.0),
+                              "RPN.NMS_THRESH: rpn_nms_thresh must be a number from 0 to 1, not 2.0"),
+    "nms-threshold-nan": (setting("RPN", "NMS_THRESH", float("nan")),
+                          "RPN.NMS_THRESH: rpn_nms_thresh must be a number from 0 to 1, not nan"),
+    "region-nms-negative": (setting("ROI_HEADS", "NMS_THRESH_TEST", -0.3),
+                            "ROI_HEADS.NMS_THRESH_TEST: region_nms_thresh must be a number from 0 to 1, not -0.3"),
+    "zero-std": (setting("MODEL", "PIXEL_STD", [0, 0, 0]), "MODEL.PIXEL_STD: std must hold numbers above 0, not (0.0, 0.0, 0.0)"),
+    "infinite-mean": (setting("MODEL", "PIXEL_MEAN", [float("inf"), 0, 0]),
+                      "MODEL.PIXEL_MEAN: mean must hold finite numbers, not (inf, 0.0, 0.0)"),
+    "zero-box-weight": (setting("ROI_BOX_HEAD", "BBOX_REG_WEIGHTS", [10.0, 10.0, 0.0, 5.0]),
+                        "ROI_BOX_HEAD.BBOX_REG_WEIGHTS: box_weights must hold numbers above 0"),
+    "deep-yaml": (lambda src: (src / "config.yaml").write_text("[" * 5000 + "]" * 5000),
+                  "config.yaml: not valid YAML (nested too deeply)"),
+    # weights
+    "integer-weights": (edit_state(lambda s: s.update({CLS: s[CLS].long()})), f"tensor {CLS} is int64, not floating point"),
+    "nan-weights": (edit_state(lambda s: s.update({CLS: torch.full_like(s[CLS], float("nan"))})),
+                    f"tensor {CLS} holds"),
+    "git-lfs-pointer": (lambda src: (src / "pytorch_model.bin").write_text(
+                            "version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 255000000\n"),
+                        "pytorch_model.bin: not a PyTorch weights file but a Git LFS pointer"),
 }
 
 

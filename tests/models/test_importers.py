@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from models import VLInputs
-from models.checkpoint import load_checkpoint
+from models.checkpoint import CheckpointError, load_checkpoint, load_state_strict
 from tests.models.reference_checks import import_checkpoint as imported, max_diff, run_import as cli
 
 import transformers  # pinned test dependency
@@ -263,6 +263,75 @@ def shard_index(text: str | bytes):
     return make
 
 
+def edit_weights(edit, bin_file: bool = False):
+    """The weights after `edit` of their state dict, as model.safetensors (or pytorch_model.bin: complex tensors)."""
+    def make(src, tmp_path):
+        from safetensors.torch import load_file, save_file
+
+        path = bad(src, tmp_path)
+        state = load_file(path / "model.safetensors")
+        edit(state)
+        if bin_file:
+            (path / "model.safetensors").unlink()
+            torch.save(state, path / "pytorch_model.bin")
+        else:
+            save_file(state, path / "model.safetensors")
+        return path
+    return make
+
+
+def set_tensor(key: str, value, bin_file: bool = False):
+    """The weights with tensor `key` replaced by value(the tensor)."""
+    return edit_weights(lambda state: state.update({key: value(state[key])}), bin_file)
+
+
+def two_shards(edit):
+    """The weights as two safetensors shards (keys alternating) and their index, after edit(shard 1, shard 2,
+    weight_map)."""
+    def make(src, tmp_path):
+        from safetensors.torch import load_file, save_file
+
+        path = bad(src, tmp_path)
+        state = load_file(path / "model.safetensors")
+        (path / "model.safetensors").unlink()
+        keys = sorted(state)
+        first, second = {k: state[k] for k in keys[::2]}, {k: state[k] for k in keys[1::2]}
+        weight_map = {k: SHARDS[0] for k in first} | {k: SHARDS[1] for k in second}
+        edit(first, second, weight_map)
+        save_file(first, path / SHARDS[0])
+        save_file(second, path / SHARDS[1])
+        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        return path
+    return make
+
+
+SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+LFS_POINTER = "version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 913000000\n"
+HTML_PAGE = "<!DOCTYPE html><html><body>Access denied</body></html>\n"
+DEEP_JSON = "[" * 100_000 + "]" * 100_000  # deeper than Python's json parser recurses
+QUERY, KEY = "visual_bert.encoder.layer.0.attention.self.query", "visual_bert.encoder.layer.0.attention.self.key"
+
+
+def with_tokenizer_config(text: str):
+    """A vocab.txt (bert-base-uncased's) beside the weights, and a tokenizer_config.json holding `text`."""
+    def make(src, tmp_path):
+        from models.tokenizer import VLTokenizer
+
+        path = write_text("tokenizer_config.json", text)(src, tmp_path)
+        (path / "vocab.txt").write_bytes(Path(VLTokenizer.pretrained_minilm().vocab_file).read_bytes())
+        return path
+    return make
+
+
+def shard_index_free(name: str, text: str):
+    """The weights replaced by `name` holding `text` (the safetensors file removed)."""
+    def make(src, tmp_path):
+        path = write_text(name, text)(src, tmp_path)
+        (path / "model.safetensors").unlink()
+        return path
+    return make
+
+
 def drop_layer(stack: str):
     """The weights without any tensor of layer `stack` (`...encoder.layer.0`), the layers above it kept."""
     def make(src, tmp_path):
@@ -318,6 +387,55 @@ ERRORS = {
         "name beside it)"),
     "shard index not UTF-8": (shard_index(b"\xff\xfe{}"), "model.safetensors.index.json: not a valid shard index ('utf-8' codec "
                                                            "can't decode byte 0xff in position 0: invalid start byte)"),
+    "shard index nested too deeply": (shard_index(DEEP_JSON),
+                                      "model.safetensors.index.json: not a valid shard index (nested too deeply)"),
+    "a tensor in two shards": (two_shards(lambda a, b, wm: b.update({"cls.bias": a["cls.bias"] + 7})),
+                               f"model.safetensors.index.json: tensor cls.bias is in both {SHARDS[0]} and {SHARDS[1]}; "
+                               f"the index names {SHARDS[0]}"),
+    "a tensor in a shard the index does not name": (two_shards(lambda a, b, wm: b.update({"cls.bias": a.pop("cls.bias")})),
+                                                    f"model.safetensors.index.json: tensor cls.bias is in {SHARDS[1]}, "
+                                                    f"but the index names {SHARDS[0]}"),
+    "config nested too deeply": (write_text("config.json", DEEP_JSON), "config.json: invalid JSON (nested too deeply)"),
+    "tokenizer config nested too deeply": (with_tokenizer_config(DEEP_JSON),
+                                           "tokenizer_config.json: invalid JSON (nested too deeply)"),
+    "a 0-d weight": (set_tensor("cls.weight", lambda t: torch.tensor(0.5)),
+                     "model.safetensors: tensor cls.weight has shape (), expected a 2-d tensor"),
+    "a 0-d bias of a fused projection": (set_tensor(f"{QUERY}.bias", lambda t: torch.tensor(0.5)),
+                                         f"model.safetensors: tensor {QUERY}.bias has shape (), expected a 1-d or 2-d "
+                                         "tensor"),
+    "a 1-d weight of a fused projection": (set_tensor(f"{KEY}.weight", lambda t: t.flatten()),
+                                           f"model.safetensors: tensor {KEY}.weight has shape (1024,), which cannot be "
+                                           f"fused with {QUERY}.weight (32, 32)"),
+    "integer weights": (set_tensor(f"{QUERY}.weight", lambda t: t.to(torch.int64)),
+                        f"model.safetensors: tensor {QUERY}.weight is int64, not floating point"),
+    "bool weights": (set_tensor(f"{QUERY}.weight", lambda t: t > 0), f"tensor {QUERY}.weight is bool, not floating point"),
+    "complex weights": (set_tensor(f"{QUERY}.weight", lambda t: t.to(torch.complex64), bin_file=True),
+                        f"pytorch_model.bin: tensor {QUERY}.weight is complex64, not floating point"),
+    "NaN weights": (set_tensor("visual_bert.pooler.dense.bias", lambda t: torch.full_like(t, float("nan"))),
+                    "model.safetensors: tensor visual_bert.pooler.dense.bias holds 32 NaN or infinite values"),
+    "an infinite weight": (set_tensor(f"{QUERY}.weight", lambda t: t.index_fill(0, torch.tensor([3]), float("inf"))),
+                           f"model.safetensors: tensor {QUERY}.weight holds 32 NaN or infinite values"),
+    "config size the weights lack": (corrupt_config(lambda c: c.update(max_position_embeddings=128)),
+                                     "model.safetensors: tensor visual_bert.embeddings.position_embeddings.weight has "
+                                     "shape (64, 32), the model needs (128, 32)"),
+    "Git LFS pointer as model.safetensors": (write_text("model.safetensors", LFS_POINTER),
+                                             "model.safetensors: not a safetensors file but a Git LFS pointer to one: "
+                                             "fetch the weights with `git lfs pull`"),
+    "Git LFS pointer as pytorch_model.bin": (shard_index_free("pytorch_model.bin", LFS_POINTER),
+                                             "pytorch_model.bin: not a PyTorch weights file but a Git LFS pointer"),
+    "HTML page as pytorch_model.bin": (shard_index_free("pytorch_model.bin", HTML_PAGE),
+                                       "pytorch_model.bin: not a PyTorch weights file: it looks like an HTML page (a "
+                                       "failed download"),
+    "HTML page as model.safetensors": (write_text("model.safetensors", HTML_PAGE),
+                                       "model.safetensors: not a safetensors file: it looks like an HTML page"),
+    "LayerNorm eps NaN": (corrupt_config(lambda c: c.update(layer_norm_eps=float("nan"))),
+                          "config.json: field 'layer_norm_eps' is nan, expected a finite number"),
+    "LayerNorm eps infinite": (corrupt_config(lambda c: c.update(layer_norm_eps=float("inf"))),
+                               "config.json: field 'layer_norm_eps' is inf, expected a finite number"),
+    "negative LayerNorm eps": (corrupt_config(lambda c: c.update(layer_norm_eps=-1e-12)),
+                               "config.json: field 'layer_norm_eps' is -1e-12, expected a number above 0"),
+    "LayerNorm eps 0": (corrupt_config(lambda c: c.update(layer_norm_eps=0)),
+                        "config.json: field 'layer_norm_eps' is 0.0, expected a number above 0"),
 }
 LXMERT_ERRORS = {  # hf-lxmert: each of its layer counts is checked against the weights
     "fewer language layers": (corrupt_config(lambda c: c.update(l_layers=1)),
@@ -435,6 +553,7 @@ ANSWER_ERRORS = {
     "json": ("{not json", "answers.json: unreadable answer table"),
     "text": ("yes\nno\n", "answers.txt: 2 answers, but the checkpoint's vqa head has 3 outputs"),
     "empty text": ("", "answers.txt: no answers (one answer a line expected)"),
+    "json nested too deeply": (DEEP_JSON, "answers.json: unreadable answer table (JSON nested too deeply)"),
 }
 
 
@@ -461,3 +580,39 @@ def test_answers_without_an_answer_head_exit_2(tmp_path):
     src = save_hf(visualbert("VisualBertForVisualReasoning", num_labels=2), tmp_path / "hf")
     result = cli("hf-visualbert", src, tmp_path / "out", "--answers", tmp_path / "answers.json")
     assert result.exit_code == 2 and "answers.json: the checkpoint has no answer head" in result.stderr
+
+
+# ---- what the weights and config.json may hold --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_weights_of_other_float_types_import_as_fp32(dtype, good_src, tmp_path):
+    from safetensors.torch import load_file
+
+    src = edit_weights(lambda state: state.update({k: v.to(dtype) for k, v in state.items()}))(good_src, tmp_path)
+    ckpt = imported("hf-visualbert", src, tmp_path / "out")
+    ours = ckpt.model.state_dict()["encoder.pooler.dense.weight"]
+    assert ours.dtype == torch.float32
+    assert torch.equal(ours, load_file(src / "model.safetensors")["visual_bert.pooler.dense.weight"].float())
+
+
+def test_load_state_strict_refuses_a_tensor_that_is_not_floating_point():
+    """load_state_dict would cast it into the float parameter without a word."""
+    state = {"weight": torch.ones(2, 2, dtype=torch.int64), "bias": torch.zeros(2)}
+    with pytest.raises(CheckpointError, match="w.safetensors: tensor weight is int64, not floating point"):
+        load_state_strict(nn.Linear(2, 2), state, "w.safetensors")
+
+
+def test_config_with_a_byte_order_mark_imports(good_src, tmp_path):
+    """A config.json saved with a UTF-8 byte-order mark (as Windows editors write) reads as one without."""
+    src = bad(good_src, tmp_path)
+    (src / "config.json").write_bytes(b"\xef\xbb\xbf" + (src / "config.json").read_bytes())
+    assert imported("hf-visualbert", src, tmp_path / "out").model.config.heads["vqa"].num_labels == 3
+
+
+@pytest.mark.parametrize("vocab", [b"", b"[PAD]\n[UNK]\ncaf\xe9\n"], ids=["no special tokens", "not UTF-8"])
+def test_a_bad_vocabulary_is_named_once(vocab, good_src, tmp_path):
+    src = write_text("vocab.txt", vocab)(good_src, tmp_path)
+    result = cli("hf-visualbert", src, tmp_path / "out")
+    assert result.exit_code == 2 and result.stderr.startswith(f"error: {src / 'vocab.txt'}: "), result.output
+    assert result.stderr.count("vocab.txt") == 1 and result.stderr.count("\n") == 1

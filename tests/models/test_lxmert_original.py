@@ -160,7 +160,17 @@ def answers(table):
     return make
 
 
+def downloaded(text: str):
+    """BEST.pth, beside its files, holding `text`: what a broken download leaves."""
+    def make(tmp_path):
+        src = rewrite(tmp_path, "BEST.pth")
+        src.write_text(text)
+        return src
+    return make
+
+
 KEY = "module.bert.encoder.layer.1.attention.self.key.weight"
+WORDS = "lxrt_encoder.model.bert.embeddings.word_embeddings.weight"
 ERRORS = {
     "directory": (lambda tmp: FIXTURE, "a directory; give the .pth file (snap/vqa/BEST.pth, model_LXRT.pth)"),
     "no file": (lambda tmp: tmp / "BEST.pth", "BEST.pth: no such file"),
@@ -187,6 +197,17 @@ ERRORS = {
     "answers of another size": (answers(["yes", "no"]), "answers.json: 2 answers, but the checkpoint's vqa head has 7"),
     "not an answer table": (answers({"yes": "no"}), "answers.json: not an answer table"),
     "ans2label with gaps": (answers({"yes": 0, "no": 2}), "answers.json: the answer -> index object's indices"),
+    "Git LFS pointer": (downloaded("version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 913000000\n"),
+                        "BEST.pth: not a PyTorch weights file but a Git LFS pointer to one: fetch the weights with "
+                        "`git lfs pull`"),
+    "HTML page": (downloaded("<!DOCTYPE html><html><body>Access denied</body></html>\n"),
+                  "BEST.pth: not a PyTorch weights file: it looks like an HTML page (a failed download"),
+    "1-d word embeddings": (lambda tmp: rewrite(tmp, "BEST.pth", lambda sd: {**sd, WORDS: sd[WORDS].flatten()}),
+                            f"BEST.pth: tensor {WORDS} has shape (", "), expected a 2-d tensor"),
+    "0-d answer classifier": (lambda tmp: rewrite(tmp, "BEST.pth", add("logit_fc.0.weight", torch.tensor(0.5))),
+                              "BEST.pth: tensor logit_fc.0.weight has shape (), expected a 2-d tensor"),
+    "infinite weights": (lambda tmp: rewrite(tmp, "model_LXRT.pth", lambda sd: {**sd, KEY: torch.full_like(sd[KEY], float("inf"))}),
+                         f"model_LXRT.pth: tensor {KEY} holds 256 NaN or infinite values"),
 }
 
 

@@ -213,6 +213,7 @@ def bert_config(**changes):
 
 
 KEY = "module.bert.encoder.layer.1.attention.self.key.weight"
+ATTR = "module.obj_predict_head.decoder_dict.attr.bias"
 ERRORS = {
     "directory": (lambda tmp: FIXTURE, "a directory; give the .pth file (snap/vqa.pth, CC_Unsupervised_LXRT.pth)"),
     "truncated file": (truncated, "vqa.pth: unreadable weights, truncated or corrupt"),
@@ -237,13 +238,24 @@ ERRORS = {
                        "pretrained_LXRT.pth: module.cls.predictions.decoder.weight is not tied"),
     "two-stream layers": (lambda tmp: rewrite(tmp, "pretrained_LXRT.pth", add("module.bert.encoder.x_layers.0.lang_inter.dense.weight", torch.zeros(2))),
                           "pretrained_LXRT.pth: has module.bert.encoder.x_layers: a two-stream LXMERT"),
+    "another format: VL-BERT": (lambda tmp: FIXTURE.parent / "vl_bert" / "refcoco.model",
+                                "refcoco.model: a training checkpoint (its tensors under 'state_dict'), not a state dict: "
+                                "a VL-BERT .model file; import it with `vlserve import vl-bert`"),
+    "1-d answer classifier": (lambda tmp: rewrite(tmp, "vqa.pth", lambda sd: {**sd, "logit_fc.0.weight": sd["logit_fc.0.weight"].flatten()}),
+                              "vqa.pth: tensor logit_fc.0.weight has shape (", "), expected a 2-d tensor"),
+    "0-d region projection": (lambda tmp: rewrite(tmp, "pretrained_LXRT.pth", add("module.bert.embeddings.visn_fc.weight", torch.tensor(0.5))),
+                              "pretrained_LXRT.pth: tensor module.bert.embeddings.visn_fc.weight has shape (), expected a "
+                              "2-d tensor"),
+    "NaN attribute head": (lambda tmp: rewrite(tmp, "pretrained_LXRT.pth", lambda sd: {
+                               **sd, ATTR: torch.full_like(sd[ATTR], float("nan"))}),
+                           f"pretrained_LXRT.pth: tensor {ATTR} holds"),
 }
 
 
 @pytest.mark.parametrize("case", list(ERRORS))
 def test_bad_source_exits_2_with_one_clear_message(case, tmp_path):
-    make, message = ERRORS[case]
-    assert_one_line_error(cli(make(tmp_path), tmp_path / "out"), tmp_path / "out", message)
+    make, *messages = ERRORS[case]
+    assert_one_line_error(cli(make(tmp_path), tmp_path / "out"), tmp_path / "out", *messages)
 
 
 def test_lxmert_importer_refuses_it(tmp_path):

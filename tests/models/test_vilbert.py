@@ -233,6 +233,23 @@ ERRORS = {
     "missing tensor": (drop("bert.encoder.c_layer.1.biattention.key2.bias"),
                        "source checkpoint lacks bert.encoder.c_layer.1.biattention.key2.bias"),
     "extra tensor": (add("bert.encoder.adapter.weight", torch.zeros(2)), "unexpected tensor bert.encoder.adapter.weight"),
+    "negative text layer id": (setting(t_biattention_id=[-1, 3]),  # the reference would run layer[:-1] first
+                               "config.json: field 't_biattention_id' is [-1, 3], expected a list of layer indices "
+                               "from 0 to 4"),
+    "image layer id past the image layers": (setting(v_biattention_id=[0, 3]),
+                                             "config.json: field 'v_biattention_id' is [0, 3], expected a list of "
+                                             "layer indices from 0 to 2"),
+    "0-d ITM classifier": (lambda tmp: rewrite(tmp, "pretrained_model.bin", lambda sd: {
+                               **sd, "cls.bi_seq_relationship.weight": torch.tensor(0.5)}),
+                           "pretrained_model.bin: tensor cls.bi_seq_relationship.weight has shape (), expected a 2-d "
+                           "tensor"),
+    "integer ITM bias": (lambda tmp: rewrite(tmp, "pretrained_model.bin", lambda sd: {
+                             **sd, "cls.bi_seq_relationship.bias": torch.ones(2, dtype=torch.int64)}),
+                         "pretrained_model.bin: tensor cls.bi_seq_relationship.bias is int64, not floating point"),
+    "0-d retrieval score bias": (add("vil_logit.bias", torch.tensor(0.5)),
+                                 "multi_task_model.bin: tensor vil_logit.bias has shape (), expected a 1-d tensor"),
+    "NaN retrieval score": (add("vil_logit.weight", torch.full((1, 16), float("nan"))),
+                            "multi_task_model.bin: tensor vil_logit.weight holds 16 NaN or infinite values"),
 }
 
 

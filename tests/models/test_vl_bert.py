@@ -290,6 +290,19 @@ def add(key, value):
     return in_state(lambda sd: {**sd, key: value})
 
 
+def volta_checkpoint(tmp_path):
+    return FIXTURE.parent / "volta" / "pytorch_model_best.bin"
+
+
+def lfs_pointer(tmp_path):
+    """What a clone without Git LFS holds in place of the weights."""
+    (tmp_path / "vqa.model").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 913000000\n")
+    return tmp_path / "vqa.model"
+
+
+WORDS, ANSWERS = "module.vlbert.word_embeddings.weight", "module.final_mlp.2.weight"
+
+
 def answers(lines: str):
     def make(tmp_path):
         (tmp_path / "answers.txt").write_text(lines)
@@ -321,9 +334,22 @@ ERRORS = {
                        "vqa.model: its VQA classifier is the '2fc' one, which vlserve does not build"),
     "answers of another size": (answers("yes\nno\n"), "answers.txt: 2 answers, but the checkpoint's vqa head has 7"),
     "config dropout not a number": (lambda tmp: rewrite(tmp, "vqa.model", yaml_edit=network(lambda v: {**v, "hidden_dropout_prob": "high"})),
-                                    "vqa.yaml: field 'hidden_dropout_prob' is 'high', expected float"),
+                                    "vqa.yaml: field 'hidden_dropout_prob' is 'high', expected a number"),
     "config dropout above 1": (lambda tmp: rewrite(tmp, "vqa.model", yaml_edit=network(lambda v: {**v, "hidden_dropout_prob": 5})),
                                "vqa.yaml: dropout=5.0 is not a probability in [0, 1]"),
+    "config layer count as a string": (lambda tmp: rewrite(tmp, "refcoco.model", yaml_edit=network(lambda v: {**v, "num_hidden_layers": "2"})),
+                                       "refcoco.yaml: field 'num_hidden_layers' is '2', expected an integer"),
+    "config heads as a string": (lambda tmp: rewrite(tmp, "vqa.model", yaml_edit=network(lambda v: {**v, "num_attention_heads": "2"})),
+                                 "vqa.yaml: field 'num_attention_heads' is '2', expected an integer"),
+    "a VOLTA checkpoint": (volta_checkpoint, "pytorch_model_best.bin: a VOLTA checkpoint: import it with `vlserve import volta`"),
+    "Git LFS pointer": (lfs_pointer, "vqa.model: not a PyTorch weights file but a Git LFS pointer to one: fetch the "
+                                     "weights with `git lfs pull`"),
+    "1-d word embeddings": (lambda tmp: rewrite(tmp, "vqa.model", in_state(lambda sd: {**sd, WORDS: sd[WORDS].flatten()})),
+                            f"vqa.model: tensor {WORDS} has shape (", "), expected a 2-d tensor"),
+    "config nested too deeply": (lambda tmp: (rewrite(tmp, "vqa.model"), tmp.joinpath("src", "vqa.yaml").write_text("[" * 5000 + "]" * 5000))[0],
+                                 "vqa.yaml: unreadable config (nested too deeply)"),
+    "integer classifier": (lambda tmp: rewrite(tmp, "vqa.model", in_state(lambda sd: {**sd, ANSWERS: sd[ANSWERS].long()})),
+                           f"vqa.model: tensor {ANSWERS} is int64, not floating point"),
 }
 
 

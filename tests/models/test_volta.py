@@ -280,7 +280,25 @@ ERRORS = {
         "vilbert_tiny.json: field 'sublayer2attn_hidden_size' is {'first': 16}, expected layer numbers as its keys"),
     "answers of another size": (lambda tmp: (tmp.joinpath("answers.json").write_text('["yes", "no"]'), rewrite(tmp, TASKS))[1],
                                 "answers.json: 2 answers, but the checkpoint's vqa head has 7"),
+    "0-d VQA classifier": (lambda tmp: rewrite(tmp, TASKS, add("clfs_dict.TASK1.logit_fc.3.weight", torch.tensor(0.5))),
+                           f"{TASKS}: tensor clfs_dict.TASK1.logit_fc.3.weight has shape (), expected a 2-d tensor"),
+    "1-d VQA classifier input": (lambda tmp: rewrite(tmp, TASKS, add("clfs_dict.TASK1.logit_fc.0.weight", torch.zeros(720))),
+                                 f"{TASKS}: tensor clfs_dict.TASK1.logit_fc.0.weight has shape (720,), expected a 2-d tensor"),
+    "0-d bias of a fused projection": (lambda tmp: rewrite(tmp, TASKS, add("bert.encoder.layer.0.attention_self.key.bias", torch.tensor(0.5))),
+                                       f"{TASKS}: tensor bert.encoder.layer.0.attention_self.key.bias has shape (), "
+                                       "expected a 1-d or 2-d tensor"),
+    "integer ITM classifier": (lambda tmp: rewrite(tmp, PRETRAINED, add("cls.bi_seq_relationship.bias", torch.ones(2, dtype=torch.int32))),
+                               f"{PRETRAINED}: tensor cls.bi_seq_relationship.bias is int32, not floating point"),
+    "negative LayerNorm eps": (lambda tmp: rewrite(tmp, TASKS, config={"layer_norm_eps": -1.0}),
+                               "vilbert_tiny.json: field 'layer_norm_eps' is -1.0, expected a number above 0"),
 }
+
+
+def test_a_json_nested_too_deeply_beside_the_weights_is_not_taken_for_the_config(tmp_path):
+    src = rewrite(tmp_path, TASKS)
+    (src.parent / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    result = cli(src, tmp_path / "out")
+    assert result.exit_code == 0, result.output
 
 
 @pytest.mark.parametrize("case", list(ERRORS))

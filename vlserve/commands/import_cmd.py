@@ -5,6 +5,7 @@ import errno
 import json
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Callable
 from functools import partial
@@ -14,10 +15,12 @@ from typing import Annotated
 import typer
 
 from vlserve.commands.checks import fail
+from vlserve.commands.export import Terminated, sigterm_unwinds
 
 app = typer.Typer(
-    help="Convert public checkpoints (transformers' VisualBERT, LXMERT; the original LXMERT code's; vilbert-multi-task's "
-    "ViLBERT and 12-in-1; the frcnn-vg detector) into vlserve checkpoint and detector directories.",
+    help="Convert public checkpoints (transformers' VisualBERT and LXMERT, the original LXMERT code's, ViLBERT and "
+    "12-in-1, VOLTA's, U-VisualBERT's, VL-BERT's; the frcnn-vg detector) into vlserve checkpoint and detector "
+    "directories.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -32,53 +35,86 @@ Answers = Annotated[Path | None, typer.Option(
     "file of one answer a line (Pythia's answers_vqa.txt)")]
 
 
-def _convert(convert: Callable[[Path, Path], Path], src: Path, out: Path, force: bool) -> Path:
-    """Run one importer into a new directory beside OUT, then move its files into OUT; returns OUT.
+def _convert(convert: Callable[[Path, Path], Path], src: Path, out: Path, force: bool,
+             reads: tuple[Path | None, ...] = ()) -> Path:
+    """Run one importer into a new directory beside OUT, then move its files into OUT; returns OUT. `reads`: the
+    files the import reads besides SRC (its options' files), which OUT may not hold.
 
-    A failed import leaves OUT as it was (and a previous import in it intact); any import or write error becomes
-    one line on stderr and exit code 2.
+    A failed or terminated (SIGTERM, Ctrl-C) import leaves OUT as it was (and a previous import in it intact), and
+    creates none of OUT's missing parents; any import or write error becomes one line on stderr and exit code 2.
     """
     from models.checkpoint import CheckpointError
     from models.file_modes import apply_umask
     from safetensors import SafetensorError
 
+    _check_out(out, src, reads, force)
+    target = out.resolve()
+    base = target.parent  # the staging directory sits beside OUT, or in its nearest parent there is
+    while not os.path.lexists(base):
+        base = base.parent
+    if not base.is_dir():
+        fail(f"{out}: cannot write there: {base} is a file, not a directory")
     try:
-        if out.resolve() == src.resolve():
-            fail(f"{out}: OUT must differ from SRC")
-        if out.exists() and not out.is_dir():
-            fail(f"{out}: is a file, not a directory (OUT is the directory to write)")
-        if out.exists() and any(out.iterdir()) and not force:
-            fail(f"{out}: already exists and is not empty (pass --force to write into it)")
-        target = out.resolve()  # the staging directory sits beside OUT: its files are renamed, never copied
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    except FileExistsError as exc:  # a file where a parent directory should be
-        fail(f"{out}: cannot write there: {exc.filename} is a file, not a directory")
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=base))
     except OSError as exc:  # a read-only file system, no permission
         fail(f"{out}: cannot write there ({exc.strerror})")
     staged = staging / "new"
     try:
-        convert(src, staged)
-        apply_umask(staged)  # the umask's modes (safetensors writes 0600) before the files appear in OUT
-        _move_into(staging, out)
+        with sigterm_unwinds():  # SIGTERM unwinds through the finally below, as Ctrl-C does
+            try:
+                convert(src, staged)
+                apply_umask(staged)  # the umask's modes (safetensors writes 0600) before the files appear in OUT
+                _move_into(staging, out, force)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
     except (CheckpointError, OSError) as exc:
         fail(str(exc).replace(str(staged), str(out)))  # name a file as it would have been in OUT
     except SafetensorError as exc:  # safetensors' writer reports a failed write (a full disk) this way
         fail(f"{out}: writing the weights failed ({exc})")
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    except Terminated:  # the staging directory is gone: end as the signal would have ended the process (143)
+        typer.echo("error: terminated (SIGTERM)", err=True)
+        signal.raise_signal(signal.SIGTERM)
+        raise typer.Exit(128 + signal.SIGTERM) from None  # a handler of the caller's ran instead
     return out
 
 
-def _move_into(staging: Path, out: Path) -> None:
-    """Move the files of staging/new into OUT (created if missing), manifest.json last; files of OUT the import did
-    not write stay. If a move fails, the files it replaced (kept in staging/old) are put back."""
+def _check_out(out: Path, src: Path, reads: tuple[Path | None, ...], force: bool) -> None:
+    """Before any work: OUT is a directory or nothing (a dangling link is neither), empty unless --force, and holds
+    no file the import reads (--force would write over a config.json or vocab.txt beside SRC)."""
+    if out.is_symlink() and not out.exists():
+        fail(f"{out}: a symbolic link to {os.readlink(out)}, which does not exist (remove it, or give a directory)")
+    if out.exists() and not out.is_dir():
+        fail(f"{out}: is a file, not a directory (OUT is the directory to write)")
+    target = out.resolve()
+    if target == src.resolve():
+        fail(f"{out}: OUT must differ from SRC")
+    for path in (src, *reads):
+        if path is not None and (target == path.resolve() or target in path.resolve().parents):
+            fail(f"{out}: holds {path}, which the import reads; choose another OUT")
+    if out.exists() and any(out.iterdir()) and not force:
+        fail(f"{out}: already exists and is not empty (pass --force to write into it)")
+
+
+def _move_into(staging: Path, out: Path, force: bool) -> None:
+    """Move the import staging/new into OUT. A new OUT (its missing parents made only now) is one rename, which fails
+    if another import filled OUT meanwhile; into an existing OUT the files move one by one, manifest.json last, and
+    files of OUT the import did not write stay. If a move fails, the files it replaced (kept in staging/old) are put
+    back."""
     from models.checkpoint import MANIFEST
 
     new, old = staging / "new", staging / "old"
+    if not os.path.lexists(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(new, out)  # onto nothing, or an empty directory; never onto one with files
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+    if not force and any(out.iterdir()):  # OUT was empty or absent when the import started
+        fail(f"{out}: another process wrote into it while this import ran; nothing was written (pass --force to "
+             "write into it)")
     old.mkdir()
-    created = not out.exists()
-    out.mkdir(exist_ok=True)
     names = sorted((p.name for p in new.iterdir()), key=lambda name: name == MANIFEST)
     for name in names:  # --force replaces files; a directory of that name is the user's, not an older import's
         if (out / name).is_dir() and not (out / name).is_symlink():
@@ -96,14 +132,18 @@ def _move_into(staging: Path, out: Path) -> None:
                 os.replace(old / name, out / name)
             elif (out / name).exists():
                 (out / name).unlink()
-        if created:
-            out.rmdir()
         raise
 
 
-def _run(convert: Callable[[Path, Path], Path], src: Path, out: Path, force: bool) -> None:
+def _shown(path: Path) -> str:
+    """A path as stdout can print it whatever its encoding: bytes of the name that are not UTF-8 as \\xNN."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def _run(convert: Callable[[Path, Path], Path], src: Path, out: Path, force: bool,
+         reads: tuple[Path | None, ...] = ()) -> None:
     """Run one checkpoint importer and say what it wrote."""
-    path = _convert(convert, src, out, force)
+    path = _convert(convert, src, out, force, reads)
     record = json.loads((path / "manifest.json").read_text())["import"]
     ignored = record["ignored_keys"]
     if ignored:
@@ -111,7 +151,8 @@ def _run(convert: Callable[[Path, Path], Path], src: Path, out: Path, force: boo
         typer.echo(f"warning: {len(ignored)} source tensors not imported (listed in manifest.json): {shown}", err=True)
     heads = json.loads((path / "config.json").read_text())["heads"]
     _warn_about_answers(path, heads, record)
-    typer.echo(f"wrote {path} ({record['architecture'] or 'unknown architecture'}; heads: {', '.join(heads) or 'none'})")
+    typer.echo(f"wrote {_shown(path)} ({record['architecture'] or 'unknown architecture'}; heads: "
+               f"{', '.join(heads) or 'none'})")
 
 
 def _warn_about_answers(path: Path, heads: dict, record: dict) -> None:
@@ -138,7 +179,7 @@ def hf_visualbert(src: Source, out: Out, answers: Answers = None, force: Force =
     """Import a transformers VisualBert* checkpoint (uclanlp/visualbert-* format)."""
     from models.importers.hf_visualbert import import_visualbert
 
-    _run(partial(import_visualbert, answers=answers), src, out, force)
+    _run(partial(import_visualbert, answers=answers), src, out, force, (answers,))
 
 
 @app.command("hf-lxmert")
@@ -146,7 +187,7 @@ def hf_lxmert(src: Source, out: Out, answers: Answers = None, force: Force = Fal
     """Import a transformers Lxmert* checkpoint (unc-nlp/lxmert-* format)."""
     from models.importers.hf_lxmert import import_lxmert
 
-    _run(partial(import_lxmert, answers=answers), src, out, force)
+    _run(partial(import_lxmert, answers=answers), src, out, force, (answers,))
 
 
 @app.command("lxmert")
@@ -161,7 +202,7 @@ def lxmert_original(
     """Import a checkpoint of the original LXMERT code (github.com/airsplay/lxmert)."""
     from models.importers.lxmert_original import import_lxmert_original
 
-    _run(partial(import_lxmert_original, answers=answers), src, out, force)
+    _run(partial(import_lxmert_original, answers=answers), src, out, force, (answers,))
 
 
 @app.command("volta")
@@ -180,7 +221,7 @@ def volta(
     """Import a VOLTA checkpoint (github.com/e-bug/volta) of a ViLBERT-, LXMERT-, VisualBERT- or VL-BERT-style config."""
     from models.importers.volta import import_volta
 
-    _run(partial(import_volta, config=config, answers=answers), src, out, force)
+    _run(partial(import_volta, config=config, answers=answers), src, out, force, (config, answers))
 
 
 @app.command("vilbert")
@@ -199,7 +240,7 @@ def vilbert(
     """Import a checkpoint of facebookresearch/vilbert-multi-task (ViLBERT, 12-in-1)."""
     from models.importers.vilbert import import_vilbert, why_unused
 
-    _run(partial(import_vilbert, config=config, answers=answers), src, out, force)
+    _run(partial(import_vilbert, config=config, answers=answers), src, out, force, (config, answers))
     for why in why_unused(json.loads((out / "manifest.json").read_text())["import"]["ignored_keys"]):
         typer.echo(f"warning: not imported: {why}", err=True)
 
@@ -216,7 +257,7 @@ def u_visualbert(
     """Import a checkpoint of the weakly-supervised VisualBERT (github.com/uclanlp/visualbert, unsupervised_visualbert)."""
     from models.importers.u_visualbert import import_u_visualbert
 
-    _run(partial(import_u_visualbert, answers=answers), src, out, force)
+    _run(partial(import_u_visualbert, answers=answers), src, out, force, (answers,))
 
 
 @app.command("vl-bert")
@@ -236,7 +277,7 @@ def vl_bert(
     """Import a checkpoint of VL-BERT's own code (github.com/jackroos/VL-BERT)."""
     from models.importers.vl_bert import import_vl_bert
 
-    _run(partial(import_vl_bert, config=config, answers=answers), src, out, force)
+    _run(partial(import_vl_bert, config=config, answers=answers), src, out, force, (config, answers))
 
 
 @app.command("frcnn-vg")
@@ -258,12 +299,12 @@ def frcnn_vg(
     from models.importers.frcnn_vg import import_frcnn_vg
 
     convert = partial(import_frcnn_vg, objects=objects, attributes=attributes, adaptive=adaptive)
-    path = _convert(convert, src, out, force)
+    path = _convert(convert, src, out, force, (objects, attributes))
     config = json.loads((path / "config.json").read_text())
     if counters := json.loads((path / "manifest.json").read_text())["import"]["ignored_keys"]:
         typer.echo(f"note: {len(counters)} BatchNorm counters (num_batches_tracked) not imported: inference never reads "
                    f"them (listed in manifest.json)", err=True)
     regions = f"{config['min_boxes']}-{config['max_boxes']}" if config["adaptive"] else str(config["num_boxes"])
-    typer.echo(f"wrote {path} (detector {fingerprint_of(json.loads((path / 'manifest.json').read_text()))}: "
+    typer.echo(f"wrote {_shown(path)} (detector {fingerprint_of(json.loads((path / 'manifest.json').read_text()))}: "
                f"{config['backbone']}, {len(config['classes'])} classes, {len(config['attributes'])} attributes, "
                f"{config['feature_dim']}-d features, {regions} regions)")
