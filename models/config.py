@@ -151,15 +151,16 @@ class EncoderConfig:
                 raise ValueError("vilbert needs one coattention_text_layers index per co-attention layer")
             if self.coattention_image_layers:
                 image_ids = list(self.coattention_image_layers)
-                if len(image_ids) != self.num_cross_layers or image_ids != sorted(image_ids) or image_ids[-1] > self.num_image_layers:
+                if (len(image_ids) != self.num_cross_layers or image_ids != sorted(image_ids) or image_ids[0] < 0
+                        or image_ids[-1] > self.num_image_layers):
                     raise ValueError("coattention_image_layers must be one non-decreasing count of image layers "
-                                     "(<= num_image_layers) per co-attention layer")
+                                     "(0 to num_image_layers) per co-attention layer")
             elif self.num_image_layers < self.num_cross_layers:
                 raise ValueError("vilbert needs at least one image layer before each co-attention layer")
-            if any(i > self.num_layers for i in self.coattention_text_layers) or list(
+            if any(not 0 <= i <= self.num_layers for i in self.coattention_text_layers) or list(
                 self.coattention_text_layers
             ) != sorted(self.coattention_text_layers):
-                raise ValueError("coattention_text_layers must be non-decreasing counts of text layers (<= num_layers)")
+                raise ValueError("coattention_text_layers must be non-decreasing counts of text layers (0 to num_layers)")
 
     def _check_ranges(self) -> None:
         """Sizes, counts and dropout probabilities a model can be built with; the first one out of range fails naming

@@ -180,10 +180,12 @@ def test_same_seed_same_init(preset, make_model):
         (lambda: create_model("vilbert", "tiny", image_hidden_size=50), "image_hidden_size=50 is not a multiple"),
         (lambda: create_model("vilbert", "tiny", coattention_text_layers=(1,)), "one coattention_text_layers index per co-attention layer"),
         (lambda: create_model("vilbert", "tiny", coattention_text_layers=(2, 1)), "non-decreasing"),
-        (lambda: create_model("vilbert", "tiny", coattention_text_layers=(1, 3)), r"<= num_layers"),
+        (lambda: create_model("vilbert", "tiny", coattention_text_layers=(1, 3)), "0 to num_layers"),
+        (lambda: create_model("vilbert", "tiny", coattention_text_layers=(-1, 1)), "0 to num_layers"),
+        (lambda: create_model("vilbert", "tiny", coattention_image_layers=(-1, 1)), "0 to num_image_layers"),
     ],
     ids=["preset", "size", "head-kind", "vqa-num-labels", "heads", "image-heads", "coattention-count",
-         "coattention-order", "coattention-range"],
+         "coattention-order", "coattention-range", "coattention-negative", "coattention-image-negative"],
 )
 def test_bad_config_is_a_clear_value_error(build, message):
     with pytest.raises(ValueError, match=message):

@@ -3,38 +3,12 @@ TensorRT engines for GPUs on request), parity-checked."""
 from __future__ import annotations
 
 import json
-import signal
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-
-class Terminated(BaseException):
-    """SIGTERM during the export: unwinds as Ctrl-C's KeyboardInterrupt does, so that the hidden temporary
-    repository beside --out is removed on the way out."""
-
-
-@contextmanager
-def sigterm_unwinds() -> Iterator[None]:
-    """SIGTERM raises Terminated in the main thread while the block runs (later ones are ignored, so that the
-    clean-up finishes); the previous handler is restored after."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield
-        return
-
-    def terminate(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise Terminated
-
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+from vlserve.commands.termination import Terminated, end_terminated, sigterm_unwinds
 
 
 def export(
@@ -84,10 +58,8 @@ def export(
     except (CheckpointError, OSError, ValueError) as exc:  # OSError: --out or the disk, not the graphs' parity
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    except Terminated:  # the temporary repository is gone: end as the signal would have ended the process (143)
-        typer.echo("error: terminated (SIGTERM)", err=True)
-        signal.raise_signal(signal.SIGTERM)
-        raise typer.Exit(128 + signal.SIGTERM) from None  # a handler of the caller's ran instead
+    except Terminated:  # the temporary repository is gone
+        end_terminated()
     summary = {task: {k: v for k, v in p.items() if isinstance(v, dict) and "max_abs_diff" in v}
                for task, p in repo.parity["graphs"].items()}
     typer.echo(json.dumps({"out": str(out), "graphs": list(repo.graphs), "precision": repo.manifest["precision"],

@@ -5,7 +5,6 @@ import errno
 import json
 import os
 import shutil
-import signal
 import tempfile
 from collections.abc import Callable
 from functools import partial
@@ -15,7 +14,7 @@ from typing import Annotated
 import typer
 
 from vlserve.commands.checks import fail
-from vlserve.commands.export import Terminated, sigterm_unwinds
+from vlserve.commands.termination import Terminated, end_terminated, sigterm_unwinds
 
 app = typer.Typer(
     help="Convert public checkpoints (transformers' VisualBERT and LXMERT, the original LXMERT code's, ViLBERT and "
@@ -71,10 +70,8 @@ def _convert(convert: Callable[[Path, Path], Path], src: Path, out: Path, force:
         fail(str(exc).replace(str(staged), str(out)))  # name a file as it would have been in OUT
     except SafetensorError as exc:  # safetensors' writer reports a failed write (a full disk) this way
         fail(f"{out}: writing the weights failed ({exc})")
-    except Terminated:  # the staging directory is gone: end as the signal would have ended the process (143)
-        typer.echo("error: terminated (SIGTERM)", err=True)
-        signal.raise_signal(signal.SIGTERM)
-        raise typer.Exit(128 + signal.SIGTERM) from None  # a handler of the caller's ran instead
+    except Terminated:  # the staging directory is gone
+        end_terminated()
     return out
 
 
