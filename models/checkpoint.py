@@ -5,10 +5,15 @@ and fails with one message naming the file or field at fault.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import json
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +109,82 @@ def write_manifest(out: Path, files: list[str], fields: dict[str, Any]) -> dict[
     return manifest
 
 
+_RENAME_EXCHANGE = 2  # renameat2's flag: swap two paths atomically (Linux 3.15+, most local file systems)
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the paths a and b in one step; False where the system or file system cannot (then nothing changed)."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def _swap_in(new: Path, out: Path) -> None:
+    """Put the directory `new` at `out` (a sibling): one rename onto nothing, else an exchange (atomic where the file
+    system has one; else two renames, the old one put back if the second fails). Files of the old `out` the new one
+    lacks (metrics, a resumable state, the user's own) move into it; then the old directory is removed."""
+    try:
+        _swap_directories(new, out)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EBUSY):
+            raise
+        # `out` is a mount point, or on another file system than its parent: its files are replaced one by one,
+        # the old manifest first and the new one last, so that a torn write never passes for a finished model
+        (out / MANIFEST).unlink(missing_ok=True)
+        for name in sorted(os.listdir(new), key=lambda name: name == MANIFEST):
+            shutil.move(new / name, out / name)
+
+
+def _swap_directories(new: Path, out: Path) -> None:
+    if not os.path.lexists(out):
+        os.rename(new, out)
+        return
+    if not _exchange(new, out):
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.rename(out, old)  # onto the empty directory mkdtemp made
+        try:
+            os.rename(new, out)
+        except BaseException:
+            os.rename(old, out)
+            raise
+        new = old
+    for entry in os.listdir(new):  # `new` now holds the old directory
+        if not os.path.lexists(out / entry):
+            os.rename(new / entry, out / entry)
+    shutil.rmtree(new, ignore_errors=True)
+
+
+@contextmanager
+def staged_directory(out_dir: str | Path) -> Iterator[Path]:
+    """A directory to write a model's files into, swapped in at `out_dir` when the block ends without an error (a
+    finished model there stays whole until then) and removed when it fails. Where no sibling can be made (a parent
+    this process cannot write in, such as a mounted volume's root), the files are written in place, the old
+    manifest removed first, so that a torn write never passes for a finished model."""
+    out = Path(out_dir).resolve()  # a link to a directory: the directory it names is replaced
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.saving-", dir=out.parent))
+    except OSError:
+        out.mkdir(exist_ok=True)
+        (out / MANIFEST).unlink(missing_ok=True)
+        yield out
+        return
+    try:
+        yield staging
+        apply_umask(staging)  # mkdtemp's 0700, safetensors' 0600: the modes a directory written in place would have
+        _swap_in(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def save_checkpoint(
     model: VLModel,
     out_dir: str | Path,
@@ -112,11 +193,17 @@ def save_checkpoint(
     detector: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a checkpoint directory. `detector` records the detector it expects (fingerprint, feature dim)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    """Write a checkpoint directory (staged: a finished model there stays whole until the new one replaces it).
+    `detector` records the detector it expects (fingerprint, feature dim)."""
     labels = labels or {}
     _check_labels(model.config, labels)
+    with staged_directory(out_dir) as out:
+        _write_checkpoint(model, out, tokenizer, labels, detector, extra)
+    return Path(out_dir)
+
+
+def _write_checkpoint(model: VLModel, out: Path, tokenizer: VLTokenizer, labels: dict[str, Any],
+                      detector: dict[str, Any] | None, extra: dict[str, Any] | None) -> None:
     (out / CONFIG).write_text(json.dumps(model.config.to_dict(), indent=2))
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     save_weights(state, out / WEIGHTS, metadata={"format_version": str(FORMAT_VERSION)})
@@ -129,7 +216,6 @@ def save_checkpoint(
         "detector": detector or {},
         **(extra or {}),
     })
-    return out
 
 
 def verify_manifest(path: str | Path, what: str = "checkpoint") -> dict[str, Any]:

@@ -47,7 +47,9 @@ class Linear(nn.Linear):
 
     Plain nn.Linear (MKL sgemm) packs the weight inside every call; with few rows (batch 1: 56 tokens) that
     is a large share of the work, and the pre-packed oneDNN GEMM ran 1.2-1.4x faster here (docs/BENCHMARKS.md).
-    The packed copy is made on the first no-grad call and re-made whenever the weight or `gemm_dtype` changes.
+    The packed copy is made on the first no-grad call in eval mode and re-made whenever the weight or `gemm_dtype`
+    changes; it is dropped whenever the module switches mode (`train()` / `eval()`), and a module in training mode
+    never packs: a fused optimizer step updates the weight in place without bumping its `_version`.
     Autograd, other devices and dtypes, tracing, compiling and ONNX export take the plain F.linear path.
     `activation="gelu"` fuses exact GELU into the GEMM.
 
@@ -62,7 +64,7 @@ class Linear(nn.Linear):
 
     def _fast_path(self, x: torch.Tensor) -> bool:
         return (
-            PACK_CPU_WEIGHTS and _ONEDNN_LINEAR and not torch.is_grad_enabled()
+            PACK_CPU_WEIGHTS and _ONEDNN_LINEAR and not torch.is_grad_enabled() and not self.training
             and x.device.type == "cpu" and x.dtype in (torch.float32, self.gemm_dtype) and x.layout == torch.strided
             and x.numel() > 0
             and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32
@@ -71,7 +73,8 @@ class Linear(nn.Linear):
 
     def packed_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(packed weight, bias) in `gemm_dtype`, re-made when the weight or the dtype changed."""
-        key = (self.weight.data_ptr(), _weight_version(self.weight), self.gemm_dtype)
+        bias_key = None if self.bias is None else (self.bias.data_ptr(), _weight_version(self.bias))
+        key = (self.weight.data_ptr(), _weight_version(self.weight), bias_key, self.gemm_dtype)
         if self._packed is None or self._packed[0] != key:
             weight = self.weight.detach().to(self.gemm_dtype)
             bias = None if self.bias is None else self.bias.detach().to(self.gemm_dtype)
@@ -88,6 +91,11 @@ class Linear(nn.Linear):
             return y if gemm_out else y.float()  # no-ops in float32
         y = F.linear(x, self.weight, self.bias)
         return F.gelu(y) if activation == "gelu" else y
+
+    def train(self, mode: bool = True) -> "Linear":
+        # fused/foreach optimizer steps leave `_version` alone: a stale packed copy must not outlive a training phase
+        self._packed = None
+        return super().train(mode)
 
     def __getstate__(self):
         return {**self.__dict__, "_packed": None}  # the packed copy is a cache: never pickled or deep-copied

@@ -13,6 +13,7 @@ import torch
 from tqdm import tqdm
 
 from models.detector import DetectorConfig, RegionDetector
+from models.checkpoint import staged_directory
 from models.detector.io import save_detector
 
 from .data.shapes_cache import ShapesConfig, ShapesSplit, load_split
@@ -129,7 +130,7 @@ def train_detector(cfg: DetectorTrainConfig, progress: bool = True) -> dict:
             if not finite_weights(detector):  # the last step's loss was finite, its update need not be
                 bar.close()
                 raise diverged(step, "the weights are not finite")
-            history.append({"step": step, **evaluate_map(detector, val, range(cfg.eval_images))})
+            history.append({"step": step, **evaluate_map(detector, val, range(min(len(val), cfg.eval_images)))})
             detector.train()
             log.info("step %d: %s", step, history[-1])
         # forward / backward
@@ -155,6 +156,7 @@ def train_detector(cfg: DetectorTrainConfig, progress: bool = True) -> dict:
     final = evaluate_map(detector, val, range(min(len(val), cfg.final_eval_images or len(val))))
     metrics = {"val": final, "history": history, "train_seconds": round(train_seconds, 1), "steps": cfg.steps,
                "batch_size": cfg.batch_size, "data": asdict(cfg.data)}
-    fingerprint = save_detector(detector.cpu(), cfg.out, extra={"training": metrics})
+    with staged_directory(cfg.out) as staging:  # a finished detector there stays whole until the new one replaces it
+        fingerprint = save_detector(detector.cpu(), staging, extra={"training": metrics})
     (Path(cfg.out) / "metrics.json").write_text(json.dumps({**metrics, "fingerprint": fingerprint}, indent=2))
     return {**metrics, "fingerprint": fingerprint}

@@ -2,6 +2,7 @@
 together, from scratch, from MiniLM's text side, or from a (pretraining) checkpoint."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -166,6 +167,28 @@ def adamw(groups: list[dict], lr: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=lr, fused=True)
 
 
+def text_room(cfg: FinetuneConfig) -> int:
+    """The fewest text tokens (max_length) the run's tasks can encode a word in: [CLS] and [SEP], the VQA head's answer
+    slot where it reads one, and for multiple choice a [SEP] and a word of the choice (the longest choice is checked
+    with the data: check_choices_fit)."""
+    slot = cfg.vqa_pool if cfg.vqa_pool in ("answer_slot", "answer_segment") else False
+    heads = {head_of(t, cfg.rank_pool) for t in training_tasks(cfg)}
+    need = VLTokenizer.special_count(slot if "vqa" in heads else False) + 1
+    return max(need, VLTokenizer.special_count() + 3) if "multiple_choice" in heads else need
+
+
+def check_choices_fit(cfg: FinetuneConfig, data: TaskData, tokenizer: VLTokenizer) -> None:
+    """TrainingError before the first step where the longest multiple-choice answer leaves its question no token."""
+    choices = {c for split in (data.train, data.eval) for e in split.get("multiple_choice", []) for c in e.choices}
+    if not choices:
+        return
+    longest = max(len(tokenizer.token_ids(c)) for c in choices)
+    need = VLTokenizer.special_count() + 1 + longest + 1  # [CLS] question [SEP] choice [SEP]
+    if cfg.max_length < need:
+        raise TrainingError(f"max_length={cfg.max_length} leaves no room for the text: multiple choice needs at least "
+                            f"{need} tokens (its longest choice is {longest} tokens)")
+
+
 def check_lead(cfg: FinetuneConfig) -> None:
     """The run's tasks have finite weights above 0; the lead phase trains some of them, then the curriculum's phases
     train known tasks, all together for fewer steps than the run."""
@@ -197,6 +220,12 @@ def check_lead(cfg: FinetuneConfig) -> None:
                          f"at most {RANK_GROUP - 1} (the negatives of a ranking group)")
     if cfg.query_bank and cfg.tasks.get(RANK_TASK, 0) <= 0:
         raise ValueError(f"query_bank draws the listing captions of the {RANK_TASK} set: give it a weight in tasks")
+    if cfg.max_length < text_room(cfg):
+        raise ValueError(f"max_length={cfg.max_length} leaves no room for the text: the run's tasks need at least "
+                         f"{text_room(cfg)} tokens (with [CLS], [SEP] and their heads' special tokens)")
+    if cfg.query_bank > cfg.train_scenes:  # one listing caption per training scene
+        raise ValueError(f"query_bank={cfg.query_bank} needs as many distinct listing captions: train_scenes="
+                         f"{cfg.train_scenes} have at most {cfg.train_scenes}")
     known = (*TASKS, *TRAINING_SETS)
     for steps, tasks in cfg.curriculum:
         if steps <= 0 or not tasks:
@@ -252,19 +281,34 @@ def finite_weights(model: torch.nn.Module) -> bool:
     return bool(torch.stack([p.isfinite().all() for p in model.parameters()]).all())
 
 
-# RunConfig fields a train_state.pt must share with the run that resumes it: they build the model and its optimizer,
-# or the state brings them back (each optimizer group's peak_lr and weight_decay), or its step is a point of their
-# schedule (steps)
-RESUME_FIELDS = ("preset", "size", "num_layers", "box_embedding", "embedding_style", "feature_norm", "lr", "head_lr",
-                 "weight_decay", "steps")
+# Run-config fields that do not change what a run trains (where it runs and writes, what it reports and when it
+# saves): every other field, and the detector's fingerprint, must be those of the run that wrote a train_state.pt
+NOT_RUN_FIELDS = ("out", "force", "threads", "device", "detector_dir", "checkpoint_every", "eval_every",
+                  "eval_examples", "final_eval_examples", "eval_scenes", "log_every", "retrieval_queries",
+                  "retrieval_pool", "query_bank", "query_bank_temperature")
+
+
+def detector_fingerprint(detector_dir: Path) -> str | None:
+    """The fingerprint of the detector at detector_dir, read from its manifest (None where it cannot be read: loading
+    the detector says why)."""
+    from models.detector.io import fingerprint_of
+
+    try:
+        return fingerprint_of(json.loads((Path(detector_dir) / "manifest.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def run_key(cfg) -> dict:
+    """What a run's train_state.pt records of it, and a run resuming it must share: every field that changes what it
+    trains (all but NOT_RUN_FIELDS) and the detector's fingerprint, as plain data."""
+    fields = {f.name: _jsonable(getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name not in NOT_RUN_FIELDS}
+    return {**fields, "detector": detector_fingerprint(cfg.detector_dir)}
 
 
 def resume_key(cfg: FinetuneConfig) -> dict:
-    """What a fine-tuning run's train_state.pt records of it, and a run resuming it must share: RESUME_FIELDS, the
-    heads' settings and the tasks."""
-    fields = (*RESUME_FIELDS, "region_tags", "vqa_pool", "itm_pool", "nlvr2_pool", "rank_pool",
-              "freeze_word_embeddings")
-    return {**{name: getattr(cfg, name) for name in fields}, "tasks": training_tasks(cfg)}
+    """What a fine-tuning run's train_state.pt records of it (run_key: the tasks and their weights among them)."""
+    return run_key(cfg)
 
 
 def save_state(path: Path, model, opt, step: int, rng: np.random.Generator, losses: list, run: dict) -> None:
@@ -297,8 +341,9 @@ def read_state(path: Path, run: dict, mmap: bool = False) -> dict:
         raise _cannot_resume(path, "is not a resumable training state")
     recorded = state.get("run")  # None in a state written before runs were recorded: its step and tensors are checked
     if recorded is not None:
-        changed = [f"{name} {recorded.get(name)!r}, not {value!r}" for name, value in run.items()
-                   if recorded.get(name) != value]
+        changed = [f"--{name.replace('_', '-')} " + (f"{recorded[name]!r}, not {value!r}" if name in recorded
+                                                      else "not recorded (an older vlserve's state)")
+                   for name, value in run.items() if recorded.get(name) != value]
         if changed:
             raise _cannot_resume(path, f"is from another run ({'; '.join(changed)})")
     if int(state["step"]) > run["steps"]:
@@ -374,16 +419,16 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
     phase (lead_stalled) starts the run again with the next seed, up to cfg.lead_retries times."""
     check_lead(cfg)  # before any data is prepared
     resolve_device(cfg.device)
-    out = Path(cfg.out)
+    out, run = Path(cfg.out), resume_key(cfg)  # the run as given: its seed, not the seed a restart reached
     if (out / STATE).exists():  # a state the run cannot resume fails it now, not after the data work
-        read_state(out / STATE, resume_key(cfg), mmap=True)
+        read_state(out / STATE, run, mmap=True)
     else:  # a new run: nothing of an earlier one's restarts
         (out / RESTARTS).unlink(missing_ok=True)
     # a run resumed after an interruption goes on with the seed its restarts had reached
     restarts = int((out / RESTARTS).read_text()) if (out / RESTARTS).exists() else 0
     while True:
         try:
-            result = _train(replace(cfg, seed=cfg.seed + restarts), data, progress, stop_after, restarts)
+            result = _train(replace(cfg, seed=cfg.seed + restarts), data, progress, stop_after, restarts, run)
         except LeadStalled as stalled:
             restarts += 1
             data = stalled.data
@@ -396,7 +441,8 @@ def train(cfg: FinetuneConfig, data: TaskData | None = None, progress: bool = Tr
         return result
 
 
-def _train(cfg: FinetuneConfig, data: TaskData | None, progress: bool, stop_after: int | None, restarts: int) -> dict:
+def _train(cfg: FinetuneConfig, data: TaskData | None, progress: bool, stop_after: int | None, restarts: int,
+           run: dict) -> dict:
     """One run of train() with cfg's seed; raises LeadStalled while restarts remain (cfg.lead_retries - restarts)."""
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
@@ -405,7 +451,12 @@ def _train(cfg: FinetuneConfig, data: TaskData | None, progress: bool, stop_afte
     unknown = set(training_tasks(cfg)) - set(data.train)
     if unknown:
         raise ValueError(f"no training data for task(s) {', '.join(sorted(unknown))}")
+    captions = len({e.text for e in data.train.get(RANK_TASK, [])})
+    if cfg.query_bank > captions:  # the bank is drawn after training: found out now, not then
+        raise TrainingError(f"query_bank={cfg.query_bank} needs as many distinct listing captions of the training "
+                            f"scenes, they have {captions}: lower --query-bank or raise --train-scenes")
     tokenizer = VLTokenizer.pretrained_minilm(max_length=cfg.max_length)
+    check_choices_fit(cfg, data, tokenizer)
     model = build_model(cfg, data.feature_dim, len(data.answers))
     data = tagged(data, model, tokenizer)
     if cfg.init_from is None:  # a pretrained encoder brings its own statistics
@@ -417,7 +468,6 @@ def _train(cfg: FinetuneConfig, data: TaskData | None, progress: bool, stop_afte
     opt = adamw(param_groups(model, cfg), cfg.lr)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    run = resume_key(cfg)
     step, losses = (load_state(out / STATE, model, opt, rng, run) if (out / STATE).exists() else (0, []))
     tasks, phases = training_tasks(cfg), phase_weights(cfg)
     history: list[dict] = []

@@ -37,8 +37,8 @@ from .data.region_table import tags_of
 from .evaluate import evaluate_tasks
 from .device import autocast, model_device, resolve_device, to_device
 from .finetune import (
-    RESUME_FIELDS, STATE, TrainingError, _jsonable, adamw, diverged, finite_weights, fit_feature_norm, load_state, lr_scale,
-    param_groups, read_state, save_state, train_precision,
+    STATE, TrainingError, _jsonable, adamw, diverged, finite_weights, fit_feature_norm, load_state, lr_scale,
+    param_groups, read_state, run_key, save_state, train_precision,
 )
 from .run_config import DEFAULT_OBJECTIVES, MLM_WORDS, PretrainConfig, embedding_override  # noqa: F401 (DEFAULT_OBJECTIVES: read from here)
 from .objectives import (
@@ -93,6 +93,9 @@ def validate_config(cfg: PretrainConfig) -> DetectorConfig:
         raise PretrainConfigError("itm needs batch_size >= 2 (a mismatched pair borrows another row's image)")
     if cfg.init_text and cfg.size != "small":
         raise PretrainConfigError("--init-text needs size small (MiniLM has hidden size 384)")
+    if cfg.max_length < VLTokenizer.special_count() + 1:
+        raise PretrainConfigError(f"max_length={cfg.max_length} leaves no room for the text: at least "
+                                  f"{VLTokenizer.special_count() + 1} tokens ([CLS], a word, [SEP])")
     try:
         detector, _ = load_detector(cfg.detector_dir)
     except CheckpointError as exc:
@@ -124,9 +127,9 @@ def captions(data: TaskData) -> list:
 
 
 def resume_key(cfg: PretrainConfig) -> dict:
-    """What a pretraining run's train_state.pt records of it, and a run resuming it must share: RESUME_FIELDS and the
-    objectives (the heads)."""
-    return {**{name: getattr(cfg, name) for name in RESUME_FIELDS}, "objectives": list(cfg.objectives)}
+    """What a pretraining run's train_state.pt records of it, and a run resuming it must share (finetune.run_key:
+    every option that changes what it trains, the objectives among them, and the detector's fingerprint)."""
+    return run_key(cfg)
 
 
 def pretraining_heads(objectives: tuple[str, ...], num_classes: int, num_answers: int) -> dict[str, HeadConfig]:

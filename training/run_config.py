@@ -44,6 +44,21 @@ def finite(value: float | None) -> float | None:
     return value
 
 
+def finite_within(min: float | None = None, max: float | None = None) -> Callable[[float | None], float | None]:
+    """A bounded float option's callback: finite first (click's own bounds check would call nan "not >= 0"), then
+    within [min, max], in the words click uses for its bounds."""
+    import typer
+
+    def check(value: float | None) -> float | None:
+        value = finite(value)
+        if value is not None and min is not None and value < min:
+            raise typer.BadParameter(f"Input should be greater than or equal to {min:g}")
+        if value is not None and max is not None and value > max:
+            raise typer.BadParameter(f"Input should be less than or equal to {max:g}")
+        return value
+    return check
+
+
 # torch.set_num_threads takes a C int; more threads than any machine here has cores only oversubscribes it
 MAX_THREADS = 1024
 # torch.manual_seed takes up to 2**64 - 1; a 32-bit seed leaves room for the seed + n of a restarted run
@@ -113,9 +128,13 @@ TASKS_HELP = ("comma-separated task:weight list over vqa, refer, itm, nlvr2, mul
 def parse_tasks(text: str) -> dict[str, float]:
     """'vqa:1,refer:0.5' -> {'vqa': 1.0, 'refer': 0.5}."""
     try:
-        return {name.strip(): float(w) for name, w in (item.split(":") for item in names(text))}
+        pairs = [(name.strip(), float(w)) for name, w in (item.split(":") for item in names(text))]
     except ValueError:
         raise ValueError(f"--tasks {text!r} is not a task:weight list (e.g. vqa:1,refer:1)") from None
+    twice = sorted({name for name, _ in pairs if [n for n, _ in pairs].count(name) > 1})
+    if twice:
+        raise ValueError(f"--tasks {text!r} names {', '.join(twice)} more than once: give each task one weight")
+    return dict(pairs)
 
 
 def parse_curriculum(text: str) -> tuple[tuple[int, tuple[str, ...]], ...]:
@@ -261,8 +280,8 @@ def _parameter(f: dataclasses.Field, hint: Any, required: bool) -> inspect.Param
         kind, default = str, meta["show"](default)
     else:
         kind = _option_type(hint)
-    if kind in (float, float | None):
-        checks["callback"] = finite
+    if kind in (float, float | None):  # finite, then bounded: nan is "not finite", not "below min"
+        checks = {"callback": finite_within(checks.get("min"), checks.get("max"))}
     annotation = Annotated[kind, typer.Option(*decls, help=text, **checks)]
     return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
                              default=inspect.Parameter.empty if required else default)

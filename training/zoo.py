@@ -20,7 +20,8 @@ from models.registry import encoder_config
 from .data.shapes_cache import cache_root
 from .data.vl_tasks import RANK_GROUP, RANK_HARD, RANK_NEIGHBOURS
 from .detector_train import DetectorTrainConfig, train_detector
-from .finetune import RANK_TASK, RANK_TASKS, RANK_TEXT_TASK, STATE, TRAINING_SETS, FinetuneConfig, head_of, run_data, train
+from .finetune import (RANK_TASK, RANK_TASKS, RANK_TEXT_TASK, STATE, TRAINING_SETS, FinetuneConfig, detector_fingerprint,
+                       head_of, run_data, train)
 from .pretrain import PretrainConfig, pretrain
 
 Recipe = dict[str, Any]  # stage name (detector, pretrain, finetune, retrieval) -> its run config, in the order they run
@@ -91,8 +92,36 @@ def zoo_dir(profile: str, root: Path | None = None) -> Path:
     return Path(root or cache_root()) / "zoo" / profile
 
 
+CARD = "MODEL_CARD.md"
+MANIFEST = "manifest.json"
+
+
+def trained_on_detector(run_out: Path, detector_dir: Path) -> bool:
+    """run_out holds a finished checkpoint (its manifest, its metrics) of a run on the regions of the detector now at
+    detector_dir (not of the one an earlier, interrupted build replaced)."""
+    try:
+        manifest = json.loads((run_out / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    fingerprint = detector_fingerprint(detector_dir)
+    return (fingerprint is not None and isinstance(manifest, dict) and (run_out / "metrics.json").exists()
+            and (manifest.get("detector") or {}).get("fingerprint") == fingerprint)
+
+
 def is_built(path: Path) -> bool:
-    return (path / "detector" / "manifest.json").exists() and (path / "encoder" / "manifest.json").exists()
+    """A finished model set: the detector, the encoder trained on its regions, and the model card (written last)."""
+    return (path / CARD).exists() and trained_on_detector(path / "encoder", path / "detector")
+
+
+def unmark(recipe: Recipe, out: Path) -> None:
+    """Before a forced rebuild: remove what marks the set and each of its runs finished (the card first, the
+    detector's manifest last), so that an interrupted rebuild never leaves a set that looks built, nor a stage a
+    later build would skip, nor a train_state.pt it would resume."""
+    (out / CARD).unlink(missing_ok=True)
+    for name in ("retrieval", "finetune", "pretrain", "detector"):
+        if (run := recipe.get(name)) is not None:
+            for marker in (STATE, "metrics.json", MANIFEST):
+                (run.out / marker).unlink(missing_ok=True)
 
 
 def trained_on(metrics: dict) -> str:
@@ -114,27 +143,28 @@ def build_zoo(profile: str = "demo", root: Path | None = None, force: bool = Fal
     detector, pre, first, stage = (recipe.get(name) for name in ("detector", "pretrain", "finetune", "retrieval"))
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    if force:  # a rebuild from scratch: an interrupted earlier build's resumable states are not resumed
-        for run in (pre, first, stage):
-            if run is not None:
-                (run.out / STATE).unlink(missing_ok=True)
-    if force or not (detector.out / "manifest.json").exists():
+    if force:  # a rebuild from scratch: nothing of the earlier set is finished, nor resumed, until rebuilt
+        unmark(recipe, out)
+    if not (detector.out / MANIFEST).exists():
         train_detector(detector, progress=progress)
     det_seconds = time.perf_counter() - started
+    done = lambda run: trained_on_detector(run.out, detector.out) and not (run.out / STATE).exists()  # noqa: E731
     pretrained = None
     if pre is not None:
-        if force or not (pre.out / "metrics.json").exists():
+        if not done(pre):
             pretrain(pre, progress=progress)
         pretrained = json.loads((pre.out / "metrics.json").read_text())
-    data = run_data(first, progress, *([stage] if stage else []))  # one preparation for both runs
+    last = stage or first
+    data = None if done(last) else run_data(first, progress, *([stage] if stage else []))  # one preparation for both
     multitask = None
     if stage:  # the multi-task run, then the retrieval stage from it
-        if force or not (first.out / "metrics.json").exists():
+        if not done(first):
             train(first, data=data, progress=progress)
         multitask = json.loads((first.out / "metrics.json").read_text())
-    metrics = train(stage or first, data=data, progress=progress)
+    # a finished last run whose card is missing: the card is written again from its recorded metrics
+    metrics = json.loads((last.out / "metrics.json").read_text()) if done(last) else train(last, data=data, progress=progress)
     card = model_card(profile, recipe, metrics, det_seconds, time.perf_counter() - started, pretrained, multitask)
-    (out / "MODEL_CARD.md").write_text(card)
+    (out / CARD).write_text(card)
     return out
 
 

@@ -176,7 +176,25 @@ def float_flags(cls) -> list[str]:
 def test_every_float_option_must_be_finite(models, tmp_path, command, flag, value):
     said = usage_error(invoke(*commands(*models, tmp_path / "run")[command], flag, value))
     assert f"Invalid value for '{flag}'" in said
-    assert f"must be a finite number, not {value}" in said or "Input should be greater than or equal to" in said
+    assert f"must be a finite number, not {value}" in said  # nan is not finite, whatever the option's bounds
+
+
+@pytest.mark.parametrize("command, flag", [("finetune", "--lr"), ("pretrain", "--head-lr"), ("detector", "--lr")])
+def test_a_float_option_below_its_minimum_exits_2(models, tmp_path, command, flag):
+    said = usage_error(invoke(*commands(*models, tmp_path / "run")[command], flag, "-1"))
+    assert f"Invalid value for '{flag}': Input should be greater than or equal to 0" in said
+
+
+def test_a_task_named_twice_exits_2(models, tmp_path):
+    det, _ = models
+    line = error_line(invoke("train", "finetune", "--out", tmp_path / "run", "--detector", det, "--tasks", "vqa:1,vqa:2"))
+    assert line == "error: --tasks 'vqa:1,vqa:2' names vqa more than once: give each task one weight"
+
+
+@pytest.mark.parametrize("flag, value, bound", [("--feature-dim", 100_000_000, "16384"), ("--num-boxes", 100_000, "1000")])
+def test_detector_sizes_past_their_bounds_exit_2(models, tmp_path, flag, value, bound):
+    said = usage_error(invoke("train", "detector", "--out", tmp_path / "run", flag, value))
+    assert f"Invalid value for '{flag}'" in said and bound in said
 
 
 @pytest.mark.parametrize("command", ["finetune", "pretrain", "detector"])

@@ -300,3 +300,86 @@ def test_the_same_recipe_and_seed_build_the_same_weights_to_the_bit(tmp_path, mo
     reseeded = training.zoo.build_zoo("tiny", tmp_path / "c", threads=1, progress=False)
     assert weights(reseeded / "detector") == weights(built[0] / "detector")
     assert weights(reseeded / "encoder") != weights(built[0] / "encoder")
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_an_interrupted_forced_rebuild_never_leaves_a_set_that_looks_built(tmp_path, monkeypatch):
+    """--force on a built set, interrupted after its new detector: the set is not built (no card, no encoder of that
+    detector), and a plain build then trains every run again on the new detector's regions."""
+    use_tiny_recipe(monkeypatch, tmp_path)
+    out = training.zoo.build_zoo("tiny", tmp_path / "set", threads=1, progress=False)
+    assert training.zoo.is_built(out)
+    train = training.zoo.train
+    monkeypatch.setitem(training.zoo.PROFILES, "tiny", {**TINY, "detector": replace(TINY_DETECTOR, seed=1)})
+
+    def interrupted(cfg, *args, **kwargs):
+        raise Interrupted
+
+    monkeypatch.setattr(training.zoo, "train", interrupted)
+    with pytest.raises(Interrupted):
+        training.zoo.build_zoo("tiny", tmp_path / "set", force=True, threads=1, progress=False)
+    assert not training.zoo.is_built(out)
+    monkeypatch.setattr(training.zoo, "train", train)
+    training.zoo.build_zoo("tiny", tmp_path / "set", threads=1, progress=False)
+    fingerprint = training.zoo.detector_fingerprint(out / "detector")
+    for run in ("multitask", "encoder"):
+        assert json.loads((out / run / "manifest.json").read_text())["detector"]["fingerprint"] == fingerprint
+    assert training.zoo.is_built(out)
+
+
+def test_a_set_whose_encoder_is_of_another_detector_or_without_its_card_is_not_built(tmp_path, monkeypatch):
+    """is_built: the card is there and the encoder was trained on the regions of the detector beside it. A set that
+    lacks only its card gets it written again, without training."""
+    use_tiny_recipe(monkeypatch, tmp_path)
+    out = training.zoo.build_zoo("tiny", tmp_path / "set", threads=1, progress=False)
+    card = (out / "MODEL_CARD.md").read_text()
+    (out / "MODEL_CARD.md").unlink()
+    assert not training.zoo.is_built(out)
+    monkeypatch.setattr(training.zoo, "train", lambda *a, **k: pytest.fail("a finished run trained again"))
+    monkeypatch.setattr(training.zoo, "train_detector", lambda *a, **k: pytest.fail("the detector trained again"))
+    training.zoo.build_zoo("tiny", tmp_path / "set", threads=1, progress=False)
+    assert training.zoo.is_built(out) and (out / "MODEL_CARD.md").read_text().split("\n")[3:] == card.split("\n")[3:]
+    manifest = json.loads((out / "encoder" / "manifest.json").read_text())
+    manifest["detector"]["fingerprint"] = "0" * 16  # an encoder of another detector's regions
+    (out / "encoder" / "manifest.json").write_text(json.dumps(manifest))
+    assert not training.zoo.is_built(out)
+
+
+def test_a_read_only_zoo_directory_in_a_writable_root_exits_2_before_building(tmp_path, monkeypatch):
+    import tempfile
+
+    mkdtemp = tempfile.mkdtemp
+
+    def refused_in_zoo(*args, dir=None, **kwargs):
+        if dir is not None and Path(dir).name == "zoo":
+            raise PermissionError(13, "Permission denied")
+        return mkdtemp(*args, dir=dir, **kwargs)
+
+    (tmp_path / "zoo").mkdir()
+    monkeypatch.setattr("tempfile.mkdtemp", refused_in_zoo)  # as a read-only zoo/ (root may write in any other)
+    monkeypatch.setattr(training.zoo, "build_zoo", lambda *a, **k: pytest.fail("the build started"))
+    result = runner.invoke(app, ["zoo", "build", "--root", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == (f"error: model set {tmp_path / 'zoo' / 'demo'}: not a writable directory (cannot "
+                             f"create it in {tmp_path / 'zoo'}: Permission denied)\n")
+
+
+@pytest.mark.parametrize("error", ["training.finetune.TrainingError", "training.pretrain.PretrainConfigError"])
+def test_a_run_that_cannot_go_on_exits_2_with_one_line(tmp_path, monkeypatch, error):
+    """A diverged run, or a train_state.pt of another recipe's run (a recipe changed by an upgrade): as the train
+    commands, one error line, exit 2."""
+    import importlib
+
+    module, name = error.rsplit(".", 1)
+    cls = getattr(importlib.import_module(module), name)
+
+    def build_zoo(*args, **kwargs):
+        raise cls("multitask/train_state.pt is from another run (--steps 600, not 500): delete it")
+
+    monkeypatch.setattr(training.zoo, "build_zoo", build_zoo)
+    result = runner.invoke(app, ["zoo", "build", "--root", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == "error: multitask/train_state.pt is from another run (--steps 600, not 500): delete it\n"

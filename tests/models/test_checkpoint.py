@@ -159,3 +159,61 @@ def test_a_checkpoint_with_a_removed_head_pool_names_it(saved, pool):
 def test_not_a_directory(tmp_path):
     with pytest.raises(CheckpointError, match="checkpoint directory not found"):
         load_checkpoint(tmp_path / "nowhere")
+
+
+class Killed(BaseException):
+    """A kill at some point of a save (BaseException: as SIGTERM unwinding, nothing catches it)."""
+
+
+@pytest.mark.parametrize("at", ["weights", "tokenizer", "manifest"])
+@pytest.mark.parametrize("exchange", [True, False])  # renameat2's exchange, or the two renames where there is none
+def test_an_interrupted_save_over_a_finished_model_leaves_it_whole(saved, tokenizer, monkeypatch, at, exchange):
+    """The new files are written beside the model and swapped in: a save that stops at any point leaves the finished
+    model loadable and as it was, and no temporary file or directory behind."""
+    import models.checkpoint as checkpoint_module
+
+    model, path = saved
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    if not exchange:
+        monkeypatch.setattr(checkpoint_module, "_exchange", lambda a, b: False)
+    target = {"weights": "save_weights", "tokenizer": None, "manifest": "write_manifest"}[at]
+
+    def killed(*args, **kwargs):
+        raise Killed
+
+    if target:
+        monkeypatch.setattr(checkpoint_module, target, killed)
+    else:
+        monkeypatch.setattr(VLTokenizer, "save", killed)
+    torch.manual_seed(5)
+    other = create_model("lxmert", "tiny", heads=HEADS).eval()
+    with pytest.raises(Killed):
+        save_checkpoint(other, path, tokenizer, labels=LABELS)
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    with torch.no_grad():
+        assert torch.equal(load_checkpoint(path).model(batch(), "vqa").logits, model(batch(), "vqa").logits)
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_a_save_over_a_finished_model_replaces_it_and_keeps_the_other_files(saved, tokenizer, monkeypatch, exchange):
+    import os
+    import stat
+
+    import models.checkpoint as checkpoint_module
+
+    model, path = saved
+    if not exchange:
+        monkeypatch.setattr(checkpoint_module, "_exchange", lambda a, b: False)
+    (path / "metrics.json").write_text("{}")  # a run's own file beside the model
+    torch.manual_seed(5)
+    other = create_model("lxmert", "tiny", heads=HEADS).eval()
+    save_checkpoint(other, path, tokenizer, labels=LABELS)
+    with torch.no_grad():
+        assert torch.equal(load_checkpoint(path).model(batch(), "vqa").logits, other(batch(), "vqa").logits)
+    assert (path / "metrics.json").read_text() == "{}"
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o777 & ~umask
+    assert stat.S_IMODE((path / "model.safetensors").stat().st_mode) == 0o666 & ~umask

@@ -33,7 +33,7 @@ def refused_without_onednn_bf16(module: torch.nn.Module) -> bool:
 
 def linear(seed: int = 0) -> tuple[Linear, torch.Tensor]:
     torch.manual_seed(seed)
-    return Linear(24, 40), torch.randn(3, 5, 24)
+    return Linear(24, 40).eval(), torch.randn(3, 5, 24)  # the packed path is for inference: eval mode
 
 
 @pytest.mark.parametrize("activation", ["none", "gelu"])
@@ -51,6 +51,21 @@ def test_grad_mode_takes_the_plain_path_and_gets_gradients():
     lin, x = linear()
     lin(x).sum().backward()
     assert lin._packed is None and lin.weight.grad is not None
+
+
+def test_training_mode_never_packs_so_a_fused_step_cannot_be_missed():
+    """A no-grad call in training mode (a loss logged between steps) takes the plain path: a fused AdamW step after
+    it, which leaves `_version` alone, is seen by the next call."""
+    lin, x = linear()
+    lin.train()
+    opt = torch.optim.AdamW(lin.parameters(), lr=0.5, fused=True)
+    with torch.no_grad():
+        lin(x)
+    assert lin._packed is None
+    lin(x).sum().backward()
+    opt.step()
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
 
 
 def test_changed_weights_are_repacked():
@@ -117,7 +132,7 @@ def test_gemm_dtype_switch_repacks_and_training_is_unaffected():
 
 
 def test_gemm_dtype_is_set_on_every_linear_and_checked():
-    model = torch.nn.Sequential(Linear(4, 4), torch.nn.Sequential(Linear(4, 4)), torch.nn.Linear(4, 4))
+    model = torch.nn.Sequential(Linear(4, 4), torch.nn.Sequential(Linear(4, 4)), torch.nn.Linear(4, 4)).eval()
     if refused_without_onednn_bf16(model):
         return
     assert layers.set_cpu_gemm_dtype(model, torch.bfloat16) == 2
@@ -140,7 +155,7 @@ def test_native_bf16_detection_reads_the_cpu_flags_and_the_onednn_cap(monkeypatc
 
 def test_gemm_out_keeps_bf16_between_gemms():
     lin, x = linear()
-    nxt = Linear(40, 8)
+    nxt = Linear(40, 8).eval()
     if refused_without_onednn_bf16(lin):
         return
     with torch.no_grad():
@@ -154,3 +169,23 @@ def test_gemm_out_keeps_bf16_between_gemms():
     with torch.no_grad():  # float32 GEMMs: gemm_out changes nothing
         layers.set_cpu_gemm_dtype(torch.nn.ModuleList([lin, nxt]), torch.float32)
         assert lin(x, gemm_out=True).dtype == torch.float32
+
+
+@pytest.mark.parametrize("step", ["fused_adamw", "foreach"])
+def test_in_place_updates_without_a_version_bump_are_not_served_stale(step):
+    """Fine-tune's periodic eval: eval() -> pack -> train() -> fused AdamW steps (no _version bump) -> eval() again."""
+    lin, x = linear()
+    lin.eval()
+    with torch.no_grad():
+        lin(x)  # packs
+    lin.train()
+    if step == "fused_adamw":
+        opt = torch.optim.AdamW(lin.parameters(), lr=0.5, fused=True)
+        lin(x).sum().backward()
+        opt.step()
+    else:
+        with torch.no_grad():
+            torch._foreach_add_([lin.weight, lin.bias], [torch.ones_like(lin.weight), torch.ones_like(lin.bias)])
+    lin.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)

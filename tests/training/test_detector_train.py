@@ -88,3 +88,34 @@ def test_weights_a_step_leaves_non_finite_are_never_evaluated_or_saved(tmp_path,
     with pytest.raises(TrainingError, match=r"^training diverged at step 1: the weights are not finite"):
         train_detector(cfg, progress=False)
     assert not (tmp_path / "det").exists()
+
+
+def test_a_val_split_smaller_than_eval_images_is_scored_whole(tmp_path, monkeypatch):
+    """--val-scenes under the periodic evaluation's 200 images: it scores the whole split, not images that are not."""
+    monkeypatch.setenv("VLSERVE_CACHE", str(tmp_path / "cache"))
+    metrics = train_detector(DetectorTrainConfig(out=tmp_path / "det", steps=2, batch_size=2, warmup=1, eval_every=1,
+                                                 eval_images=200, final_eval_images=4, threads=1, data=SMALL,
+                                                 detector=TINY), progress=False)
+    assert [h["images"] for h in metrics["history"]] == [6]
+
+
+def test_a_save_over_a_finished_detector_that_fails_leaves_it_whole(tmp_path, monkeypatch):
+    """The detector is written beside --out and swapped in: a save that stops leaves the finished one loadable."""
+    import training.detector_train as detector_train
+
+    monkeypatch.setenv("VLSERVE_CACHE", str(tmp_path / "cache"))
+    cfg = DetectorTrainConfig(out=tmp_path / "det", steps=1, batch_size=2, warmup=1, eval_every=10, final_eval_images=2,
+                              threads=1, data=SMALL, detector=TINY)
+    fingerprint = train_detector(cfg, progress=False)["fingerprint"]
+    save = detector_train.save_detector
+
+    def killed(detector, out, extra=None):
+        save(detector, out, extra)
+        (out / "manifest.json").unlink()  # as a kill just before the manifest
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(detector_train, "save_detector", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train_detector(cfg.__class__(**{**cfg.__dict__, "seed": 1}), progress=False)
+    assert load_detector(tmp_path / "det")[1] == fingerprint
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "det"]

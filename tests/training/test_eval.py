@@ -184,6 +184,7 @@ def test_bad_inputs_exit_2(trained, tmp_path):
         (evaluate(root, "--split", "train"), "--split must be val or test"),
         (evaluate(root, "--retrieval-directions", "sideways"), "--retrieval-directions must be one of"),
         (evaluate(root, "--precision", "fp16"), "--precision must be fp32 or bf16"),
+        (evaluate(root, "--retrieval-pool", 1), "--retrieval-pool must be 0 (no retrieval) or at least 2"),
         (evaluate(root, "--device", "tpu"), "device 'tpu' unknown: choose cpu, cuda or cuda:N"),
         (evaluate(root, "--device", "cuda:7"), "device 'cuda:7': torch sees"),
         (CliRunner().invoke(app, ["eval", "encoder", str(root / "encoder"), "--detector-dir", str(root / "detector"),
@@ -192,3 +193,12 @@ def test_bad_inputs_exit_2(trained, tmp_path):
     for result, message in cases:
         assert result.exit_code == 2 and message in result.stderr, (message, result.output)
     assert load_checkpoint(root / "encoder")  # the originals are untouched
+
+
+def test_the_report_gives_the_scenes_it_scored(trained):
+    """More --scenes than the split has: the report says how many were scored, not how many were asked for."""
+    root, _ = trained
+    test_scenes = dict(SHAPES.splits)["test"]
+    result = evaluate(root, "--scenes", 99_999, "--easy-vqa-images", 0, "--retrieval-pool", 0)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["scenes"] == test_scenes < 99_999

@@ -5,6 +5,7 @@ import json
 import dataclasses
 import math
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from training.data.shapes_tasks import (
 )
 from training.data.vl_tasks import Example, collate
 from training.finetune import (
+    detector_fingerprint,
     STATE, FinetuneConfig, TrainingError, build_model, eval_precision, gemm_precision, head_of, init_from_checkpoint,
     phase_weights, train, training_tasks,
 )
@@ -133,12 +135,30 @@ def test_a_state_another_run_wrote_or_a_torn_one_is_refused_before_the_data_work
     saved = state.read_bytes()
     fix = ": delete it to start the run over, or resume with the options it was started with"
     no_data_work(monkeypatch)
+    other_detector = tmp_path / "other_detector"  # the same detector's files under another fingerprint
+    shutil.copytree(detector, other_detector)
+    manifest = json.loads((other_detector / "manifest.json").read_text())
+    manifest["files"]["config.json"] = "0" * 64
+    (other_detector / "manifest.json").write_text(json.dumps(manifest))
+    ours, theirs = detector_fingerprint(detector), detector_fingerprint(other_detector)
     for changes, why in [
-        (dict(preset="visualbert"), "is from another run (preset 'lxmert', not 'visualbert')"),
+        (dict(preset="visualbert"), "is from another run (--preset 'lxmert', not 'visualbert')"),
         (dict(tasks={"vqa": 1.0, "nlvr2": 1.0, "refer": 1.0}),
-         "is from another run (tasks ['vqa', 'nlvr2'], not ['vqa', 'nlvr2', 'refer'])"),
-        (dict(lr=1e-5), "is from another run (lr 0.002, not 1e-05)"),  # the state would bring its own back
-        (dict(steps=2), "is from another run (steps 8, not 2)"),  # past them, or on another schedule
+         "is from another run (--tasks {'vqa': 1.0, 'nlvr2': 1.0}, not {'vqa': 1.0, 'nlvr2': 1.0, 'refer': 1.0})"),
+        (dict(tasks={"vqa": 1.0, "nlvr2": 3.0}),  # the same tasks, other weights
+         "is from another run (--tasks {'vqa': 1.0, 'nlvr2': 1.0}, not {'vqa': 1.0, 'nlvr2': 3.0})"),
+        (dict(lr=1e-5), "is from another run (--lr 0.002, not 1e-05)"),  # the state would bring its own back
+        (dict(steps=2), "is from another run (--steps 8, not 2)"),  # past them, or on another schedule
+        # another detector of the same feature dim, other data, batches, regularisation, seed or schedule
+        (dict(detector_dir=other_detector), f"is from another run (--detector {ours!r}, not {theirs!r})"),
+        (dict(train_scenes=cfg.train_scenes + 1), f"is from another run (--train-scenes {cfg.train_scenes}, not {cfg.train_scenes + 1})"),
+        (dict(batch_size=cfg.batch_size + 1), f"is from another run (--batch-size {cfg.batch_size}, not {cfg.batch_size + 1})"),
+        (dict(dropout=0.5), f"is from another run (--dropout {cfg.dropout!r}, not 0.5)"),
+        (dict(seed=cfg.seed + 7), f"is from another run (--seed {cfg.seed}, not {cfg.seed + 7})"),
+        (dict(warmup=cfg.warmup + 1), f"is from another run (--warmup {cfg.warmup}, not {cfg.warmup + 1})"),
+        (dict(clip=cfg.clip + 1), f"is from another run (--clip {cfg.clip!r}, not {cfg.clip + 1!r})"),
+        (dict(max_length=cfg.max_length + 1), f"is from another run (--max-length {cfg.max_length}, not {cfg.max_length + 1})"),
+        (dict(easy_vqa=not cfg.easy_vqa), f"is from another run (--easy-vqa {cfg.easy_vqa}, not {not cfg.easy_vqa})"),
     ]:
         with pytest.raises(TrainingError, match=re.escape(f"{state} {why}{fix}")):
             train(dataclasses.replace(cfg, **changes), progress=False)
@@ -190,7 +210,7 @@ def test_cli_a_diverging_run_and_a_foreign_state_exit_2_with_one_line(task_data,
     result = CliRunner().invoke(app, [*common, "--steps", "4", "--preset", "visualbert"])
     errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
     assert result.exit_code == 2 and len(errors) == 1, result.output
-    assert errors[0].startswith(f"error: {out / STATE} is from another run (preset 'lxmert', not 'visualbert'")
+    assert errors[0].startswith(f"error: {out / STATE} is from another run (--preset 'lxmert', not 'visualbert'")
 
 
 def nan_from_step(monkeypatch, first: int) -> None:
@@ -268,6 +288,12 @@ def test_weights_a_step_leaves_non_finite_are_never_saved(task_data, tmp_path, m
         (["--tasks", "itm_rank:1", "--retrieval-queries", "5", "--eval-scenes", "40", "--retrieval-pool", "41"],
          "retrieval_pool=41 must be None or from 2 to eval_scenes=40"),
         (["--tasks", "itm_rank:1", "--rank-hard", "5", "--rank-partial", "3"], "rank_hard=5 and rank_partial=3 must be 0 or"),
+        (["--tasks", "itm_rank:1", "--train-scenes", "10", "--query-bank", "11"],
+         "query_bank=11 needs as many distinct listing captions: train_scenes=10 have at most 10"),
+        (["--max-length", "2"], "max_length=2 leaves no room for the text: the run's tasks need at least 3 tokens"),
+        (["--max-length", "4", "--tasks", "multiple_choice:1"], "max_length=4 leaves no room for the text: the run's "
+                                                                "tasks need at least 5 tokens"),
+        (["--max-length", "4", "--tasks", "vqa:1", "--vqa-pool", "answer_segment"], "max_length=4 leaves no room"),
         (["--device", "tpu"], "device 'tpu' unknown: choose cpu, cuda or cuda:N"),
         (["--device", "cuda:7"], "device 'cuda:7': torch sees"),  # no GPU here, or fewer than 8 where there are some
     ],
@@ -849,3 +875,39 @@ def test_batches_keep_only_the_region_slots_some_image_needs_and_score_the_same(
     assert one_by_one.shape == together.shape == (m, n)
     assert torch.allclose(one_by_one, together, atol=1e-5)
     assert (one_by_one.argmax(-1) < torch.from_numpy(mask.sum(1))).all()  # never a padding slot
+
+
+def test_init_from_a_checkpoint_of_another_detector_is_refused_before_training(task_data, source_checkpoint, tmp_path):
+    """Another detector of the same feature dim: its regions are not the ones the checkpoint learned."""
+    detector, _ = task_data
+    torch.manual_seed(1)
+    cfg = DetectorConfig(classes=["circle", "rectangle", "triangle"], attributes=["red"], min_size=64, max_size=128,
+                         rpn_pre_nms_top_n=100, rpn_post_nms_top_n=30, num_boxes=8, feature_dim=16)
+    other = tmp_path / "other_detector"
+    save_detector(RegionDetector(cfg), other)
+    ours, theirs = detector_fingerprint(detector), detector_fingerprint(other)
+    assert ours != theirs
+    with pytest.raises(ValueError, match=re.escape(f"--init-from: {source_checkpoint} was trained on the regions of "
+                                                   f"detector {ours}, --detector {other} is detector {theirs}")):
+        validate_finetune(tiny(tmp_path / "x", other, init_from=source_checkpoint))
+    result = CliRunner().invoke(app, ["train", "finetune", "--out", str(tmp_path / "x"), "--detector", str(other),
+                                      "--preset", "lxmert", "--size", "tiny", "--no-init-text",
+                                      "--init-from", str(source_checkpoint)])
+    assert result.exit_code == 2 and result.stderr.startswith(f"error: --init-from: {source_checkpoint} was trained "
+                                                              f"on the regions of detector {ours}"), result.output
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_query_bank_or_choices_the_data_cannot_fit_fail_before_the_first_step(task_data, tmp_path, monkeypatch):
+    """Found with the data, not after the training: more bank captions than the training scenes' distinct listings,
+    and a max_length the longest multiple-choice answer leaves no question token in."""
+    detector, data = task_data
+    monkeypatch.setattr(finetune_module, "build_model", lambda *a, **k: pytest.fail("the run started training"))
+    captions = len({e.text for e in data.train["itm_rank"]})
+    with pytest.raises(TrainingError, match=re.escape(f"query_bank={captions + 1} needs as many distinct listing "
+                                                      f"captions of the training scenes, they have {captions}")):
+        train(tiny(tmp_path / "bank", detector, tasks={"itm_rank": 1.0}, query_bank=captions + 1), data=data,
+              progress=False)
+    with pytest.raises(TrainingError, match=r"max_length=5 leaves no room for the text: multiple choice needs at "
+                                            r"least \d+ tokens"):
+        train(tiny(tmp_path / "mc", detector, tasks={"multiple_choice": 1.0}, max_length=5), data=data, progress=False)

@@ -1,5 +1,6 @@
 """Pretraining: every preset runs its paper objectives end to end, resume reproduces the loss curve and refuses another
 run's state, weak mode never pairs text with images, bad configs and a diverging run fail with one message."""
+import dataclasses
 import math
 import re
 
@@ -12,11 +13,11 @@ import training.pretrain as pretrain_module
 from models import PRESETS
 from models.checkpoint import load_checkpoint
 from models.detector import DetectorConfig, RegionDetector
-from models.detector.io import save_detector
+from models.detector.io import load_detector, save_detector
 from models.tokenizer import VLTokenizer
 from training.data.region_table import RegionTable
 from training.data.vl_tasks import Example
-from training.finetune import STATE
+from training.finetune import STATE, detector_fingerprint
 from training.objectives import IGNORE, grounded_token_ids
 from training.pretrain import (
     DEFAULT_OBJECTIVES, BatchBuilder, PretrainConfig, PretrainConfigError, pretrain, pretraining_heads,
@@ -105,10 +106,21 @@ def test_a_state_another_run_wrote_or_a_torn_one_is_refused_before_the_data_work
     state = tmp_path / "enc" / STATE
     saved = state.read_bytes()
     monkeypatch.setattr(pretrain_module, "prepare_task_data", lambda *a, **k: pytest.fail("the run prepared its data"))
-    with pytest.raises(PretrainConfigError, match=re.escape(f"{state} is from another run (preset 'lxmert', not "
-                                                            f"'vl-bert'; objectives ['mlm', 'mrfr', 'mrc', 'itm', "
+    with pytest.raises(PretrainConfigError, match=re.escape(f"{state} is from another run (--preset 'lxmert', not "
+                                                            f"'vl-bert'; --objectives ['mlm', 'mrfr', 'mrc', 'itm', "
                                                             f"'image_qa'], not ['mlm', 'mrc']): delete it")):
         pretrain(tiny(tmp_path / "enc", detector_dir, preset="vl-bert", steps=8), progress=False)
+    other_detector = tmp_path / "other_detector"  # another detector of the same feature dim
+    detector, _ = load_detector(detector_dir)
+    with torch.no_grad():
+        next(detector.parameters()).add_(1.0)
+    save_detector(detector, other_detector)
+    for changes, why in [(dict(mask_prob=0.3), f"--mask-prob {cfg.mask_prob!r}, not 0.3"),
+                         (dict(seed=cfg.seed + 1), f"--seed {cfg.seed}, not {cfg.seed + 1}"),
+                         (dict(detector_dir=other_detector), f"--detector {detector_fingerprint(detector_dir)!r}, not "
+                                                             f"{detector_fingerprint(other_detector)!r}")]:
+        with pytest.raises(PretrainConfigError, match=re.escape(f"{state} is from another run ({why}): delete it")):
+            pretrain(dataclasses.replace(cfg, **changes), progress=False)
     state.write_bytes(saved[: len(saved) // 2])
     torn = f"{state} cannot be read: it is torn, or not a training state"
     with pytest.raises(PretrainConfigError, match=re.escape(torn)):
@@ -284,3 +296,11 @@ def test_grounded_words_are_also_scored_with_another_scenes_image():
     other = pretrain_module.other_scenes(rows)
     assert (other != rows).all() and set(other) <= set(rows)
     assert pretrain_module.other_scenes(np.array([4, 4, 4])) is None  # one image: nothing to compare with
+
+
+def test_a_max_length_that_leaves_no_room_for_the_text_exits_2(detector_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(pretrain_module, "prepare_task_data", lambda *a, **k: pytest.fail("the run prepared its data"))
+    result = CliRunner().invoke(app, ["train", "pretrain", "--out", str(tmp_path / "x"), "--detector", str(detector_dir),
+                                      "--preset", "vl-bert", "--size", "tiny", "--no-init-text", "--max-length", "2"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == "error: max_length=2 leaves no room for the text: at least 3 tokens ([CLS], a word, [SEP])\n"

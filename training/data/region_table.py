@@ -85,7 +85,28 @@ def extract_table(
     batch_size: int = 16,
     progress: bool = True,
 ) -> RegionTable:
-    """Regions of images 0..count-1, extracted once into cache_file (resumed if interrupted), then loaded."""
+    """Regions of images 0..count-1, extracted once into cache_file (resumed if interrupted), then loaded. A complete
+    cache file is only read (it may be read-only: a shared cache)."""
+    if not _holds(cache_file, count, fingerprint):
+        _extract_into(detector, fingerprint, load_image, count, cache_file, batch_size, progress)
+    with FeatureFile(cache_file) as f:
+        return RegionTable.from_regions([f[str(i)] for i in range(count)])
+
+
+def _holds(cache_file: Path, count: int, fingerprint: str) -> bool:
+    """cache_file holds the regions of images 0..count-1 from this detector, with no torn tail to cut."""
+    if not cache_file.is_file():
+        return False
+    try:
+        with FeatureFile(cache_file) as f:
+            return (f.meta == {"detector": fingerprint} and not f.truncated_bytes
+                    and all(str(i) in f for i in range(count)))
+    except Exception:  # unreadable or damaged: the writer resumes it, or says why it cannot
+        return False
+
+
+def _extract_into(detector: RegionDetector, fingerprint: str, load_image: Callable[[int], np.ndarray], count: int,
+                  cache_file: Path, batch_size: int, progress: bool) -> None:
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     with FeatureFileWriter(cache_file, meta={"detector": fingerprint}) as writer:
         todo = [i for i in range(count) if str(i) not in writer.written]
@@ -96,5 +117,3 @@ def extract_table(
                 writer.append(str(i), rf)
             bar.update(len(chunk))
         bar.close()
-    with FeatureFile(cache_file) as f:
-        return RegionTable.from_regions([f[str(i)] for i in range(count)])

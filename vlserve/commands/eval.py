@@ -79,6 +79,7 @@ def encoder(
     from training.device import resolve_device
     from training.finetune import gemm_precision
     from training.retrieval import DIRECTIONS, evaluate_retrieval
+    from training.data.shapes_cache import ShapesConfig, load_split
     from training.vl_data import prepare_eval_data, shapes_config_from_dir, tagged
 
     if split not in ("val", "test"):
@@ -95,6 +96,8 @@ def encoder(
     directions = {"both": DIRECTIONS, "text-to-image": ("text_to_image",), "image-to-text": ("image_to_text",)}
     if retrieval_directions not in directions:
         fail(f"--retrieval-directions must be one of {', '.join(directions)}, got {retrieval_directions!r}")
+    if retrieval_pool == 1:
+        fail("--retrieval-pool must be 0 (no retrieval) or at least 2: over a pool of one image R@1 is 1.0 by itself")
     torch.set_num_threads(threads)
     started = time.perf_counter()
     try:
@@ -118,6 +121,7 @@ def encoder(
     easy_vqa_images = easy_vqa_images if head_for(model, "vqa") else 0  # extract only what some head reads
     retrieval_pool = retrieval_pool if head_for(model, "itm") else 0
     data = tagged(prepare_eval_data(detector_dir, split, scenes, easy_vqa_images, retrieval_pool, **shapes, device=device), model, tokenizer)
+    scenes = min(scenes, len(load_split(split, shapes.get("data", ShapesConfig()), shapes.get("shapes_root"))))  # scored
     model.to(where)
     with gemm_precision(model, precision):
         result = {"encoder": str(path), "preset": enc.preset, "size": enc.size, "heads": model.tasks,

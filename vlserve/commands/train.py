@@ -8,10 +8,27 @@ from typing import Annotated
 import typer
 
 from training.run_config import (FinetuneConfig, PretrainConfig, RunConfig, config_command, embedding_override,
-                                 field_choices, finite)
+                                 field_choices, finite_within)
 from vlserve.commands.checks import check_cache_root, check_out, fail
+from vlserve.commands.termination import Terminated, end_terminated, sigterm_unwinds
+
+# the detector's sane bounds: region features up to 8x the 1024/2048-d of the published bottom-up-attention models,
+# boxes up to 10x their 100 (beyond, the first allocation fails with a traceback, not a usage error)
+MAX_FEATURE_DIM = 16_384
+MAX_BOXES = 1_000
 
 app = typer.Typer(help="Train the detector and the encoders.", no_args_is_help=True)
+
+
+def unwinding(run, *args):
+    """run(*args), SIGTERM unwinding through it as Ctrl-C does: the checkpoint being saved (models.checkpoint's
+    staging directory) is removed on the way out, a finished model it would replace stays, and the resumable state
+    stays for the next run."""
+    try:
+        with sigterm_unwinds():
+            return run(*args)
+    except Terminated:
+        end_terminated()
 
 
 @app.command("detector")
@@ -20,15 +37,15 @@ def detector(
     out: Annotated[Path, typer.Option(help="checkpoint directory to write")],
     steps: Annotated[int, typer.Option(min=1, help="optimizer steps")] = 1200,
     batch_size: Annotated[int, typer.Option(min=1, help="images per step")] = 8,
-    lr: Annotated[float, typer.Option(min=0.0, callback=finite, help="peak SGD learning rate")] = 0.01,
+    lr: Annotated[float, typer.Option(callback=finite_within(0.0), help="peak SGD learning rate (>= 0)")] = 0.01,
     eval_every: Annotated[int, typer.Option(min=1, help="steps between val mAP evaluations")] = 400,
     train_scenes: Annotated[int, typer.Option(min=1, help="shapes-world training scenes")] = 20_000,
     val_scenes: Annotated[int, typer.Option(min=1, help="shapes-world validation scenes")] = 2_000,
     test_scenes: Annotated[int, typer.Option(min=1, help="shapes-world test scenes")] = 2_000,
-    feature_dim: Annotated[int, typer.Option(min=8, help="region feature dimension D")] = 512,
-    num_boxes: Annotated[int, typer.Option(min=1, help="regions per image (fixed mode)")] = 36,
-    attribute_weight: Annotated[float, typer.Option(min=0.0, callback=finite, help="weight of the colour/size "
-                                                    "attribute loss beside the box and class losses")] = 1.0,
+    feature_dim: Annotated[int, typer.Option(min=8, max=MAX_FEATURE_DIM, help="region feature dimension D")] = 512,
+    num_boxes: Annotated[int, typer.Option(min=1, max=MAX_BOXES, help="regions per image (fixed mode)")] = 36,
+    attribute_weight: Annotated[float, typer.Option(callback=finite_within(0.0), help="weight of the colour/size "
+                                                    "attribute loss beside the box and class losses (>= 0)")] = 1.0,
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N: where the model trains")] = "cpu",
     *,
     seed: int,  # RunConfig's options
@@ -51,7 +68,7 @@ def detector(
     cfg = DetectorTrainConfig(out=out, steps=steps, batch_size=batch_size, lr=lr, eval_every=eval_every, seed=seed, threads=threads,
                               device=device, attribute_weight=attribute_weight, data=data, detector={"feature_dim": feature_dim, "num_boxes": num_boxes})
     try:
-        metrics = train_detector(cfg)
+        metrics = unwinding(train_detector, cfg)
     except TrainingError as exc:  # diverged: nothing written
         fail(str(exc))
     typer.echo(json.dumps({"out": str(out), "val": metrics["val"], "train_seconds": metrics["train_seconds"],
@@ -71,7 +88,7 @@ def finetune(cfg: FinetuneConfig) -> None:
     check_out(cfg.out, reads={"--detector": cfg.detector_dir, "--init-from": cfg.init_from}, resumes=True, force=cfg.force)
     check_cache_root()
     try:
-        metrics = train(cfg)
+        metrics = unwinding(train, cfg)
     except TrainingError as exc:  # diverged, or a train_state.pt of another run: nothing written
         fail(str(exc))
     typer.echo(json.dumps({"out": str(cfg.out), "final": metrics["final"], "train_seconds": metrics["train_seconds"]}, indent=2))
@@ -87,7 +104,7 @@ def pretrain(cfg: PretrainConfig) -> None:
     check_out(cfg.out, reads={"--detector": cfg.detector_dir}, resumes=True, force=cfg.force)
     check_cache_root()
     try:
-        metrics = run_pretrain(cfg)  # validates the config, then the data, before the first step
+        metrics = unwinding(run_pretrain, cfg)  # validates the config, then the data, before the first step
     except PretrainConfigError as exc:
         fail(str(exc))
     typer.echo(json.dumps({"out": str(cfg.out), "objectives": list(cfg.objectives), "final": metrics["final"],
@@ -96,7 +113,7 @@ def pretrain(cfg: PretrainConfig) -> None:
 
 def validate_finetune(cfg) -> None:
     """Fail before any data is prepared: unknown preset/size/task, missing detector, an --init-from checkpoint of
-    another preset, size or feature dim."""
+    another preset, size, feature dim or detector."""
     from models.checkpoint import CheckpointError, load_checkpoint
     from models.detector.io import load_detector
     from models.registry import encoder_config
@@ -125,7 +142,7 @@ def validate_finetune(cfg) -> None:
     if cfg.init_text and cfg.init_from is None and cfg.size != "small":
         raise ValueError("--init-text needs size small (MiniLM has hidden size 384)")
     try:
-        detector, _ = load_detector(cfg.detector_dir)
+        detector, fingerprint = load_detector(cfg.detector_dir)
     except CheckpointError as exc:
         raise ValueError(f"detector: {exc}") from None
     if cfg.init_from is not None:
@@ -133,6 +150,11 @@ def validate_finetune(cfg) -> None:
             source = load_checkpoint(cfg.init_from, preset=cfg.preset, size=cfg.size, visual_feat_dim=detector.config.feature_dim)
         except CheckpointError as exc:
             raise ValueError(f"--init-from: {exc}") from None
+        theirs = (source.manifest.get("detector") or {}).get("fingerprint")  # none recorded: an imported checkpoint
+        if theirs is not None and theirs != fingerprint:
+            raise ValueError(f"--init-from: {cfg.init_from} was trained on the regions of detector {theirs}, --detector "
+                             f"{cfg.detector_dir} is detector {fingerprint}; start from a checkpoint of this detector, "
+                             f"or pass the detector it was trained with")
         for name, want in (("box_embedding", cfg.box_embedding), ("embedding_style", encoder.embedding_style)):
             theirs = getattr(source.model.config.encoder, name)
             if theirs != want:

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from training.run_config import RunConfig, config_command
-from vlserve.commands.checks import check_cache_root, fail
+from vlserve.commands.checks import check_cache_root, check_writable_dir, fail
 
 app = typer.Typer(help="Build the model sets the service runs on.", no_args_is_help=True)
 
@@ -27,7 +27,9 @@ def build(
 ) -> None:
     """Train the detector, extract regions once, fine-tune the encoder and write MODEL_CARD.md."""
     from training.device import resolve_device
-    from training.zoo import PROFILES, build_zoo
+    from training.finetune import TrainingError
+    from training.pretrain import PretrainConfigError
+    from training.zoo import PROFILES, build_zoo, is_built, zoo_dir
 
     if profile not in PROFILES:
         fail(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
@@ -38,5 +40,11 @@ def build(
     check_cache_root(root)
     if root is not None:  # data and feature caches read the cache root from the environment
         os.environ["VLSERVE_CACHE"] = str(root)
-    path = build_zoo(profile, root, force=force, threads=threads, device=device)
+    model_set = zoo_dir(profile, root)
+    if force or not is_built(model_set):  # a writable cache root may hold a read-only zoo/
+        check_writable_dir(model_set, f"model set {model_set}")
+    try:
+        path = build_zoo(profile, root, force=force, threads=threads, device=device)
+    except (TrainingError, PretrainConfigError) as exc:  # diverged, or a train_state.pt of another recipe's run
+        fail(str(exc))
     typer.echo(str(path))
