@@ -1,4 +1,5 @@
-"""`create_app(settings)`: the FastAPI app. Models load in the lifespan; /readyz turns 200 after warm-up.
+"""`create_app(settings)`: the FastAPI app. Models load in the lifespan (`vlserve serve`: in the background, the port
+answering meanwhile, /readyz 503 and the task routes 503 not-ready); /readyz turns 200 after warm-up.
 
 Start-up: detector and encoder checkpoint (refused when the checkpoint expects another detector) ->
 feature store -> RegionService -> runtime -> one Batcher per served task -> warm-up -> ready.
@@ -11,6 +12,7 @@ batchers drained -> detector drained (both within what is left of the same `shut
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import importlib.metadata
 import logging
@@ -29,7 +31,7 @@ from models import ModelConfig
 from models.attention import layer_kind
 from models.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from models.query_bank import QueryBank
-from models.detector import RegionDetector
+from models.detector import DetectorConfig, RegionDetector
 from models.detector.io import load_detector
 from models.detector.onnx import OnnxDetector
 from models.repository import Repository, is_repository, load_repository
@@ -38,7 +40,7 @@ from .admission import ROUTES, TASK_KINDS, AdmissionMiddleware
 from .batcher import Batcher, BatcherConfig, InFlight
 from .errors import PROBLEM_JSON, install_error_handlers, is_v2
 from .explain import Explainer, grounding_report
-from .feature_store import StoreConfigError, create_store
+from .feature_store import StoreConfigError, create_store, entry_bytes
 from .metrics import Metrics, MetricsMiddleware
 from .query_bank import BankPriors
 from .pipeline import Limits, Pipeline, TaskSpec, batch_fn, fused_batch_fn, task_specs
@@ -151,6 +153,17 @@ def detector_for_serving(detector: RegionDetector, settings: Settings, fingerpri
     return f"{fingerprint}-bf16s" if detector.settles_regions else f"{fingerprint}-bf16"
 
 
+def check_cache_bound(settings: Settings, detector: DetectorConfig) -> None:
+    """StartupError when the in-process feature store could not hold one image's regions at the detector's largest
+    (every image would then be dropped as soon as it is computed: registered, and unknown at once)."""
+    need = entry_bytes(detector.feature_dim, detector.max_regions, detector.image_feature)
+    if 0 < settings.cache_max_bytes < need:
+        raise StartupError(
+            f"VLSERVE_CACHE_MAX_BYTES {settings.cache_max_bytes} cannot hold one image's regions: this detector's "
+            f"{detector.max_regions} regions of {detector.feature_dim} features take {need} bytes; set at least "
+            f"{need}" + (" (or 0 for no in-process tier in front of Redis)" if settings.redis_url else ""))
+
+
 def text_token_limit(settings: Settings, checkpoint: Checkpoint | Repository) -> int:
     """max_text_tokens, or the checkpoint's text positions where they are fewer (a longer row would index past its
     position table): the limit a text's 422 then names."""
@@ -227,7 +240,6 @@ async def stop_batchers(batchers: list[Batcher | RegionService], state: Any, tim
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    settings: Settings = app.state.settings
     metrics: Metrics = app.state.metrics
     async with AsyncExitStack() as stack:
         # One thread runs every model call (load, warm-up, detector, encoder): torch's OpenMP pool belongs to the
@@ -243,89 +255,123 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                 app.state.inference_abandoned = True  # service.shutdown.DrainingServer.run ends the process
 
         stack.callback(stop_inference)
-        loop = asyncio.get_running_loop()
-        try:
-            loaded = await loop.run_in_executor(inference, load_models, settings)
-            runtime = await loop.run_in_executor(inference, create_runtime, settings, loaded.checkpoint)
-        except (StartupError, ValueError) as exc:
-            app.state.startup_error = str(exc)  # `vlserve serve` prints it as one line
-            raise StartupError(str(exc)) from None
-        stack.callback(runtime.close)
-        store = create_store(settings, loaded.fingerprint, loaded.detector.config.feature_dim)
-        stack.push_async_callback(store.close)
-        try:
-            await store.check()  # a Redis refusing this client for good stops start-up; an unreachable one warns
-        except StoreConfigError as exc:
-            app.state.startup_error = str(exc)
-            raise StartupError(str(exc)) from None
-
-        regions = RegionService(
-            loaded.detector, loaded.fingerprint, store,
-            BatcherConfig(detector_batch_size(settings, loaded.detector), settings.detector_max_wait_ms,
-                          settings.max_queue, settings.detector_max_queue_wait_s * 1000),
-            settings.max_pixels, inference, on_batch=metrics.on_batch("detector"),
-            max_pixels_in_flight=settings.decode_max_pixels_in_flight, reduced_decoding=settings.decode_reduced)
-        config = model_config(loaded.checkpoint)
-        specs = task_specs(runtime.tasks, config.heads, loaded.checkpoint.labels)
-        model = model_info(loaded, runtime.name, runtime.precision)
-        streams = stream_cache(settings, runtime, specs, model)
-        encoder_batching = BatcherConfig(settings.max_batch_size, settings.max_wait_ms, settings.max_queue,
-                                         settings.max_queue_wait_ms)
-        encoder_busy = InFlight()  # the task batchers share one runtime: a batch goes at once only when it is idle
-
-        def encoder_batcher(spec: TaskSpec) -> Batcher:
-            split = streams is not None and spec.kind == "itm"
-            fn = fused_batch_fn(runtime, spec.task, streams) if split else batch_fn(runtime, spec.task)
-            return Batcher(spec.task, fn, encoder_batching, inference, on_batch=metrics.on_batch(spec.task),
-                           in_flight=encoder_busy)
-
-        batchers = {spec.task: encoder_batcher(spec) for spec in specs.values()}
-        limits = Limits(settings.max_text_chars, text_token_limit(settings, loaded.checkpoint), settings.max_top_k,
-                        settings.max_candidates)
-        tokenizer = loaded.checkpoint.tokenizer
-        tags = region_tag_table(tokenizer, loaded.detector.config.classes, model_config(loaded.checkpoint).encoder)
-        pipeline = Pipeline(regions, tokenizer, specs, batchers, limits, streams, tag_words=tags,
-                            bank=bank_priors(loaded.checkpoint, settings) if "itm" in specs else None,
-                            bank_on_register=settings.query_bank_on_register,
-                            explainer=explainer(loaded, runtime, inference),
-                            detector_labels=(loaded.detector.config.classes, loaded.detector.config.attributes))
-        metrics.watch({**batchers, "detector": regions}, store, regions, streams)
-
-        await regions.start()
-        for batcher in batchers.values():
-            await batcher.start()
-        stack.push_async_callback(stop_batchers, [*reversed(batchers.values()), regions], app.state,
-                                  settings.shutdown_timeout_s)
-
-        def out_of_time() -> int:  # shutdown_timeout_s has run out (service/shutdown.py): fail their work now
-            return sum(batcher.close_now() for batcher in (*batchers.values(), regions))
-
-        app.state.out_of_time = out_of_time
-        stack.callback(setattr, app.state, "out_of_time", None)
-        if pipeline.bank is not None:  # before the batchers stop: scheduled priors are cancelled, not left waiting
-            stack.push_async_callback(pipeline.bank.close)
-        detector_s = await loop.run_in_executor(inference, warm_up, loaded, pipeline, runtime)
-        regions.expect(detector_s)  # admits a burst of new images that comes before a detector batch is measured
-        if settings.detector_max_queue_wait_s:
-            log.info("detector: %.2f s for an image at warm-up; a new image is refused (429) while more than %g s of "
-                     "detector work is queued ahead of it", detector_s, settings.detector_max_queue_wait_s)
-
-        # Start-up leaves ~400k long-lived objects (modules, tensors, tokenizer). A full garbage collection scans
-        # them all (170 ms with the demo model) while every request waits: at 32 clients it set the p99 latency
-        # (about 260 ms against a p50 of 75). Frozen, collections skip them.
-        gc.collect()
-        gc.freeze()
-        stack.callback(gc.unfreeze)
-        app.state.services = Services(pipeline=pipeline, model=model)
-        app.state.ready = True
-        metrics.ready.set(1)
-        log.info("ready: %s serving %s", app.state.services.model.preset, ", ".join(specs) or "nothing")
+        loading = asyncio.create_task(load(app, stack, inference), name="vlserve-load")
+        if app.state.load_in_background:  # `vlserve serve`: /healthz answers, and /readyz 503, while it loads
+            loading.add_done_callback(functools.partial(loading_failed, app))
+        else:
+            await loading
         try:
             yield
         finally:
             app.state.ready = False  # new requests get 503 while the batchers drain
             metrics.ready.set(0)
+            if not loading.done():  # stopped while loading: what has been loaded is closed by the stack
+                loading.cancel()
+                await asyncio.gather(loading, return_exceptions=True)
     app.state.services = None
+
+
+def loading_failed(app: FastAPI, loading: asyncio.Task) -> None:
+    """The end of a load in the background: a failure ends the process (service.shutdown.DrainingServer stops on
+    state.startup_error, `vlserve serve` prints it and exits 2), an unexpected one with its traceback logged."""
+    if loading.cancelled() or loading.exception() is None:
+        return
+    if not app.state.startup_error:
+        exc = loading.exception()
+        log.error("start-up failed", exc_info=exc)
+        app.state.startup_error = f"start-up failed ({type(exc).__name__}: {exc}); the log above has the details"
+
+
+async def load(app: FastAPI, stack: AsyncExitStack, inference: InferenceExecutor) -> None:
+    """Everything the routes need, loaded and warmed up on the inference thread, then `state.ready`; what must be
+    closed at shutdown goes on `stack`. StartupError (its message in state.startup_error, which `vlserve serve`
+    prints as one line) when it cannot serve."""
+    try:
+        await load_services(app, stack, inference)
+    except StartupError as exc:
+        app.state.startup_error = str(exc)
+        raise
+
+
+async def load_services(app: FastAPI, stack: AsyncExitStack, inference: InferenceExecutor) -> None:
+    settings: Settings = app.state.settings
+    metrics: Metrics = app.state.metrics
+    loop = asyncio.get_running_loop()
+    try:
+        loaded = await loop.run_in_executor(inference, load_models, settings)
+        runtime = await loop.run_in_executor(inference, create_runtime, settings, loaded.checkpoint)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    stack.callback(runtime.close)
+    check_cache_bound(settings, loaded.detector.config)
+    store = create_store(settings, loaded.fingerprint, loaded.detector.config.feature_dim)
+    stack.push_async_callback(store.close)
+    try:
+        await store.check()  # a Redis refusing this client for good stops start-up; an unreachable one warns
+    except StoreConfigError as exc:
+        raise StartupError(str(exc)) from None
+
+    regions = RegionService(
+        loaded.detector, loaded.fingerprint, store,
+        BatcherConfig(detector_batch_size(settings, loaded.detector), settings.detector_max_wait_ms,
+                      settings.max_queue, settings.detector_max_queue_wait_s * 1000),
+        settings.max_pixels, inference, on_batch=metrics.on_batch("detector"),
+        max_pixels_in_flight=settings.decode_max_pixels_in_flight, reduced_decoding=settings.decode_reduced)
+    config = model_config(loaded.checkpoint)
+    specs = task_specs(runtime.tasks, config.heads, loaded.checkpoint.labels)
+    model = model_info(loaded, runtime.name, runtime.precision)
+    streams = stream_cache(settings, runtime, specs, model)
+    encoder_batching = BatcherConfig(settings.max_batch_size, settings.max_wait_ms, settings.max_queue,
+                                     settings.max_queue_wait_ms)
+    encoder_busy = InFlight()  # the task batchers share one runtime: a batch goes at once only when it is idle
+
+    def encoder_batcher(spec: TaskSpec) -> Batcher:
+        split = streams is not None and spec.kind == "itm"
+        fn = fused_batch_fn(runtime, spec.task, streams) if split else batch_fn(runtime, spec.task)
+        return Batcher(spec.task, fn, encoder_batching, inference, on_batch=metrics.on_batch(spec.task),
+                       in_flight=encoder_busy)
+
+    batchers = {spec.task: encoder_batcher(spec) for spec in specs.values()}
+    limits = Limits(settings.max_text_chars, text_token_limit(settings, loaded.checkpoint), settings.max_top_k,
+                    settings.max_candidates)
+    tokenizer = loaded.checkpoint.tokenizer
+    tags = region_tag_table(tokenizer, loaded.detector.config.classes, model_config(loaded.checkpoint).encoder)
+    pipeline = Pipeline(regions, tokenizer, specs, batchers, limits, streams, tag_words=tags,
+                        bank=bank_priors(loaded.checkpoint, settings) if "itm" in specs else None,
+                        bank_on_register=settings.query_bank_on_register,
+                        explainer=explainer(loaded, runtime, inference),
+                        detector_labels=(loaded.detector.config.classes, loaded.detector.config.attributes))
+    metrics.watch({**batchers, "detector": regions}, store, regions, streams)
+
+    await regions.start()
+    for batcher in batchers.values():
+        await batcher.start()
+    stack.push_async_callback(stop_batchers, [*reversed(batchers.values()), regions], app.state,
+                              settings.shutdown_timeout_s)
+
+    def out_of_time() -> int:  # shutdown_timeout_s has run out (service/shutdown.py): fail their work now
+        return sum(batcher.close_now() for batcher in (*batchers.values(), regions))
+
+    app.state.out_of_time = out_of_time
+    stack.callback(setattr, app.state, "out_of_time", None)
+    if pipeline.bank is not None:  # before the batchers stop: scheduled priors are cancelled, not left waiting
+        stack.push_async_callback(pipeline.bank.close)
+    detector_s = await loop.run_in_executor(inference, warm_up, loaded, pipeline, runtime)
+    regions.expect(detector_s)  # admits a burst of new images that comes before a detector batch is measured
+    if settings.detector_max_queue_wait_s:
+        log.info("detector: %.2f s for an image at warm-up; a new image is refused (429) while more than %g s of "
+                 "detector work is queued ahead of it", detector_s, settings.detector_max_queue_wait_s)
+
+    # Start-up leaves ~400k long-lived objects (modules, tensors, tokenizer). A full garbage collection scans
+    # them all (170 ms with the demo model) while every request waits: at 32 clients it set the p99 latency
+    # (about 260 ms against a p50 of 75). Frozen, collections skip them.
+    gc.collect()
+    gc.freeze()
+    stack.callback(gc.unfreeze)
+    app.state.services = Services(pipeline=pipeline, model=model)
+    app.state.ready = True
+    metrics.ready.set(1)
+    log.info("ready: %s serving %s", app.state.services.model.preset, ", ".join(specs) or "nothing")
 
 
 def package_version() -> str:
@@ -404,8 +450,10 @@ def custom_openapi(app: FastAPI, api_keys: bool):
     return openapi
 
 
-def create_app(settings: Settings) -> FastAPI:
-    """The service for `settings`; nothing loads until the lifespan starts (uvicorn, or `with TestClient(app)`)."""
+def create_app(settings: Settings, load_in_background: bool = False) -> FastAPI:
+    """The service for `settings`; nothing loads until the lifespan starts (uvicorn, or `with TestClient(app)`), which
+    returns once the models are loaded and warm, or at once with `load_in_background` (`vlserve serve`: the port
+    answers while they load, /readyz 503 and the task routes 503 not-ready until then)."""
     if settings.model_dir is None or settings.detector_dir is None:
         raise StartupError(DEMO_MISSING)
     # redirect_slashes off: "/vqa/" is a 404 problem, not a bare 307 to an http:// URL built from the Host header
@@ -418,12 +466,13 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.ready = False
     app.state.draining = False  # set on SIGTERM by service.shutdown.DrainingServer: /readyz 503, requests still served
     app.state.startup_error = None
+    app.state.load_in_background = load_in_background
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
     # outermost last: metrics see every answer, keys are checked before the body is read
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s,
-                       body_types=BODY_TYPES)
+                       body_types=BODY_TYPES, endpoints={**{path: path for path in BODY_TYPES}, **ROUTES})
     app.add_middleware(AdmissionMiddleware, state=app.state)  # after the key check, before the body is read
     app.add_middleware(APIKeyMiddleware, keys=settings.api_keys)
     app.add_middleware(CloseWhileDraining, state=app.state)

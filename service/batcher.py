@@ -22,6 +22,13 @@ Background items (`submit(item, background=True)`: work no request waits for, su
 after its registration) never go ahead of a request: they run only while no request is queued in any batcher
 sharing the runtime and the runtime is idle, in batches of at most BACKGROUND_BATCH, so a request that arrives
 meanwhile waits for one small batch at most. They do not count against `max_queue` (their producer bounds them).
+
+Bulk items (`submit(item, bulk=True)`: long work of an admitted request, such as the query-bank rows of a text -> image
+request over new images, hundreds of rows a batch at a time) go behind the requests too, but are never starved: a
+bulk batch runs when no request is queued on the runtime and it is idle, or as soon as a request batch has run on the
+runtime since the lane's last turn (under load, every other batch). Admission does not count them (a request arriving
+meanwhile waits for one bulk batch at most, not for all of them) and neither does `max_queue`: one request's long
+work never makes the service refuse the others.
 """
 from __future__ import annotations
 
@@ -55,12 +62,12 @@ class BatcherConfig:
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if not self.max_wait_ms >= 0:  # also rejects NaN
-            raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        if not 0 <= self.max_wait_ms < math.inf:  # also rejects NaN
+            raise ValueError(f"max_wait_ms must be finite and >= 0, got {self.max_wait_ms}")
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
-        if not self.max_queue_wait_ms >= 0:
-            raise ValueError(f"max_queue_wait_ms must be >= 0, got {self.max_queue_wait_ms}")
+        if not 0 <= self.max_queue_wait_ms < math.inf:
+            raise ValueError(f"max_queue_wait_ms must be finite and >= 0, got {self.max_queue_wait_ms}")
 
 
 class QueueFullError(Exception):
@@ -105,6 +112,7 @@ class InFlight:
         self.count = 0
         self._listeners: list[asyncio.Event] = []
         self._batchers: list[Batcher] = []  # the batchers that feed this runtime
+        self.request_batches = 0  # request batches finished on this runtime (bulk work takes turns with them)
         self.batch_seconds: float | None = None  # moving average of a batch's run time on this runtime
         self._provisional = False  # batch_seconds is expect()'s estimate, not yet measured
         self._running_since = 0.0  # time.perf_counter() when the oldest running batch started
@@ -158,8 +166,11 @@ class InFlight:
             self._running_since = time.perf_counter()
         self.count += 1
 
-    def finished(self, run_s: float | None = None) -> None:
+    def finished(self, run_s: float | None = None, request: bool = True) -> None:
+        """A batch ended; run_s: its run time, to admit by (None: not representative); request: a batch of requests
+        (not bulk or background work)."""
         self.count -= 1
+        self.request_batches += request
         if run_s is not None:
             measured = self.batch_seconds is not None and not self._provisional
             self.batch_seconds = 0.8 * self.batch_seconds + 0.2 * run_s if measured else run_s
@@ -176,6 +187,7 @@ class _Pending(Generic[T, R]):
     future: asyncio.Future[R]
     enqueued: float  # loop.time() at submit
     background: bool = False
+    bulk: bool = False
 
 
 def retry_after(queue_depth: int, max_batch_size: int, batch_seconds: float, max_wait_s: float) -> float:
@@ -221,6 +233,8 @@ class Batcher(Generic[T, R]):
         self._in_flight = in_flight if in_flight is not None else InFlight()
         self._queue: deque[_Pending[T, R]] = deque()
         self._background: deque[_Pending[T, R]] = deque()  # run only when no request waits (see the module doc)
+        self._bulk: deque[_Pending[T, R]] = deque()  # requests' long work: behind requests, never starved (module doc)
+        self._bulk_turn_at = 0  # its turn comes once the runtime's request_batches passes this
         self._filling = 0  # requests taken from the queue into a batch that is still filling
         self._reserved = 0  # requests admitted by reserve() that have not submitted their item yet
         self._running: list[_Pending[T, R]] = []  # the batch handed to the executor, until it returns
@@ -292,11 +306,12 @@ class Batcher(Generic[T, R]):
         failed = 0
         closed = self._out_of_time = BatcherClosedError(
             f"batcher {self.name}: the shutdown timeout ran out before this request finished")
-        for p in [*self._running, *self._queue]:  # a batch still filling fails as it reaches _run
+        for p in [*self._running, *self._queue, *self._bulk]:  # a batch still filling fails as it reaches _run
             if not p.future.done():
                 p.future.set_exception(closed)
                 failed += 1
         self._queue.clear()
+        self._bulk.clear()
         while self._background:
             self._background.popleft().future.cancel()  # work no request waits for
         return failed
@@ -320,20 +335,27 @@ class Batcher(Generic[T, R]):
             raise BatcherClosedError(f"batcher {self.name} is not running")
 
     async def submit(self, item: T, background: bool = False, admitted: bool = False,
-                     reservation: Reservation | None = None) -> R:
+                     reservation: Reservation | None = None, bulk: bool = False) -> R:
         """The result of `fn` for this item, computed in some batch; a background item runs only when no request
-        waits (module doc). `admitted`: the caller has asked admit() for the request this item belongs to (a request
-        of several items is admitted or refused whole, never shed part-way by its own items queued ahead);
-        `reservation`: the caller's reserve() (admitted then), released as the item is queued."""
+        waits, a bulk item behind requests but in turn with them (module doc). `admitted`: the caller has asked
+        admit() for the request this item belongs to (a request of several items is admitted or refused whole, never
+        shed part-way by its own items queued ahead); `reservation`: the caller's reserve() (admitted then), released
+        as the item is queued."""
         if reservation is not None:
             reservation.release()
             admitted = True
         self.check_open()
-        if not background and not admitted:
+        if not (background or bulk or admitted):
             self.admit()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
-        (self._background if background else self._queue).append(_Pending(item, future, loop.time(), background))
+        pending = _Pending(item, future, loop.time(), background, bulk)
+        if bulk:
+            if not self._bulk:  # its turn comes after the next request batch, if requests keep it waiting
+                self._bulk_turn_at = self._in_flight.request_batches
+            self._bulk.append(pending)
+        else:
+            (self._background if background else self._queue).append(pending)
         self._arrived.set()
         return await future  # cancelling the caller cancels the future; the consumer then skips it
 
@@ -376,9 +398,13 @@ class Batcher(Generic[T, R]):
         """The next batch of live items, or None once closing with nothing left."""
         while True:
             self._drop_cancelled()
+            quiet = self._in_flight.idle and not self._in_flight.requests_waiting  # no request would wait for it
+            if self._bulk and (self._closing or quiet or self._in_flight.request_batches > self._bulk_turn_at):
+                self._bulk_turn_at = self._in_flight.request_batches
+                return [self._bulk.popleft() for _ in range(min(self.config.max_batch_size, len(self._bulk)))]
             if self._queue:
                 break
-            if self._background and (self._closing or (self._in_flight.idle and not self._in_flight.requests_waiting)):
+            if self._background and (self._closing or quiet):
                 return [self._background.popleft() for _ in range(min(BACKGROUND_BATCH, len(self._background)))]
             if self._closing:
                 return None
@@ -447,7 +473,8 @@ class Batcher(Generic[T, R]):
             self._running = []
             run_s = time.perf_counter() - t0
             # background batches are small: their time would understate what a request waits for
-            self._in_flight.finished(None if live[0].background else run_s)
+            self._in_flight.finished(None if live[0].background else run_s,
+                                     request=not (live[0].background or live[0].bulk))
         if results is not None:
             for p, result in zip(live, results):
                 if p.future.done():
@@ -473,12 +500,12 @@ class Batcher(Generic[T, R]):
             return exc
 
     def _drop_cancelled(self) -> None:
-        for queue in (self._queue, self._background):
+        for queue in (self._queue, self._bulk, self._background):
             while queue and queue[0].future.done():
                 queue.popleft()
 
     def _fail_queued(self, exc: Exception) -> None:
-        for queue in (self._queue, self._background):
+        for queue in (self._queue, self._bulk, self._background):
             while queue:
                 p = queue.popleft()
                 if not p.future.done():

@@ -176,9 +176,20 @@ def _validation_detail(errors: list[dict[str, Any]]) -> str:
     return "; ".join(parts) + more
 
 
+RETRY_AFTER_MAX_S = 600  # the longest Retry-After answered: a client told to wait longer would rather go elsewhere
+
+
+def retry_after_s(seconds: float) -> int:
+    """A Retry-After value (whole seconds, 1 to RETRY_AFTER_MAX_S) for an estimate in seconds, whatever the estimate
+    (an unbounded or undefined one too: math.ceil of inf raises, and of 1e300 is a 301-digit header)."""
+    if not math.isfinite(seconds) or seconds >= RETRY_AFTER_MAX_S:
+        return 1 if math.isnan(seconds) else RETRY_AFTER_MAX_S
+    return max(1, math.ceil(seconds))
+
+
 def queue_full(exc: QueueFullError) -> tuple[str, dict[str, str]]:
     """The detail and headers of a 429 for a refused request (the route's handler and the admission middleware)."""
-    retry = max(1, math.ceil(exc.retry_after_s))
+    retry = retry_after_s(exc.retry_after_s)
     return f"the service is at capacity; retry in {retry} s", {"Retry-After": str(retry)}
 
 
@@ -213,7 +224,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StoreUnavailableError)
     async def _store_unavailable(request: Request, exc: StoreUnavailableError):
-        retry = max(1, math.ceil(exc.retry_after_s))
+        retry = retry_after_s(exc.retry_after_s)
         return problem_response(request, 503, str(exc), "store-unavailable", "Feature store unavailable",
                                 headers={"Retry-After": str(retry)})
 

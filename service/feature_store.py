@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -130,6 +131,17 @@ class FeatureStore(ABC):
         self.corrupt += 1
         self.misses += 1
         log.warning("feature store %s: ignoring unreadable value at %s (%s)", self.name, where, why)
+
+
+def entry_bytes(feature_dim: int, regions: int, image_feature: bool) -> int:
+    """Bytes of one image's stored value (what the in-process store's bound counts) with `regions` regions of
+    `feature_dim` features, as RegionFeatures.to_bytes writes it (the largest image size in its metadata)."""
+    rf = RegionFeatures(boxes=np.zeros((regions, 4)), features=np.zeros((regions, feature_dim), np.float16),
+                        obj_ids=np.zeros(regions, np.int64), obj_scores=np.zeros(regions),
+                        attr_ids=np.zeros(regions, np.int64), attr_scores=np.zeros(regions),
+                        image_hw=(10**9, 10**9), num_boxes=regions,
+                        image_feature=np.zeros(feature_dim, np.float16) if image_feature else None)
+    return len(rf.to_bytes())
 
 
 def frozen(rf: RegionFeatures) -> RegionFeatures:

@@ -119,6 +119,14 @@ def stream_cache_families(stats: dict) -> list:
 
 
 ENDPOINT = "vlserve.endpoint"  # scope key: the route template of a request answered before routing (admission's 429)
+# The status a request is counted under when its client went away before its answer (nginx's "client closed
+# request"): nothing was sent, and the work it left was cancelled (security.BodyLimitMiddleware)
+CLIENT_CLOSED = 499
+
+
+def client_closed(scope: Scope) -> None:
+    """Count this request as CLIENT_CLOSED unless an answer has started."""
+    scope.setdefault("state", {})["client_closed"] = True
 
 
 def route_label(scope: Scope) -> str:
@@ -139,16 +147,18 @@ class MetricsMiddleware:
             return await self.app(scope, receive, send)
         start = time.perf_counter()
         scope.setdefault("state", {})["received_at"] = start  # the routes' timings start here too
-        status = [500]
+        status, started = [500], [False]
 
         async def sending(message: Message) -> None:
             if message["type"] == "http.response.start":
-                status[0] = message["status"]
+                status[0], started[0] = message["status"], True
             await send(message)
 
         try:
             await self.app(scope, receive, sending)
         finally:
+            if not started[0] and scope["state"].get("client_closed"):
+                status[0] = CLIENT_CLOSED
             labels = (route_label(scope), scope["method"], str(status[0]))
             self.metrics.requests.labels(*labels).inc()
             self.metrics.latency.labels(*labels).observe(time.perf_counter() - start)

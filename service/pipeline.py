@@ -346,18 +346,19 @@ class Pipeline:
         return image_id, await self.regions.from_id(image_id), True
 
     async def run(self, spec: TaskSpec, items: list[Item] | list[Pair], timer: Timer,
-                  background: bool = False) -> list[np.ndarray]:
+                  background: bool = False, bulk: bool = False) -> list[np.ndarray]:
         """Logits of each item from the task's batcher (items of one request may share a batch); background items
-        run only when no request waits (batcher module doc)."""
+        run only when no request waits, bulk items (an admitted request's long work) behind requests, in turn with
+        them, and neither is refused (batcher module doc)."""
         submitted = time.perf_counter()
         batcher = self.batchers[spec.task]
         if len(items) == 1:  # no task per item for the common single-item request
-            results: list[Scored] = [await batcher.submit(items[0], background)]
+            results: list[Scored] = [await batcher.submit(items[0], background, bulk=bulk)]
         else:  # the request is admitted or refused whole: its own items are no queue to shed it by
-            if not background:
+            if not (background or bulk):
                 batcher.admit()
-            outcomes = await asyncio.gather(*(batcher.submit(item, background, admitted=True) for item in items),
-                                            return_exceptions=True)
+            outcomes = await asyncio.gather(*(batcher.submit(item, background, admitted=True, bulk=bulk)
+                                              for item in items), return_exceptions=True)
             failed = [o for o in outcomes if isinstance(o, BaseException)]
             if failed:
                 raise failed[0]
@@ -448,8 +449,9 @@ class Pipeline:
     async def score_rows(self, spec: TaskSpec, rows: Sequence[Item], image_id: str, rf: RegionFeatures,
                          background: bool = False) -> np.ndarray:
         """Match scores of text rows (a query bank's) with one image, a batch at a time so the queue never fills;
-        their queue and encoder time are not the request's (it counts them as its query_bank stage). In the
-        background (a registered image's prior) they run only when no request waits."""
+        their queue and encoder time are not the request's (it counts them as its query_bank stage). For a request
+        they are bulk work (behind other requests, in turn with them, never refused: the request was admitted); in
+        the background (a registered image's prior) they run only when no request waits."""
         if self.streams is None:  # the image's arrays once for every row
             regions = region_arrays([rf], self.tag_words)
             pairs = [{**row, **regions} for row in rows]
@@ -457,7 +459,7 @@ class Pipeline:
             pairs = [self.pairs(row, [(image_id, rf)])[0] for row in rows]
         chunk = self.batchers[spec.task].config.max_batch_size
         logits = [lg for s in range(0, len(pairs), chunk)
-                  for lg in await self.run(spec, pairs[s:s + chunk], Timer(), background)]
+                  for lg in await self.run(spec, pairs[s:s + chunk], Timer(), background, bulk=not background)]
         return match_scores(np.stack(logits))[0]
 
     def pairs(self, tokens: Item, images: Sequence[tuple[str, RegionFeatures]]) -> list[Item] | list[Pair]:

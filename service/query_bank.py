@@ -6,9 +6,9 @@ retrieval head's batcher (one row per caption, batched like any other pairs), ke
 image) in a bounded LRU. It is computed when the image is registered (`schedule`, in the background: POST
 /images does not wait for it, and its rows run only while no request waits for the encoder) or else by the first
 text -> image request that ranks the image; a request that finds a request's computation under way waits for it
-instead of repeating it, and one that finds a background computation takes it over in the foreground (a request
-never waits behind background work). Priors depend only on the model and the
-image, so each pod computes its own.
+instead of repeating it (the computation stops when every request waiting for it has gone: service/shared_work.py),
+and one that finds a background computation takes it over in the foreground (a request never waits behind background
+work). Priors depend only on the model and the image, so each pod computes its own.
 """
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ import numpy as np
 from models.query_bank import QueryBank, image_prior, normalised
 from models.region_features import RegionFeatures
 from models.tokenizer import VLTokenizer
+
+from .shared_work import SharedWork
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ class BankPriors:
         self.rows: list[Item] = sorted(rows, key=lambda row: len(row["input_ids"]))  # the prior is order-free
         self.max_images = max_images
         self._priors: OrderedDict[str, float] = OrderedDict()
-        self._pending: dict[str, asyncio.Future[float]] = {}  # priors being computed, by image id
+        self._pending: dict[str, SharedWork[float]] = {}  # priors being computed, by image id
         self._background: dict[str, asyncio.Task] = {}  # scheduled computations by image id (the reference keeps each alive)
         self._slot: asyncio.Semaphore | None = None  # scheduled computations run one at a time (made in the loop)
         self.computed = 0  # priors computed (misses)
@@ -67,35 +69,28 @@ class BankPriors:
                 await asyncio.gather(scheduled, return_exceptions=True)
                 continue
             pending = self._pending.get(image_id)
-            if pending is None:
-                return await self._compute(image_id, rf, score_rows)
+            if pending is None or pending.abandoned:
+                pending = self._pending[image_id] = SharedWork(self._compute(image_id, rf, score_rows),
+                                                               name=f"bank-prior-{image_id[:12]}")
+                pending.task.add_done_callback(functools.partial(self._computed, image_id, pending))
             try:
-                return await asyncio.shield(pending)  # our own cancellation does not cancel theirs
+                return await pending.join()  # waiters share it; it stops once none waits
             except asyncio.CancelledError:
-                if not pending.cancelled() or asyncio.current_task().cancelling():
+                if not pending.task.cancelled() or asyncio.current_task().cancelling():
                     raise  # this request is being cancelled
-                # theirs was cancelled (a scheduled computation at shutdown): compute it here
+                # the computation was cancelled under it (a scheduled one at shutdown): compute it anew
 
     async def _compute(self, image_id: str, rf: RegionFeatures, score_rows: ScoreRows) -> float:
-        future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
-        self._pending[image_id] = future
-        try:
-            prior = float(image_prior(await score_rows(self.rows, image_id, rf), self.bank.temperature))
-        except asyncio.CancelledError:
-            future.cancel()
-            raise
-        except Exception as exc:  # waiters get the same error (e.g. a full queue: 429)
-            future.set_exception(exc)
-            future.exception()  # retrieved: no "never retrieved" warning when nobody waits
-            raise
-        finally:
-            del self._pending[image_id]
+        prior = float(image_prior(await score_rows(self.rows, image_id, rf), self.bank.temperature))
         self.computed += 1
         self._priors[image_id] = prior
         while len(self._priors) > self.max_images:
             self._priors.popitem(last=False)
-        future.set_result(prior)
         return prior
+
+    def _computed(self, image_id: str, pending: SharedWork[float], _: asyncio.Task) -> None:
+        if self._pending.get(image_id) is pending:
+            del self._pending[image_id]
 
     async def priors(self, images: Sequence[tuple[str, RegionFeatures]], score_rows: ScoreRows) -> np.ndarray:
         """(len(images),) priors, computing those of images not seen yet (each distinct image once)."""

@@ -34,6 +34,7 @@ from models.region_features import RegionFeatures
 
 from .batcher import Batcher, BatcherConfig
 from .feature_store import FeatureStore
+from .shared_work import SharedWork
 
 _IMAGE_ID = re.compile(r"^[0-9a-f]{64}$")
 _HASH_INLINE_BYTES = 1 << 20  # sha256 of 1 MiB takes ~1 ms; larger bodies are hashed in a thread
@@ -149,7 +150,8 @@ def is_image_id(value: str) -> bool:
 class RegionService:
     """Region features of images, computed at most once per image (per store lifetime) and batched.
 
-    Concurrent requests for the same image share one lookup and one detector run (single flight). A fresh
+    Concurrent requests for the same image share one lookup and one detector run (single flight), which stops only
+    when every request waiting for it has gone (their clients went away: service/shared_work.py). A fresh
     extraction is returned as the store would return it (features float16), so answers never depend on
     whether the cache was warm. The service does not own the store: close it after stop().
     """
@@ -178,7 +180,7 @@ class RegionService:
         self._on_batch = on_batch
         self._batcher: Batcher[np.ndarray, RegionFeatures] = Batcher(
             "detector", self._extract, config, executor, on_batch=self._count_batch)
-        self._inflight: dict[str, asyncio.Task[tuple[RegionFeatures, bool]]] = {}
+        self._inflight: dict[str, SharedWork[tuple[RegionFeatures, bool]]] = {}
         self.detector_runs = 0  # images the detector processed
         self.detector_seconds = 0.0  # time spent in detector batches
 
@@ -204,7 +206,7 @@ class RegionService:
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
         await self._batcher.stop(timeout_s)
-        pending = set(self._inflight.values())
+        pending = {work.task for work in self._inflight.values()}
         if pending:
             left = None if deadline is None else max(deadline - loop.time(), 0.0)
             _, pending = await asyncio.wait(pending, timeout=left)
@@ -235,10 +237,10 @@ class RegionService:
         StoreUnavailableError if the store cannot be asked now."""
         if not is_image_id(image_id):
             raise UnknownImageError(image_id)
-        task = self._inflight.get(image_id)  # being registered right now: wait for it
-        if task is not None:
+        work = self._inflight.get(image_id)  # being registered right now: wait for it
+        if work is not None and not work.abandoned:
             try:
-                rf, _ = await asyncio.shield(task)
+                rf, _ = await work.join()
             except ImageError:  # the bytes being registered under this id were no image: it stays unknown
                 raise UnknownImageError(image_id) from None
             return rf
@@ -251,7 +253,8 @@ class RegionService:
         """Regions of images registered earlier, in order, looked up in one batch (store.get_many: one round trip
         to Redis for them all); UnknownImageError for the first unknown id in order, StoreUnavailableError if the
         store cannot be asked now."""
-        asked = [i for i in dict.fromkeys(image_ids) if is_image_id(i) and i not in self._inflight]
+        registering = {i for i, work in self._inflight.items() if not work.abandoned}
+        asked = [i for i in dict.fromkeys(image_ids) if is_image_id(i) and i not in registering]
         found = dict(zip(asked, await self.store.get_many(asked, strict=True)))
         regions = []
         for image_id in image_ids:
@@ -270,19 +273,17 @@ class RegionService:
     # --- internals ---------------------------------------------------------------------------------
 
     async def _single_flight(self, image_id: str, work) -> tuple[RegionFeatures, bool]:
-        """One task per image id at a time; callers share it, and a cancelled caller does not cancel it."""
-        task = self._inflight.get(image_id)
-        if task is None:
-            task = asyncio.create_task(work(), name=f"regions-{image_id[:12]}")
-            self._inflight[image_id] = task
-            task.add_done_callback(lambda t: self._finished(image_id, t))
-        return await asyncio.shield(task)
+        """One task per image id at a time; callers share it, and it stops only when every caller has gone."""
+        shared = self._inflight.get(image_id)
+        if shared is None or shared.abandoned:
+            shared = SharedWork(work(), name=f"regions-{image_id[:12]}")
+            self._inflight[image_id] = shared
+            shared.task.add_done_callback(lambda _: self._finished(image_id, shared))
+        return await shared.join()
 
-    def _finished(self, image_id: str, task: asyncio.Task) -> None:
-        if self._inflight.get(image_id) is task:
+    def _finished(self, image_id: str, shared: SharedWork) -> None:
+        if self._inflight.get(image_id) is shared:
             del self._inflight[image_id]
-        if not task.cancelled():
-            task.exception()  # retrieved here so a failure nobody awaited any more is not logged as "never retrieved"
 
     async def _lookup_or_extract(self, image_id: str, data: bytes) -> tuple[RegionFeatures, bool]:
         rf = await self.store.get(image_id)

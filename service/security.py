@@ -4,6 +4,11 @@ Both answer before the route runs: an unauthenticated client cannot make the ser
 body is refused at its Content-Length or as soon as the streamed bytes pass the limit; a body the route could not
 read (a compressed one, or one whose Content-Type is not what the route reads) is refused before it is read; a body
 that stops arriving is answered 408 instead of holding its connection and its request open for ever.
+
+A client that goes away is not served: when the connection closes while the body arrives, the route never runs; when
+it closes after, while the route works, the route is cancelled, and with it the work it queued (a cancelled request's
+items leave the batchers' queues; work another request shares goes on for that one: service/shared_work.py). Either
+request is counted as 499, with no answer sent (metrics.CLIENT_CLOSED).
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from collections.abc import Iterable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import send_problem, shown
+from .metrics import ENDPOINT, client_closed
 
 # probes: they carry no data and cannot always send headers (the v2 ones: the Open Inference Protocol's);
 # /metrics: counts and timings, no request data, and Prometheus' pod discovery scrapes it without headers (behind a
@@ -74,11 +80,15 @@ class BodyLimitMiddleware:
     request, its connection and its buffered bytes open for ever; a slow client that keeps sending is served).
 
     The body is read here (at most max_bytes of it) and replayed to the app, so the app never sees a
-    partial body and the 413 is always a complete problem+json answer.
+    partial body and the 413 is always a complete problem+json answer. A body cut short by the client's going away
+    ends the request there; after the body, the connection is watched, and the route cancelled if the client goes
+    away before its answer (module doc).
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float, body_types: dict[str, tuple[str, ...]]):
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float, body_types: dict[str, tuple[str, ...]],
+                 endpoints: dict[str, str] | None = None):
         self.app = app
+        self.endpoints = endpoints or {}  # path -> the route template a request cut short is counted under
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         self.body_types = body_types  # path -> the media types its route reads; paths not named read any
@@ -109,6 +119,7 @@ class BodyLimitMiddleware:
             wanted = " or ".join(allowed)
             return await send_problem(scope, send, 415, f"this route reads a body of type {wanted}, not "
                                       f"{shown(media_type(content_type))}; send JSON with Content-Type: application/json")
+        given = scope
         if allowed is not None and content_type is None:  # read as JSON: say so to the route's parser
             scope = {**scope, "headers": [*scope["headers"], (b"content-type", JSON_TYPES[0].encode())]}
         chunks, total = [], 0
@@ -118,9 +129,9 @@ class BodyLimitMiddleware:
                 while True:
                     deadline.reschedule(loop.time() + self.timeout_s)
                     message = await receive()
-                    if message["type"] != "http.request":  # client went away: let the app see it
-                        chunks.append(message)
-                        break
+                    if message["type"] != "http.request":  # the client went away: what came is no request
+                        given.setdefault(ENDPOINT, self.endpoints.get(scope["path"]))  # not routed
+                        return client_closed(scope)
                     total += len(message.get("body", b""))
                     if total > self.max_bytes:
                         break
@@ -132,11 +143,54 @@ class BodyLimitMiddleware:
                                       f"{self.timeout_s:g} s (body_timeout_s)", headers={"Connection": "close"})
         if total > self.max_bytes:
             return await send_problem(scope, send, 413, self.too_large())
-        body = b"".join(m.get("body", b"") for m in chunks if m["type"] == "http.request")
-        replay: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
-        replay += [m for m in chunks if m["type"] != "http.request"]
+        body = b"".join(m.get("body", b"") for m in chunks)
+        try:
+            await serve_while_connected(self.app, scope, body, receive, send)
+        finally:
+            if scope is not given and "route" in scope:  # the route the router matched, for the metrics' label
+                given["route"] = scope["route"]
 
-        async def replayed() -> Message:
-            return replay.pop(0) if replay else await receive()
 
-        await self.app(scope, replayed, send)
+async def serve_while_connected(app: ASGIApp, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
+    """Run the app on the request whose whole `body` has been read from `receive`, which this watches from now on:
+    when the client goes away before the answer is complete, the app is cancelled where it waits (its task: uvicorn
+    runs each request in one) and the request ends without an answer, counted as metrics.CLIENT_CLOSED. The app's
+    receive replays the body, then tells it of the disconnect."""
+    task = asyncio.current_task()
+    replay: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
+    gone = asyncio.Event()  # the client went away, or the answer is complete (what receive tells after it)
+    answered = cancelled = False
+
+    async def replayed() -> Message:
+        if replay:
+            return replay.pop()
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def sending(message: Message) -> None:
+        nonlocal answered
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            answered = True
+        await send(message)
+
+    async def watch() -> None:
+        nonlocal cancelled
+        while (await receive())["type"] != "http.disconnect":  # nothing else comes after the body
+            pass
+        gone.set()
+        if not answered:
+            cancelled = True
+            task.cancel()
+
+    watcher = asyncio.create_task(watch(), name="vlserve-client-watch")
+    try:
+        await app(scope, replayed, sending)
+    except asyncio.CancelledError:
+        if not cancelled or task.uncancel() > 0:  # cancelled by someone else too (the server's shutdown)
+            raise
+        client_closed(scope)
+    else:
+        if cancelled:  # the app caught the cancellation itself (a client gone as it answered)
+            task.uncancel()
+    finally:
+        watcher.cancel()

@@ -1,7 +1,9 @@
 """Service settings from `VLSERVE_*` environment variables (or keyword overrides), validated at start-up."""
 from __future__ import annotations
 
+import difflib
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlparse
@@ -10,19 +12,33 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 MiB = 1 << 20
+ENV_PREFIX = "VLSERVE_"
+# VLSERVE_* variables that are not settings: read by the CLI (PROFILE: the model set `vlserve serve` serves without
+# model directories), by the model code (CACHE: the cache root; PACK_CPU_WEIGHTS: models/layers.py), and by the
+# project's tooling (docker/, loadtests/); any other VLSERVE_* variable is a misspelt setting (unknown_variables)
+OTHER_VARIABLES = frozenset({"CACHE", "PROFILE", "PACK_CPU_WEIGHTS", "DOCKER_CACHE", "IMAGE", "BASE", "WHEEL_CACHE",
+                             "REHEARSAL_MODELS", "LOCUST_VENV", "API_KEY"})
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 # Redis refuses an expiry past 2**63 - 1 ms since the epoch: SET EX above (2**63 - 1) // 1000 - now seconds fails with
 # "invalid expire time" (Redis 7.0: 9223370241022293 s on 2026-11-28, falling by a second a second); 9e15 s stays
 # below that for millions of years
 REDIS_MAX_TTL_S = 9 * 10**15
+# Upper bounds of the time settings (every float setting is also finite): a batch that waits 10 s to fill, a queue of
+# 10 minutes ahead of a request, or a body timeout or shutdown phase of an hour is no deliberate setting but a slip
+# (seconds given to a _ms setting, a stray exponent), and it would be served as such
+MAX_BATCH_WAIT_MS = 10_000.0
+MAX_QUEUE_WAIT_MS = 600_000.0
+MAX_TIMEOUT_S = 3600.0
 _CREDENTIALS = re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^/\s:@]*:)[^@\s]*@|(\bpassword=)[^&\s'\"]*")
 
 
 class Settings(BaseSettings):
     """Everything `vlserve serve` can be told; every field is `VLSERVE_<NAME>` in the environment."""
 
-    model_config = SettingsConfigDict(env_prefix="VLSERVE_", extra="forbid")
+    # allow_inf_nan off: "inf" or "nan" is no duration (an infinite max_wait_ms turned every 429 into a 500)
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", allow_inf_nan=False)
 
     # models
     model_dir: Path | None = None  # encoder checkpoint directory; None = the demo model
@@ -62,27 +78,30 @@ class Settings(BaseSettings):
     # overload batches of 32 held accepted requests 3-6x longer than 8 clients wait, batches of 8 1.4-1.9x
     # (docs/RELIABILITY.md, Overload). A GPU, whose batch time grows slowly with rows, wants more
     max_batch_size: int = Field(8, ge=1)
-    max_wait_ms: float = Field(5.0, ge=0)  # while the runtime is busy, how long a batch may wait to fill (idle: none)
+    # while the runtime is busy, how long a batch may wait to fill (idle: none)
+    max_wait_ms: float = Field(5.0, ge=0, le=MAX_BATCH_WAIT_MS)
     max_queue: int = Field(256, ge=1)  # queued requests per batcher before 429
     # admission control: a request that the batches queued ahead of it on the encoder (those it cannot join, at the
     # measured batch time) would hold longer than this gets 429 + Retry-After at once; 0 = max_queue only. The default
     # takes a request only while it can join the next batch (or queue behind batches shorter than 5 ms, a GPU's):
     # one full batch ahead doubles what an accepted request waits (docs/RELIABILITY.md, Overload)
-    max_queue_wait_ms: float = Field(5.0, ge=0)
+    max_queue_wait_ms: float = Field(5.0, ge=0, le=MAX_QUEUE_WAIT_MS)
     # batching (detector)
     detector_max_batch_size: int = Field(8, ge=1)  # images per detector batch (1 where batching gains nothing:
     # app.detector_batch_size)
-    detector_max_wait_ms: float = Field(5.0, ge=0)  # while the detector is busy, how long a batch may wait to fill
+    # while the detector is busy, how long a batch may wait to fill
+    detector_max_wait_ms: float = Field(5.0, ge=0, le=MAX_BATCH_WAIT_MS)
     # admission to the detector: a new image whose detection would wait longer than this behind the images queued
     # ahead of it (at the measured detector batch time) gets 429 + Retry-After before it is decoded; 0 = max_queue
     # only. Without it a pod took max_queue (256) new images for a detector that runs one at a time: the
     # bottom-up-attention frcnn-vg at 2.6 s a photo on 2 cores queued minutes of work (30 concurrent first /vqa were
     # all taken), far past any client's timeout and the shutdown's. 10 s takes about 4 photos queued there;
     # the demo detector (about 20 ms a photo, in batches of 8) is never refused below max_queue
-    detector_max_queue_wait_s: float = Field(10.0, ge=0)
+    detector_max_queue_wait_s: float = Field(10.0, ge=0, le=MAX_QUEUE_WAIT_MS / 1000)
     # request limits
     max_body_bytes: int = Field(10 * MiB, gt=0)  # larger request bodies get 413
-    body_timeout_s: float = Field(30.0, gt=0)  # a request body that sends no byte for this long gets 408
+    # a request body that sends no byte for this long gets 408
+    body_timeout_s: float = Field(30.0, gt=0, le=MAX_TIMEOUT_S)
     max_pixels: int = Field(40_000_000, gt=0)  # larger images are refused before decoding (decompression bombs)
     # memory of image decoding: pixels of images being decoded or waiting for their detector batch, summed over
     # concurrent requests (a request waits for room; one image larger than this decodes alone), at about 4 bytes
@@ -103,8 +122,9 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)  # bind port (0 = any free port)
     # on SIGTERM, how long /readyz answers 503 while requests are still served (each answer closing its connection),
     # so that load balancers stop routing here before the listener closes; a second signal ends it early
-    shutdown_drain_s: float = Field(5.0, ge=0)
-    shutdown_timeout_s: float = Field(30.0, ge=0)  # after the drain, grace period for in-flight requests
+    shutdown_drain_s: float = Field(5.0, ge=0, le=MAX_TIMEOUT_S)
+    shutdown_timeout_s: float = Field(30.0, ge=0, le=MAX_TIMEOUT_S)  # after the drain, grace for in-flight requests
+    log_level: Literal[LOG_LEVELS] = "info"  # the server's log level (uvicorn's levels)
 
     @field_validator("model_dir", "detector_dir")
     @classmethod
@@ -153,12 +173,19 @@ class Settings(BaseSettings):
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:
-        """"a, b,c" -> ["a", "b", "c"]; blanks dropped, duplicates kept once."""
+        """"a, b,c" -> ["a", "b", "c"]; blanks dropped, duplicates kept once. "" (or nothing but spaces) is no keys:
+        an open service; a value with separators but no key (" , ,") is refused, as it would open the service too."""
         if isinstance(value, str):
+            if not value.strip():
+                return []
             value = value.split(",")
         if isinstance(value, (list, tuple)):
             keys = [k.strip() if isinstance(k, str) else k for k in value]
-            return list(dict.fromkeys(k for k in keys if k != ""))
+            kept = list(dict.fromkeys(k for k in keys if k != ""))
+            if value and not kept:
+                raise ValueError("set but holds no key (only commas and blanks), which would leave the service open; "
+                                 "give at least one key, or unset it for a service without keys")
+            return kept
         return value
 
     @field_validator("api_keys")
@@ -168,6 +195,11 @@ class Settings(BaseSettings):
             if any(c.isspace() for c in key):
                 raise ValueError(f"API key #{i + 1} contains whitespace")
         return keys
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_level(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
 
     @field_validator("host")
     @classmethod
@@ -180,6 +212,21 @@ class Settings(BaseSettings):
 def load_settings(**overrides: Any) -> Settings:
     """Settings from the environment, keyword overrides winning; raises pydantic.ValidationError."""
     return Settings(**overrides)
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """One warning per VLSERVE_* variable in `environ` that is neither a setting nor one of OTHER_VARIABLES (a
+    misspelt setting is otherwise ignored without a word), naming the setting it most resembles."""
+    settings = [name.upper() for name in Settings.model_fields]
+    warnings = []
+    for variable in sorted(environ):
+        name = variable[len(ENV_PREFIX):] if variable.upper().startswith(ENV_PREFIX) else None
+        if name is None or name.upper() in settings or name.upper() in OTHER_VARIABLES:
+            continue
+        close = difflib.get_close_matches(name.upper(), settings, n=1, cutoff=0.75)
+        hint = f"; did you mean {ENV_PREFIX}{close[0]}?" if close else ""
+        warnings.append(f"{variable} is not a setting and is ignored{hint}")
+    return warnings
 
 
 def redact_url(text: str) -> str:

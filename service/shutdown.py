@@ -160,16 +160,19 @@ class DrainingServer(uvicorn.Server):
         # A signal handler: it only sets attributes (no locks, no logging); on_tick acts on them in the event loop.
         # Unlike uvicorn's own, it does not record the signal to raise it again once the server has stopped (the
         # process would die of it): after a clean shutdown `vlserve serve` exits 0.
-        if self.started and self.drain_s > 0 and self.drain_ends is None and not self.should_exit:
+        ready = getattr(self.state, "ready", False)  # still loading: no load balancer routes here, nothing to drain
+        if self.started and ready and self.drain_s > 0 and self.drain_ends is None and not self.should_exit:
             self.state.draining = True
             self.drain_ends = time.monotonic() + self.drain_s  # on_tick sets should_exit after it
         elif self.should_exit and sig == signal.SIGINT:
             self.force_exit = True  # Ctrl-C during the graceful shutdown: stop waiting for in-flight requests
         else:
-            self.should_exit = True  # before start-up finished, a second signal during the drain, or no drain
+            self.should_exit = True  # while loading, a second signal during the drain, or no drain
 
     async def on_tick(self, counter: int) -> bool:
         # uvicorn calls this every 0.1 s from its main loop, which ends once it returns True
+        if getattr(self.state, "startup_error", None) and not self.should_exit:
+            self.should_exit = True  # loading the models (in the background: app.lifespan) failed
         if self.drain_ends is not None and not self.should_exit:
             if not self.drain_announced:
                 self.drain_announced = True

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from models.images import ImageError
 
 from ..batcher import BatcherClosedError, QueueFullError
-from ..errors import InvalidInput, JSONAnswer, NoHeadError, queue_full, shown
+from ..errors import InvalidInput, JSONAnswer, NoHeadError, queue_full, retry_after_s, shown
 from ..feature_store import StoreUnavailableError
 from ..pipeline import Timer
 from ..regions import UnknownImageError
@@ -501,6 +501,6 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
         detail, headers = queue_full(exc)
         return error_response(429, detail, headers)
     except StoreUnavailableError as exc:
-        return error_response(503, str(exc), {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))})
+        return error_response(503, str(exc), {"Retry-After": str(retry_after_s(exc.retry_after_s))})
     except BatcherClosedError:
         return error_response(503, "the service is shutting down; retry on another replica", {"Retry-After": "1"})

@@ -35,30 +35,52 @@ def test_half_a_model_set_exits_2_with_the_demo_message(clean_env, tiny_checkpoi
     assert result.exit_code == 2 and DEMO_MISSING in result.output
 
 
-def test_no_model_given_uses_the_cached_demo_set(clean_env, monkeypatch, tmp_path, tiny_checkpoint, tiny_detector):
-    """With neither directory set, serve resolves the demo model set in the cache (built there on first use)."""
+def cached_set(root, name: str, checkpoint, detector) -> None:
+    """A built model set `name` in the cache at `root`, as training.zoo.is_built reads one: the detector, the encoder
+    trained on its regions with its metrics, and the model card."""
     import shutil
 
+    from training.zoo import CARD, is_built
+
+    out = root / "zoo" / name
+    shutil.copytree(checkpoint, out / "encoder")
+    shutil.copytree(detector, out / "detector")
+    (out / "encoder" / "metrics.json").write_text("{}")
+    (out / CARD).write_text(f"# {name}\n")
+    assert is_built(out)
+
+
+@pytest.fixture
+def no_build(monkeypatch):
+    """A test that builds a model set (minutes) fails instead."""
+    import training.zoo
+
+    def build_zoo(*args, **kwargs):
+        raise AssertionError("the test started building a model set")
+
+    monkeypatch.setattr(training.zoo, "build_zoo", build_zoo)
+
+
+def test_no_model_given_uses_the_cached_demo_set(clean_env, monkeypatch, tmp_path, tiny_checkpoint, tiny_detector,
+                                                 no_build):
+    """With neither directory set, serve resolves the demo model set in the cache (built there on first use)."""
     from vlserve.commands.serve import zoo_model_dirs
 
     monkeypatch.setenv("VLSERVE_CACHE", str(tmp_path))
     demo = tmp_path / "zoo" / "demo"
-    shutil.copytree(tiny_checkpoint, demo / "encoder")
-    shutil.copytree(tiny_detector.dir, demo / "detector")
+    cached_set(tmp_path, "demo", tiny_checkpoint, tiny_detector.dir)
     assert zoo_model_dirs() == {"model_dir": demo / "encoder", "detector_dir": demo / "detector"}
 
 
-def test_profile_serves_that_model_set_of_the_cache(clean_env, monkeypatch, tmp_path, tiny_checkpoint, tiny_detector):
+def test_profile_serves_that_model_set_of_the_cache(clean_env, monkeypatch, tmp_path, tiny_checkpoint, tiny_detector,
+                                                    no_build):
     """--profile / VLSERVE_PROFILE picks the zoo's model set; an unknown one, or one beside explicit directories,
     exits 2 with one message before anything is built or loaded."""
-    import shutil
-
     import vlserve.commands.serve as serve_command
 
     monkeypatch.setenv("VLSERVE_CACHE", str(tmp_path))
     full = tmp_path / "zoo" / "full"
-    shutil.copytree(tiny_checkpoint, full / "encoder")
-    shutil.copytree(tiny_detector.dir, full / "detector")
+    cached_set(tmp_path, "full", tiny_checkpoint, tiny_detector.dir)
     started = []
     monkeypatch.setattr(serve_command, "run_server", lambda settings, log_level="info": started.append(settings) or 0)
     assert serve("--profile", "full").exit_code == 0
@@ -165,3 +187,69 @@ def test_sigterm_finishes_the_request_in_flight(clean_env, tiny_checkpoint, tiny
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_cache_root_that_cannot_hold_the_demo_set_exits_2_before_building(clean_env, monkeypatch, tmp_path):
+    """No model given and VLSERVE_CACHE a file (or under one): one line naming it and exit 2, nothing built."""
+    import training.zoo
+
+    built = []
+
+    def build_zoo(*args, **kwargs):
+        built.append(args)
+        raise NotADirectoryError(20, "Not a directory")  # what building under a file ends in
+
+    monkeypatch.setattr(training.zoo, "build_zoo", build_zoo)
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    for root in (afile, afile / "below"):
+        monkeypatch.setenv("VLSERVE_CACHE", str(root))
+        result = serve("--port", "0")
+        assert result.exit_code == 2, result.output
+        assert f"VLSERVE_CACHE={root}: not a writable directory" in result.output and "Traceback" not in result.output
+        assert len(result.output.strip().splitlines()) == 1
+    assert built == []
+
+
+def test_log_level_is_validated_and_read_from_the_environment_as_every_option(clean_env, monkeypatch,
+                                                                             tiny_checkpoint, tiny_detector):
+    import vlserve.commands.serve as serve_command
+
+    started = []
+    monkeypatch.setattr(serve_command, "run_server", lambda settings, log_level=None: started.append(settings) or 0)
+    models = ("--model-dir", tiny_checkpoint, "--detector-dir", tiny_detector.dir)
+    bogus = serve(*models, "--log-level", "bogus")
+    assert bogus.exit_code == 2 and "Traceback" not in bogus.output
+    assert "VLSERVE_LOG_LEVEL" in bogus.output and "'critical', 'error', 'warning', 'info', 'debug' or 'trace'" in bogus.output
+    monkeypatch.setenv("VLSERVE_LOG_LEVEL", "bogus")
+    assert serve(*models).exit_code == 2 and not started
+    monkeypatch.setenv("VLSERVE_LOG_LEVEL", "warning")
+    assert serve(*models).exit_code == 0
+    assert serve(*models, "--log-level", "debug").exit_code == 0
+    assert [s.log_level for s in started] == ["warning", "debug"]
+
+
+def test_unknown_vlserve_variables_are_warned_about_at_start_up(clean_env, monkeypatch, tiny_checkpoint, tiny_detector):
+    import vlserve.commands.serve as serve_command
+
+    monkeypatch.setattr(serve_command, "run_server", lambda settings, log_level=None: 0)
+    monkeypatch.setenv("VLSERVE_MAX_BACH_SIZE", "1")
+    monkeypatch.setenv("VLSERVE_PACK_CPU_WEIGHTS", "0")  # read by the model code: no warning
+    monkeypatch.setenv("VLSERVE_MAX_QUEUE", "4")
+    result = serve("--model-dir", tiny_checkpoint, "--detector-dir", tiny_detector.dir)
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.output.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: VLSERVE_MAX_BACH_SIZE is not a setting and is ignored; did you mean "
+                        "VLSERVE_MAX_BATCH_SIZE?"]
+
+
+def test_api_keys_of_separators_only_exit_2_rather_than_serve_an_open_service(clean_env, monkeypatch, tiny_checkpoint,
+                                                                            tiny_detector):
+    import vlserve.commands.serve as serve_command
+
+    started = []
+    monkeypatch.setattr(serve_command, "run_server", lambda settings, log_level=None: started.append(settings) or 0)
+    monkeypatch.setenv("VLSERVE_API_KEYS", " , ,")
+    result = serve("--model-dir", tiny_checkpoint, "--detector-dir", tiny_detector.dir)
+    assert result.exit_code == 2 and "VLSERVE_API_KEYS" in result.output and "holds no key" in result.output
+    assert not started and "Traceback" not in result.output

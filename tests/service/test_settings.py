@@ -96,3 +96,87 @@ def test_several_errors_in_one_message_and_unknown_overrides():
 
 def test_device_is_normalized():
     assert load_settings(device=" CUDA:1 ").device == "cuda:1"
+
+
+FLOAT_SETTINGS = [name for name, field in Settings.model_fields.items() if field.annotation is float]
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e300"])
+@pytest.mark.parametrize("field", FLOAT_SETTINGS)
+def test_every_float_setting_is_finite_and_bounded(monkeypatch, field, value):
+    """An infinite max_wait_ms once turned every 429 into a 500 (math.ceil(inf) in Retry-After), and 1e300 into a
+    300-digit Retry-After: no float setting takes inf, nan or an absurd value."""
+    monkeypatch.setenv(f"VLSERVE_{field.upper()}", value)
+    with pytest.raises(ValidationError) as err:
+        load_settings()
+    message = settings_error_message(err.value)
+    assert f"VLSERVE_{field.upper()}" in message and "\n" not in message
+
+
+def test_the_time_settings_are_the_float_ones_and_their_defaults_are_within_bounds():
+    assert {"max_wait_ms", "max_queue_wait_ms", "detector_max_wait_ms", "detector_max_queue_wait_s",
+            "body_timeout_s", "shutdown_drain_s", "shutdown_timeout_s"} <= set(FLOAT_SETTINGS)
+    load_settings(**{name: Settings.model_fields[name].default for name in FLOAT_SETTINGS})
+    assert load_settings(max_wait_ms=10_000, detector_max_queue_wait_s=600).max_wait_ms == 10_000
+
+
+def test_retry_after_is_a_bounded_whole_number_of_seconds_whatever_the_estimate():
+    import math
+
+    from service.batcher import QueueFullError
+    from service.errors import RETRY_AFTER_MAX_S, queue_full, retry_after_s
+
+    assert [retry_after_s(s) for s in (0.0, 0.2, 2.5, 599.5)] == [1, 1, 3, 600]
+    assert retry_after_s(math.inf) == retry_after_s(1e300) == RETRY_AFTER_MAX_S and retry_after_s(math.nan) == 1
+    detail, headers = queue_full(QueueFullError("vqa", "queue full", math.inf))
+    assert headers == {"Retry-After": str(RETRY_AFTER_MAX_S)} and f"retry in {RETRY_AFTER_MAX_S} s" in detail
+
+
+@pytest.mark.parametrize("raw", [" , ,", ",", " ,, "])
+def test_api_keys_set_to_separators_only_are_refused_not_an_open_service(monkeypatch, raw):
+    monkeypatch.setenv("VLSERVE_API_KEYS", raw)
+    with pytest.raises(ValidationError) as err:
+        load_settings()
+    message = settings_error_message(err.value)
+    assert "VLSERVE_API_KEYS" in message and "holds no key" in message
+    with pytest.raises(ValidationError):
+        load_settings(api_keys=["", " "])
+
+
+def test_log_level_is_a_setting_with_uvicorns_levels(monkeypatch):
+    assert load_settings().log_level == "info"
+    monkeypatch.setenv("VLSERVE_LOG_LEVEL", "WARNING")
+    assert load_settings().log_level == "warning"
+    with pytest.raises(ValidationError) as err:
+        load_settings(log_level="bogus")
+    message = settings_error_message(err.value)
+    assert "VLSERVE_LOG_LEVEL" in message and all(level in message for level in ("'debug'", "'warning'", "'trace'"))
+
+
+def test_unknown_vlserve_variables_are_named_with_the_setting_they_resemble():
+    from service.settings import unknown_variables
+
+    environ = {"VLSERVE_MAX_BACH_SIZE": "1", "VLSERVE_PORT": "80", "VLSERVE_CACHE": "/c", "VLSERVE_PROFILE": "demo",
+               "VLSERVE_PACK_CPU_WEIGHTS": "0", "VLSERVE_FROBNICATE": "1", "PATH": "/bin", "MAX_QUEUE": "1"}
+    assert unknown_variables(environ) == [
+        "VLSERVE_FROBNICATE is not a setting and is ignored",
+        "VLSERVE_MAX_BACH_SIZE is not a setting and is ignored; did you mean VLSERVE_MAX_BATCH_SIZE?"]
+
+
+def test_every_vlserve_variable_the_project_reads_is_a_setting_or_a_known_other_one():
+    """The known non-setting variables (OTHER_VARIABLES) are those the project's code, scripts and docs name (the
+    tests' own misspelt ones aside): none of them is warned about, and a new one shows up here."""
+    import re
+    from pathlib import Path
+
+    from service.settings import OTHER_VARIABLES
+
+    root = Path(__file__).resolve().parents[2]
+    names = set()
+    for path in root.rglob("*"):
+        if {".git", "tests"} & set(path.relative_to(root).parts) or not path.is_file() or path.stat().st_size > 1 << 20:
+            continue
+        if path.suffix in (".py", ".sh", ".md", ".yaml", ".yml", ".toml", ".cfg") or path.name in ("Dockerfile", "Makefile"):
+            names |= set(re.findall(r"\bVLSERVE_([A-Z0-9_]*[A-Z0-9])\b", path.read_text(errors="replace")))
+    assert {"CACHE", "PROFILE", "PACK_CPU_WEIGHTS", "MAX_WAIT_MS"} <= names
+    assert {n for n in names if n.lower() not in Settings.model_fields} <= OTHER_VARIABLES

@@ -1,6 +1,8 @@
 """`vlserve serve`: run the HTTP service with uvicorn; every option overrides one VLSERVE_* setting."""
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -108,24 +110,27 @@ def serve(
                                                    "served, before the listener closes, s " + _default("shutdown_drain_s"), "Server")] = None,
     shutdown_timeout_s: Annotated[float | None, _opt("after the drain, how long in-flight requests may finish, s " + _default("shutdown_timeout_s"),
                                                      "Server")] = None,
-    log_level: Annotated[str, typer.Option(help="uvicorn log level", rich_help_panel="Server")] = "info",
+    log_level: Annotated[str | None, _opt("log level: critical, error, warning, info, debug or trace "
+                                          + _default("log_level"), "Server")] = None,
 ) -> None:
     """Run the HTTP service: POST /vqa /refer /retrieve /nlvr2 /images, GET /healthz /readyz /metrics, docs at /docs.
 
     Every option overrides the environment variable VLSERVE_<OPTION> (--max-wait-ms is VLSERVE_MAX_WAIT_MS).
 
-    Exit code 2 when the settings or the models are not usable (one message says why).
+    Exit code 2 when the settings or the models are not usable (one message says why). The port answers while the
+    models load (/healthz 200, /readyz 503); a model set of the zoo that must be built first is built before that.
 
     SIGTERM or Ctrl-C: /readyz answers 503 while requests are still served, each answer closing its connection
     (--shutdown-drain-s; a second signal ends it), then stop accepting connections, let in-flight requests finish
     (--shutdown-timeout-s), drain the batchers, close Redis.
     """
-    overrides = {name: value for name, value in locals().items()
-                 if value is not None and name not in ("log_level", "profile")}
+    overrides = {name: value for name, value in locals().items() if value is not None and name != "profile"}
     from pydantic import ValidationError
 
-    from service.settings import load_settings, settings_error_message
+    from service.settings import load_settings, settings_error_message, unknown_variables
 
+    for warning in unknown_variables(os.environ):
+        typer.echo(f"warning: {warning}", err=True)
     try:
         settings = load_settings(**overrides)
         if settings.model_dir is None and settings.detector_dir is None:
@@ -137,7 +142,7 @@ def serve(
     except ValidationError as exc:
         typer.echo(f"error: {settings_error_message(exc)}", err=True)
         raise typer.Exit(2) from None
-    raise typer.Exit(run_server(settings, log_level))
+    raise typer.Exit(run_server(settings))
 
 
 def zoo_model_dirs(profile: str = "demo") -> dict[str, Path]:
@@ -145,41 +150,54 @@ def zoo_model_dirs(profile: str = "demo") -> dict[str, Path]:
     (the demo 9.3 min on 2 cores with native bf16, the pretrained set 13.7, the full set 27.6: docs/RESULTS.md)."""
     from training.zoo import PROFILES, build_zoo, is_built, zoo_dir
 
+    from .checks import check_cache_root
+
     if profile not in PROFILES:
         typer.echo(f"error: unknown profile {profile!r} (--profile, VLSERVE_PROFILE); choose one of {', '.join(PROFILES)}", err=True)
         raise typer.Exit(2)
     path = zoo_dir(profile)
-    if not is_built(path):
+    try:
+        built = is_built(path)
+    except OSError:  # a cache root that cannot be entered: check_cache_root says so
+        built = False
+    if not built:  # a built set is served from a read-only cache too; building one needs a writable cache
+        check_cache_root()
         typer.echo(f"no model given: building the {profile} model set into {path} (first run only; "
                    f"`vlserve zoo build --profile {profile}` does the same)", err=True)
         build_zoo(profile)
     return {"model_dir": path / "encoder", "detector_dir": path / "detector"}
 
 
-def run_server(settings, log_level: str = "info") -> int:
-    """Serve until SIGTERM / Ctrl-C; 0 after a clean shutdown, 2 when start-up failed (message on stderr)."""
+def run_server(settings, log_level: str | None = None) -> int:
+    """Serve until SIGTERM / Ctrl-C (the port answers at once, the models load behind it); 0 after a clean
+    shutdown, 2 when start-up or loading failed (message on stderr). log_level: settings.log_level's override."""
     import uvicorn
 
     from service.app import StartupError, create_app
     from service.shutdown import DrainingServer
 
     try:
-        app = create_app(settings)
+        app = create_app(settings, load_in_background=True)
     except StartupError as exc:
         typer.echo(f"error: {exc}", err=True)
         return 2
     server = DrainingServer(uvicorn.Config(
-        quiet_startup_failure(app), host=settings.host, port=settings.port, lifespan="on", log_level=log_level,
-        timeout_graceful_shutdown=settings.shutdown_timeout_s, proxy_headers=False, server_header=False),
-        app.state, settings.shutdown_drain_s)
+        quiet_startup_failure(app), host=settings.host, port=settings.port, lifespan="on",
+        log_level=log_level or settings.log_level, timeout_graceful_shutdown=settings.shutdown_timeout_s,
+        proxy_headers=False, server_header=False), app.state, settings.shutdown_drain_s)
     try:
         server.run()
     except SystemExit:  # uvicorn exits 3 when start-up or binding the port fails
         pass
-    if not server.started:
+    code = 0
+    if app.state.startup_error or not server.started:  # loading failed after the port opened, or binding it
         typer.echo(f"error: {app.state.startup_error or 'the service did not start (see the log above)'}", err=True)
-        return 2
-    return 0
+        code = 2
+    if getattr(app.state, "inference_abandoned", False):  # stopped while the models were loading (DrainingServer.run)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # the interpreter would wait for the loading thread at exit
+    return code
 
 
 def quiet_startup_failure(app):
