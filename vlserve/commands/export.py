@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from vlserve.commands.termination import Terminated, end_terminated, sigterm_unwinds
+from vlserve.commands.termination import unwinding
 
 
 def export(
@@ -45,8 +45,8 @@ def export(
     from export.repository import ExportError, ParityError, export_repository
 
     try:
-        with sigterm_unwinds():
-            repo = export_repository(
+        repo = unwinding(  # SIGTERM, as Ctrl-C, removes the temporary repository on the way out
+                export_repository,
                 model_dir, out, fmt=fmt, optimize=optimize, quantize=quantize, fp16=fp16, opset=opset, exporter=exporter,
                 examples=examples, threads=threads, max_abs_diff=max_abs_diff, min_agreement=min_agreement,
                 int8_min_agreement=int8_min_agreement, fp16_max_abs_diff=fp16_max_abs_diff,
@@ -58,8 +58,6 @@ def export(
     except (CheckpointError, OSError, ValueError) as exc:  # OSError: --out or the disk, not the graphs' parity
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    except Terminated:  # the temporary repository is gone
-        end_terminated()
     summary = {task: {k: v for k, v in p.items() if isinstance(v, dict) and "max_abs_diff" in v}
                for task, p in repo.parity["graphs"].items()}
     typer.echo(json.dumps({"out": str(out), "graphs": list(repo.graphs), "precision": repo.manifest["precision"],

@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from vlserve.commands.checks import fail
-from vlserve.commands.termination import Terminated, end_terminated, sigterm_unwinds
+from vlserve.commands.termination import unwinding
 
 app = typer.Typer(
     help="Convert public checkpoints (transformers' VisualBERT and LXMERT, the original LXMERT code's, ViLBERT and "
@@ -58,20 +58,21 @@ def _convert(convert: Callable[[Path, Path], Path], src: Path, out: Path, force:
     except OSError as exc:  # a read-only file system, no permission
         fail(f"{out}: cannot write there ({exc.strerror})")
     staged = staging / "new"
+
+    def stage() -> None:
+        try:
+            convert(src, staged)
+            apply_umask(staged)  # the umask's modes (safetensors writes 0600) before the files appear in OUT
+            _move_into(staging, out, force)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
     try:
-        with sigterm_unwinds():  # SIGTERM unwinds through the finally below, as Ctrl-C does
-            try:
-                convert(src, staged)
-                apply_umask(staged)  # the umask's modes (safetensors writes 0600) before the files appear in OUT
-                _move_into(staging, out, force)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
+        unwinding(stage)  # SIGTERM unwinds through stage's finally, as Ctrl-C does
     except (CheckpointError, OSError) as exc:
         fail(str(exc).replace(str(staged), str(out)))  # name a file as it would have been in OUT
     except SafetensorError as exc:  # safetensors' writer reports a failed write (a full disk) this way
         fail(f"{out}: writing the weights failed ({exc})")
-    except Terminated:  # the staging directory is gone
-        end_terminated()
     return out
 
 

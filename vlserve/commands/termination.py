@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import NoReturn
+from typing import Any, TypeVar
 
 import typer
+
+T = TypeVar("T")
 
 
 class Terminated(BaseException):
@@ -35,8 +37,13 @@ def sigterm_unwinds() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def end_terminated() -> NoReturn:
-    """After the clean-up: one line, then end by SIGTERM itself (143), or exit 143 where a caller's handler ran."""
-    typer.echo("error: terminated (SIGTERM)", err=True)
-    signal.raise_signal(signal.SIGTERM)
-    raise typer.Exit(128 + signal.SIGTERM)
+def unwinding(run: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """run(*args, **kwargs) with SIGTERM unwinding through it as Ctrl-C does (its `finally` blocks remove what it
+    staged); then one line, and the command ends by SIGTERM itself (143), or exits 143 where a caller's handler ran."""
+    try:
+        with sigterm_unwinds():
+            return run(*args, **kwargs)
+    except Terminated:
+        typer.echo("error: terminated (SIGTERM)", err=True)
+        signal.raise_signal(signal.SIGTERM)
+        raise typer.Exit(128 + signal.SIGTERM) from None

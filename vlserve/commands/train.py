@@ -10,7 +10,7 @@ import typer
 from training.run_config import (FinetuneConfig, PretrainConfig, RunConfig, config_command, embedding_override,
                                  field_choices, finite_within)
 from vlserve.commands.checks import check_cache_root, check_out, fail
-from vlserve.commands.termination import Terminated, end_terminated, sigterm_unwinds
+from vlserve.commands.termination import unwinding
 
 # the detector's sane bounds: region features up to 8x the 1024/2048-d of the published bottom-up-attention models,
 # boxes up to 10x their 100 (beyond, the first allocation fails with a traceback, not a usage error)
@@ -18,17 +18,6 @@ MAX_FEATURE_DIM = 16_384
 MAX_BOXES = 1_000
 
 app = typer.Typer(help="Train the detector and the encoders.", no_args_is_help=True)
-
-
-def unwinding(run, *args):
-    """run(*args), SIGTERM unwinding through it as Ctrl-C does: the checkpoint being saved (models.checkpoint's
-    staging directory) is removed on the way out, a finished model it would replace stays, and the resumable state
-    stays for the next run."""
-    try:
-        with sigterm_unwinds():
-            return run(*args)
-    except Terminated:
-        end_terminated()
 
 
 @app.command("detector")
