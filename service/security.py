@@ -151,11 +151,14 @@ class BodyLimitMiddleware:
                 given["route"] = scope["route"]
 
 
+WATCH_AFTER_S = 0.02  # a request answered sooner is not watched: its work is done before a disconnect could stop it
+
+
 async def serve_while_connected(app: ASGIApp, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
-    """Run the app on the request whose whole `body` has been read from `receive`, which this watches from now on:
-    when the client goes away before the answer is complete, the app is cancelled where it waits (its task: uvicorn
-    runs each request in one) and the request ends without an answer, counted as metrics.CLIENT_CLOSED. The app's
-    receive replays the body, then tells it of the disconnect."""
+    """Run the app on the request whose whole `body` has been read from `receive`, which this watches from
+    WATCH_AFTER_S on: when the client goes away before the answer is complete, the app is cancelled where it waits
+    (its task: uvicorn runs each request in one) and the request ends without an answer, counted as
+    metrics.CLIENT_CLOSED. The app's receive replays the body, then tells it of the disconnect."""
     task = asyncio.current_task()
     replay: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
     gone = asyncio.Event()  # the client went away, or the answer is complete (what receive tells after it)
@@ -182,7 +185,10 @@ async def serve_while_connected(app: ASGIApp, scope: Scope, body: bytes, receive
             cancelled = True
             task.cancel()
 
-    watcher = asyncio.create_task(watch(), name="vlserve-client-watch")
+    # watched from WATCH_AFTER_S on: most answers come before, and a task for each of them cost throughput
+    watching: list[asyncio.Task] = []
+    start = asyncio.get_running_loop().call_later(
+        WATCH_AFTER_S, lambda: watching.append(asyncio.create_task(watch(), name="vlserve-client-watch")))
     try:
         await app(scope, replayed, sending)
     except asyncio.CancelledError:
@@ -193,4 +199,6 @@ async def serve_while_connected(app: ASGIApp, scope: Scope, body: bytes, receive
         if cancelled:  # the app caught the cancellation itself (a client gone as it answered)
             task.uncancel()
     finally:
-        watcher.cancel()
+        start.cancel()
+        for watcher in watching:
+            watcher.cancel()
