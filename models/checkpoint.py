@@ -291,7 +291,7 @@ def load_checkpoint(
         raise CheckpointError(str(exc)) from None
     model = VLModel(config)
     try:
-        state = load_file(str(path / WEIGHTS), device="cpu")
+        state = load_weights(path / WEIGHTS)
     except OSError as exc:
         raise unreadable(exc, path, path / WEIGHTS) from None
     except SafetensorError as exc:
@@ -299,6 +299,21 @@ def load_checkpoint(
     load_state_strict(model, state, path / WEIGHTS)
     model.to(device).eval()
     return Checkpoint(model=model, tokenizer=tokenizer, labels=labels, manifest=manifest, path=path)
+
+
+def load_weights(path: Path | str) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors on the CPU, whatever its name: safetensors takes UTF-8 paths only, so a file
+    whose name is not UTF-8 (undecodable bytes of the file system) is opened here and read through its descriptor."""
+    name = os.fsdecode(path)
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return load_file(f"/proc/self/fd/{fd}", device="cpu")
+        finally:
+            os.close(fd)
+    return load_file(name, device="cpu")
 
 
 def load_state_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path | str) -> None:

@@ -91,9 +91,9 @@ class ProblemError(Exception):
 class InvalidInput(ValueError):
     """A request value breaks a limit that depends on settings (text length, top_k, candidates): a 422."""
 
-    def __init__(self, loc: tuple[str | int, ...], msg: str):
+    def __init__(self, loc: tuple[str | int, ...], msg: str, limit: int | None = None):
         super().__init__(f"{'.'.join(map(str, loc))}: {msg}")
-        self.loc, self.msg = loc, msg
+        self.loc, self.msg, self.limit = loc, msg, limit  # limit: the setting's value, given to clients in ctx
 
 
 class NoHeadError(LookupError):
@@ -116,7 +116,8 @@ def request_id(request_or_scope) -> str:
 
 
 def problem_body(status: int, detail: str, instance: str, rid: str, kind: str | None = None,
-                 title: str | None = None, errors: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                 title: str | None = None, errors: list[dict[str, Any]] | None = None,
+                 extensions: dict[str, Any] | None = None) -> dict[str, Any]:
     body = {
         "type": f"/problems/{kind or _TYPES.get(status, 'error')}",
         "title": title or HTTPStatus(status).phrase,
@@ -127,7 +128,7 @@ def problem_body(status: int, detail: str, instance: str, rid: str, kind: str | 
     }
     if errors is not None:
         body["errors"] = errors
-    return body
+    return {**body, **(extensions or {})}  # RFC 9457's extension members, as unknown-image's image_ids
 
 
 async def send_problem(scope: Scope, send: Send, status: int, detail: str, kind: str | None = None,
@@ -146,11 +147,12 @@ async def send_problem(scope: Scope, send: Send, status: int, detail: str, kind:
 
 
 def problem_response(request: Request, status: int, detail: str, kind: str | None = None, title: str | None = None,
-                     headers: dict[str, str] | None = None, errors: list[dict[str, Any]] | None = None) -> JSONResponse:
+                     headers: dict[str, str] | None = None, errors: list[dict[str, Any]] | None = None,
+                     extensions: dict[str, Any] | None = None) -> JSONResponse:
     rid = request_id(request)
     if is_v2(request.url.path):  # e.g. 405 on a v2 route: the Open Inference Protocol's error body
         return JSONAnswer({"error": detail}, status_code=status, headers={**(headers or {}), "X-Request-ID": rid})
-    body = problem_body(status, detail, shown(request.url.path, 256), rid, kind, title, errors)
+    body = problem_body(status, detail, shown(request.url.path, 256), rid, kind, title, errors, extensions)
     return JSONAnswer(body, status_code=status, media_type=PROBLEM_JSON, headers={**(headers or {}), "X-Request-ID": rid})
 
 
@@ -210,7 +212,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(InvalidInput)
     async def _invalid(request: Request, exc: InvalidInput):
         where = [] if exc.loc[:1] == ("query",) else ["body"]  # a query parameter's loc names itself
-        errors = [{"loc": [*where, *exc.loc], "msg": exc.msg, "type": "limit"}]
+        errors = [{"loc": [*where, *exc.loc], "msg": exc.msg, "type": "limit",
+                   **({"ctx": {"limit": exc.limit}} if exc.limit is not None else {})}]
         return problem_response(request, 422, str(exc), "validation-error", "Invalid request", errors=errors)
 
     @app.exception_handler(ImageError)
@@ -220,7 +223,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(UnknownImageError)
     async def _unknown_image(request: Request, exc: UnknownImageError):
-        return problem_response(request, 404, str(exc), "unknown-image", "Unknown image")
+        return problem_response(request, 404, str(exc), "unknown-image", "Unknown image",
+                                extensions={"image_ids": exc.image_ids})
 
     @app.exception_handler(StoreUnavailableError)
     async def _store_unavailable(request: Request, exc: StoreUnavailableError):

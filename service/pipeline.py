@@ -271,18 +271,21 @@ class Pipeline:
 
     def check_top_k(self, top_k: int) -> None:
         if not 1 <= top_k <= self.limits.max_top_k:
-            raise InvalidInput(("top_k",), f"must be between 1 and {self.limits.max_top_k}, got {top_k}")
+            raise InvalidInput(("top_k",), f"must be between 1 and {self.limits.max_top_k}, got {top_k}",
+                               self.limits.max_top_k)
 
     def check_candidates(self, loc: str, count: int) -> None:
         if count > self.limits.max_candidates:
-            raise InvalidInput((loc,), f"at most {self.limits.max_candidates} candidates per request, got {count}")
+            raise InvalidInput((loc,), f"at most {self.limits.max_candidates} candidates per request, got {count}",
+                               self.limits.max_candidates)
 
     def text(self, text: str, loc: tuple[str | int, ...], answer_slot: bool | str = False) -> Item:
         """Token arrays of one text row, refusing empty, too long (characters) or too many word pieces."""
         if not text.strip():
             raise InvalidInput(loc, "must not be empty or only whitespace")
         if len(text) > self.limits.max_text_chars:
-            raise InvalidInput(loc, f"is {len(text)} characters long; the limit is {self.limits.max_text_chars}")
+            raise InvalidInput(loc, f"is {len(text)} characters long; the limit is {self.limits.max_text_chars}",
+                               self.limits.max_text_chars)
         specials = self.tokenizer.special_count(answer_slot)  # [CLS] text ([MASK]) [SEP], or VL-BERT's [SEP] [MASK] [SEP]
         # one tokenization: a text over the limit comes back cut to limit + 1, which is enough to refuse it
         encoded = self.tokenizer.encode([text], answer_slot=answer_slot, max_length=self.limits.max_text_tokens + 1)
@@ -295,7 +298,8 @@ class Pipeline:
             raise InvalidInput(loc, "has no words in the model's vocabulary (every word piece is [UNK])")
         if length > self.limits.max_text_tokens:
             length = len(self.tokenizer.token_ids(text)) + specials  # the real length, for the message
-            raise InvalidInput(loc, f"is {length} word pieces long; the limit is {self.limits.max_text_tokens}")
+            raise InvalidInput(loc, f"is {length} word pieces long; the limit is {self.limits.max_text_tokens}",
+                               self.limits.max_text_tokens)
         return {name: value[0] for name, value in encoded.items()}
 
     async def image(self, data: bytes | None, image_id: str | None, timer: Timer,

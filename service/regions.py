@@ -126,16 +126,20 @@ class UnknownImageError(KeyError):
     """An image_id the feature store does not hold (never registered, evicted or expired); a store that cannot be
     asked raises feature_store.StoreUnavailableError instead."""
 
-    def __init__(self, image_id: str) -> None:
+    def __init__(self, image_id: str, more: Sequence[str] = ()) -> None:
         super().__init__(image_id)
         self.image_id = image_id
+        # every well-formed id of the request the store does not hold, in order: what a client registers again
+        self.image_ids = [i for i in dict.fromkeys((image_id, *more)) if is_image_id(i)]
 
     def __str__(self) -> str:
         shown = self.image_id if len(self.image_id) <= 80 else self.image_id[:80] + "..."
         if not is_image_id(self.image_id):
             return f"image_id {shown!r} is not a sha256 hex digest (64 lowercase hex characters)"
-        return (f"unknown image_id {shown}: no regions are cached for it (never registered, evicted or expired); "
-                "send the image itself or register it again with POST /images")
+        others = len(self.image_ids) - 1
+        also = f" (and {others} more of the request's image_ids, listed in image_ids)" if others else ""
+        return (f"unknown image_id {shown}{also}: no regions are cached for it (never registered, evicted or "
+                "expired); send the image itself or register it again with POST /images")
 
 
 def image_id_of(data: bytes) -> str:
@@ -251,17 +255,27 @@ class RegionService:
 
     async def from_ids(self, image_ids: Sequence[str]) -> list[RegionFeatures]:
         """Regions of images registered earlier, in order, looked up in one batch (store.get_many: one round trip
-        to Redis for them all); UnknownImageError for the first unknown id in order, StoreUnavailableError if the
-        store cannot be asked now."""
+        to Redis for them all); UnknownImageError naming every unknown id (a malformed one alone), StoreUnavailableError
+        if the store cannot be asked now."""
         registering = {i for i, work in self._inflight.items() if not work.abandoned}
         asked = [i for i in dict.fromkeys(image_ids) if is_image_id(i) and i not in registering]
         found = dict(zip(asked, await self.store.get_many(asked, strict=True)))
-        regions = []
+        regions, unknown = [], []
         for image_id in image_ids:
-            rf = found[image_id] if image_id in found else await self.from_id(image_id)  # malformed, or registering now
-            if rf is None:
+            if image_id in found:
+                rf = found[image_id]
+            elif not is_image_id(image_id):  # refused as malformed before any unknown one is listed
                 raise UnknownImageError(image_id)
+            else:  # being registered right now
+                try:
+                    rf = await self.from_id(image_id)
+                except UnknownImageError:
+                    rf = None
+            if rf is None:
+                unknown.append(image_id)
             regions.append(rf)
+        if unknown:
+            raise UnknownImageError(unknown[0], unknown[1:])
         return regions
 
     def stats(self) -> dict[str, int | float]:

@@ -345,4 +345,9 @@ class Problem(BaseModel):
     detail: str = Field(examples=["no image with id 3f3f... is known; POST /images first or send the image"])
     instance: str = Field(examples=["/vqa"])
     request_id: str | None = None
-    errors: list[dict[str, Any]] | None = Field(None, description="422: one entry per invalid field (loc, msg, type)")
+    errors: list[dict[str, Any]] | None = Field(None, description=(
+        "422: one entry per invalid field (loc, msg, type); an entry of type `limit` (a count or length over a "
+        "setting: max_top_k, max_candidates, max_text_chars, max_text_tokens) gives the setting's value in ctx.limit"))
+    image_ids: list[str] | None = Field(None, description=(
+        "404 unknown-image: every well-formed image_id of the request that the feature store does not hold, in "
+        "request order (what to register again)"))

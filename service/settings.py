@@ -126,6 +126,13 @@ class Settings(BaseSettings):
     shutdown_timeout_s: float = Field(30.0, ge=0, le=MAX_TIMEOUT_S)  # after the drain, grace for in-flight requests
     log_level: Literal[LOG_LEVELS] = "info"  # the server's log level (uvicorn's levels)
 
+    @field_validator("model_dir", "detector_dir", "engine_cache_dir", mode="before")
+    @classmethod
+    def _not_empty(cls, value: Any) -> Any:
+        if isinstance(value, str) and not value.strip():  # Path("") is ".": the working directory, never meant
+            raise ValueError("is empty; give a directory, or unset it for the default")
+        return value
+
     @field_validator("model_dir", "detector_dir")
     @classmethod
     def _existing_dir(cls, value: Path | None) -> Path | None:

@@ -6,9 +6,8 @@ import json
 from pathlib import Path
 
 from safetensors import SafetensorError
-from safetensors.torch import load_file
 
-from ..checkpoint import (CONFIG, LABELS, WEIGHTS, CheckpointError, load_state_strict, save_weights, unreadable,
+from ..checkpoint import (CONFIG, LABELS, WEIGHTS, CheckpointError, load_state_strict, load_weights, save_weights, unreadable,
                           verify_manifest, write_manifest)
 from .config import DetectorConfig
 from .model import RegionDetector
@@ -49,7 +48,7 @@ def load_detector(path: str | Path, device: str = "cpu") -> tuple[RegionDetector
         raise CheckpointError(f"{path / CONFIG}: {exc}") from None
     detector = RegionDetector(cfg, pretrained_backbone=False)
     try:
-        state = load_file(str(path / WEIGHTS))
+        state = load_weights(path / WEIGHTS)
     except OSError as exc:
         raise unreadable(exc, path, path / WEIGHTS) from None
     except SafetensorError as exc:

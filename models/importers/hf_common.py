@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load, load_file
 
-from ..checkpoint import CheckpointError, load_state_strict, save_checkpoint
+from ..checkpoint import CheckpointError, load_state_strict, load_weights, save_checkpoint
 from ..config import EncoderConfig, HeadConfig, ModelConfig
 from ..registry import encoder_config
 from ..tokenizer import VLTokenizer
@@ -157,7 +156,7 @@ def load_weight_file(path: Path) -> dict[str, torch.Tensor]:
     """A safetensors file, or a torch.save pickle read with weights_only: it may hold tensors and containers only."""
     if path.suffix == ".safetensors":
         try:
-            return _load_safetensors(path)
+            return load_weights(path)
         except Exception as exc:  # safetensors/IO errors, a truncated file
             raise unreadable_weights(path, exc) from None
     state = load_pickle(path)
@@ -172,13 +171,6 @@ def load_weight_file(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """safetensors' load_file takes UTF-8 paths only: a file under another name is read whole from its bytes."""
-    try:
-        os.fsdecode(path).encode("utf-8")
-    except UnicodeEncodeError:  # undecodable bytes of the file system name (surrogate escapes)
-        return load(path.read_bytes())
-    return load_file(str(path), device="cpu")
 
 
 def load_pickle(path: Path) -> Any:

@@ -32,6 +32,7 @@ class Problem extends Error {
     this.status = status;
     this.type = body.type || "";                                   // the API's problem type, as /problems/unknown-image
     this.errors = Array.isArray(body.errors) ? body.errors : [];  // a 422's: each {loc, msg, type}
+    this.imageIds = Array.isArray(body.image_ids) ? body.image_ids : null;  // unknown-image's: the ids it lacks
   }
 }
 
@@ -729,11 +730,13 @@ async function registerAgain(ids, waiting) {
 // dropped them), the page registers them again and sends the request once more.
 async function askTask(path, json, waiting) {
   const options = {json, params: TASK_PARAMS, waiting};
-  const ids = imagesOf(json).filter((id) => state.images.has(id));
+  let ids = [...new Set(imagesOf(json))].filter((id) => state.images.has(id));
   try {
     return await api(path, options);
   } catch (err) {
     if (!unknownImage(err) || !ids.length) throw err;
+    if (err.imageIds) ids = ids.filter((id) => err.imageIds.includes(id));  // only those the service lacks
+    if (!ids.length) throw err;
   }
   await registerAgain(ids, waiting);
   try {
@@ -744,12 +747,12 @@ async function askTask(path, json, waiting) {
 }
 
 // A 422 refusing a count the page sets (top_k: every caption or image ranked; the candidates) in the user's words:
-// the service states its limit there, and only there.
+// the service states its limit there (ctx.limit), and only there.
 function tooMany(err, count, things) {
   const refused = err.status === 422 && err.errors.find((e) => e.type === "limit" && Array.isArray(e.loc)
                                                              && ["top_k", "texts", "image_ids"].includes(e.loc.at(-1)));
   if (!refused) return err;
-  const limit = (String(refused.msg).match(/(?:at most|and) (\d+)/) || [])[1];
+  const limit = refused.ctx && Number.isInteger(refused.ctx.limit) ? refused.ctx.limit : null;
   return new Problem({title: `Too many ${things}`,
                       detail: limit ? `at most ${limit} ${things} at once (there are ${count})`
                                     : `this service takes fewer ${things} at once than the ${count} here`}, 422);

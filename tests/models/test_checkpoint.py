@@ -1,5 +1,7 @@
 """Checkpoint directory: save -> load identity, manifest verification and one clear error per corruption."""
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,6 +47,15 @@ def test_save_load_gives_identical_outputs(tmp_path, tokenizer, preset):
     assert ckpt.labels == LABELS
     assert ckpt.tokenizer.encode(["a red circle"])["input_ids"].tolist() == tokenizer.encode(["a red circle"])["input_ids"].tolist()
     assert not ckpt.model.training
+
+
+def test_a_directory_whose_name_is_not_utf8_loads(tmp_path, tokenizer):
+    """safetensors takes UTF-8 paths only; a folder named in another encoding (Latin-1 "modèle") still loads."""
+    torch.manual_seed(1)
+    model = create_model("visualbert", "tiny", heads=HEADS).eval()
+    path = save_checkpoint(model, Path(os.fsdecode(bytes(tmp_path) + b"/mod\xe8le")), tokenizer, labels=LABELS)
+    with torch.no_grad():
+        assert torch.equal(model(batch(), "vqa").logits, load_checkpoint(path).model(batch(), "vqa").logits)
 
 
 def test_manifest_lists_every_file_with_its_hash(saved):

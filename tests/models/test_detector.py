@@ -1,4 +1,7 @@
 """Region detector: output contract, batched = per-image extraction, training lowers the loss, checkpoints."""
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -145,6 +148,15 @@ def test_save_load_and_tampering(detector, tmp_path):
         f.write(b"\x00" * 8)
     with pytest.raises(CheckpointError, match="model.safetensors does not match its sha256"):
         load_detector(tmp_path / "det")
+
+
+def test_a_directory_whose_name_is_not_utf8_loads(detector, tmp_path):
+    """safetensors takes UTF-8 paths only; a folder named in another encoding (Latin-1 "modèle") still loads."""
+    out = Path(os.fsdecode(bytes(tmp_path) + b"/mod\xe8le"))
+    fp = save_detector(detector, out)
+    loaded, fp2 = load_detector(out)
+    assert fp == fp2
+    np.testing.assert_array_equal(detector.extract(IMAGES[:1])[0].features, loaded.extract(IMAGES[:1])[0].features)
 
 
 def test_config_is_validated():

@@ -114,6 +114,36 @@ def test_limit_problem_names_the_field_and_the_limit(client, problem):
     assert body["errors"][0]["loc"] == ["body", "texts"] and "3" in body["detail"]
 
 
+@pytest.mark.parametrize("field,request_body,limit", [
+    ("top_k", {"image": IMG, "question": "q", "top_k": 6}, 5),
+    ("texts", {"image": IMG, "texts": ["a", "b", "c", "d"]}, 3),
+    ("question", {"image": IMG, "question": "x" * 81}, 80),
+    ("question", {"image": IMG, "question": "a b c d e f g h i j k l m n o"}, 16),
+])
+def test_a_limit_problem_gives_the_setting_to_clients(client, problem, field, request_body, limit):
+    """A client (the page) reads the limit a request broke from the entry's ctx.limit, not from its message."""
+    path = "/retrieve" if "texts" in request_body else "/vqa"
+    entry = problem(client.post(path, json=request_body), 422, "validation-error")["errors"][0]
+    assert entry["loc"] == ["body", field] and entry["type"] == "limit" and entry["ctx"] == {"limit": limit}
+
+
+def test_an_unknown_image_problem_lists_every_id_the_request_lacks(client, problem):
+    """The 404 names every well-formed id of the request the store does not hold, in order, once each: a client
+    registers those again, not every image of its request."""
+    known = client.post("/images", json={"image": IMG}).json()["image_id"]
+    first, second = "cd" * 32, "ef" * 32
+    body = problem(client.post("/retrieve", json={"text": "a red box", "image_ids": [first, known, second]}), 404,
+                   "unknown-image")
+    assert body["image_ids"] == [first, second] and "and 1 more" in body["detail"]
+    body = problem(client.post("/nlvr2", json={"images": [{"image_id": second}, {"image_id": second}],
+                                               "statement": "x"}), 404, "unknown-image")
+    assert body["image_ids"] == [second] and "more" not in body["detail"]
+    body = problem(client.post("/vqa", json={"image_id": first, "question": TEXT}), 404, "unknown-image")
+    assert body["image_ids"] == [first]
+    answered = client.post("/nlvr2", json={"images": [{"image_id": known}, {"image_id": known}], "statement": "x"})
+    assert answered.status_code == 200, answered.text
+
+
 @pytest.mark.parametrize("raw,content_type,status,kind", [
     (b"{not json", "application/json", 400, "bad-request"),
     (b'{"image": "' + IMG.encode() + b'", "question": "q"', "application/json", 400, "bad-request"),  # cut short

@@ -16,7 +16,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
@@ -24,55 +23,11 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from tests.service.conftest import SCORE_TOL, free_port, metric, wait_until_ready
-
-DEADLINE_S = 30
+from tests.service.held_work import DEADLINE_S, Gate, encoder, in_thread, wait_for
 
 
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
-
-
-def wait_for(condition, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.005)
-
-
-class Gate:
-    """A batcher's batch function held: each call waits for a permit (release) or for the gate to open; `rows` is
-    the size of every call that entered."""
-
-    def __init__(self, batcher) -> None:
-        self.batcher, self.run = batcher, batcher.fn
-        self.original = batcher.fn
-        self.permits = threading.Semaphore(0)
-        self.opened = threading.Event()
-        self.rows: list[int] = []
-
-    def __enter__(self) -> Gate:
-        def held(items):
-            self.rows.append(len(items))
-            while not self.opened.is_set() and not self.permits.acquire(timeout=0.01):
-                pass
-            return self.run(items)
-
-        self.batcher.fn = held
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.open()
-        self.batcher.fn = self.original
-
-    @property
-    def entered(self) -> int:
-        return len(self.rows)
-
-    def release(self, n: int = 1) -> None:
-        self.permits.release(n)
-
-    def open(self) -> None:
-        self.opened.set()
 
 
 class Leaving:
@@ -112,19 +67,6 @@ class Leaving:
     def leave(self) -> None:
         self.left.set()
         self.done.result(DEADLINE_S)  # the app has returned
-
-
-def in_thread(call) -> tuple[threading.Thread, dict]:
-    """call() in a thread; its result in the dict's "r"."""
-    out: dict = {}
-    thread = threading.Thread(target=lambda: out.update(r=call()))
-    thread.start()
-    return thread, out
-
-
-def encoder(c: TestClient, kind: str):
-    pipeline = c.app.state.services.pipeline
-    return pipeline.batchers[pipeline.specs[kind].task]
 
 
 def test_a_client_gone_cancels_the_batches_its_request_queued(make_settings, image_png):

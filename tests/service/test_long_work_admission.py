@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.app import create_app
-from tests.service.test_disconnect import DEADLINE_S, Gate, encoder, in_thread, wait_for
+from tests.service.held_work import DEADLINE_S, Gate, encoder, in_thread, wait_for
 
 # 40 captions: an image's prior is 20 batches of 2 rows here
 BANK = [f"{n} {colour} {shape}" for n in ("one", "two", "three", "four", "five")

@@ -672,7 +672,20 @@ def test_the_page_works_under_a_proxys_path_prefix(browser, server):
 def unknown_image(image_id: str) -> str:
     return json.dumps({"type": "/problems/unknown-image", "title": "Unknown image", "status": 404,
                        "detail": f"unknown image_id {image_id}: no regions are cached for it (never registered, "
-                                 "evicted or expired); send the image itself or register it again with POST /images"})
+                                 "evicted or expired); send the image itself or register it again with POST /images",
+                       "image_ids": [image_id]})
+
+
+def forget_images(page, path: str, forget: list, image_id: str) -> None:
+    """Requests to `path` answered 404 unknown-image for image_id while `forget` holds entries (one taken each),
+    by the service after that."""
+    def forgotten(route):
+        if not forget:
+            return route.continue_()
+        forget.pop()
+        route.fulfill(status=404, content_type="application/problem+json", body=unknown_image(image_id))
+
+    fail_requests(page, path, forgotten)
 
 
 def test_an_image_the_service_no_longer_holds_is_registered_again(page, server):
@@ -682,14 +695,7 @@ def test_an_image_the_service_no_longer_holds_is_registered_again(page, server):
     sent: list[str] = []
     page.on("request", lambda request: request.method == "POST" and sent.append(urlparse(request.url).path))
     forget = [1]  # the answers still to refuse
-
-    def forgotten(route):
-        if not forget:
-            return route.continue_()
-        forget.pop()
-        route.fulfill(status=404, content_type="application/problem+json", body=unknown_image(shapes))
-
-    fail_requests(page, "/vqa", forgotten)
+    forget_images(page, "/vqa", forget, shapes)
     page.click("#vqa-form button[type=submit]")
     page.wait_for_selector("#vqa-answers li")
     assert sent == ["/vqa", "/images", "/vqa"]
@@ -705,6 +711,23 @@ def test_an_image_the_service_no_longer_holds_is_registered_again(page, server):
     assert "sample-shapes.png" in page.text_content("#error-detail")
     assert "choose the photo again" in page.text_content("#error-detail")
     assert sent == ["/vqa", "/images", "/vqa"]
+
+
+def test_only_the_images_the_service_lacks_are_registered_again(page, server):
+    """An unknown-image problem lists the ids the service lacks (image_ids): of an /nlvr2 pair whose right photo was
+    dropped, only that one is registered again."""
+    left = upload_sample(page, "sample-shapes.png")
+    right = upload_sample(page, "sample-shapes-2.png")
+    uploads: list[str] = []
+    page.on("request", lambda request: urlparse(request.url).path == "/images"
+            and uploads.append(request.post_data_buffer.split(b"filename=", 1)[1].split(b"\r\n", 1)[0].decode()))
+    forget_images(page, "/nlvr2", [1], right)
+    page.select_option("#nlvr2-left", left)
+    page.select_option("#nlvr2-right", right)
+    page.click("#nlvr2-form button[type=submit]")
+    expect(page.locator("#nlvr2-result")).not_to_be_empty()
+    assert uploads == ['"sample-shapes-2.png"']
+    assert page.is_hidden("#error")
 
 
 def held_route(page, held: list) -> None:

@@ -70,6 +70,9 @@ def test_api_keys_as_a_list_and_empty_redis_url_means_off(monkeypatch):
     ("redis_url", "http://cache:6379", "not a Redis URL"),
     ("model_dir", "/no/such/dir", "directory not found"),
     ("detector_dir", "/no/such/dir", "directory not found"),
+    ("model_dir", "", "is empty"),  # not the working directory
+    ("detector_dir", " ", "is empty"),
+    ("engine_cache_dir", "", "is empty"),
     ("api_keys", "good,with space", "contains whitespace"),
     ("host", " ", "must not be empty"),
     ("threads", "two", "valid integer"),
