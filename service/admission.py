@@ -8,14 +8,12 @@ longer than max_queue_wait_ms); it asks again when the request is submitted, sin
 """
 from __future__ import annotations
 
-import json
-
 from starlette.datastructures import State
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .batcher import QueueFullError
 from .metrics import ENDPOINT
-from .errors import PROBLEM_JSON, is_v2, problem_body, queue_full, request_id
+from .errors import queue_full, send_problem
 from .routes.v2 import MODELS, VERSION
 
 TASK_KINDS = {"/vqa": "vqa", "/refer": "refer", "/retrieve": "itm", "/nlvr2": "nlvr2"}  # path -> head kind
@@ -47,13 +45,4 @@ class AdmissionMiddleware:
 async def refuse(scope: Scope, send: Send, exc: QueueFullError) -> None:
     """The 429 problem+json answer errors.py gives a QueueFullError, sent straight from here."""
     detail, headers = queue_full(exc)
-    rid = request_id(scope)
-    v2 = is_v2(scope["path"])  # the Open Inference Protocol's error body
-    body = json.dumps({"error": detail} if v2 else
-                      problem_body(429, detail, scope["path"], rid, "queue-full", "Too many requests")).encode()
-    raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
-    await send({"type": "http.response.start", "status": 429, "headers": [
-        (b"content-type", b"application/json" if v2 else PROBLEM_JSON.encode()),
-        (b"content-length", str(len(body)).encode()),
-        (b"x-request-id", rid.encode()), *raw]})
-    await send({"type": "http.response.body", "body": body})
+    await send_problem(scope, send, 429, detail, "queue-full", "Too many requests", headers)

@@ -141,7 +141,7 @@ async def send_problem(scope: Scope, send: Send, status: int, detail: str, kind:
                       problem_body(status, detail, shown(scope["path"], 256), rid, kind, title)).encode()
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json" if v2 else PROBLEM_JSON.encode()),
-        (b"content-length", str(len(body)).encode()), (b"x-request-id", rid.encode()),
+        (b"content-length", str(len(body)).encode()), (b"x-request-id", rid.encode("latin-1", "replace")),
         *((k.lower().encode(), v.encode()) for k, v in (headers or {}).items())]})
     await send({"type": "http.response.body", "body": body})
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import request_id
+from .metrics import ENDPOINT
 
 
 class HTTPBasics:
@@ -16,6 +17,7 @@ class HTTPBasics:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        given = scope
         if scope["method"] == "HEAD":  # the server that made the scope sends no body for it (uvicorn and h11 both)
             scope = {**scope, "method": "GET"}
 
@@ -27,4 +29,9 @@ class HTTPBasics:
                     message = {**message, "headers": [*headers, (b"x-request-id", rid)]}
             await send(message)
 
-        await self.app(scope, receive, sending)
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            for key in ("route", ENDPOINT):  # what routing found, for the metrics' label (the copy is not theirs)
+                if scope is not given and key in scope:
+                    given[key] = scope[key]

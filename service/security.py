@@ -99,27 +99,32 @@ class BodyLimitMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        given = scope
+
+        async def refuse(status: int, detail: str, headers: dict[str, str] | None = None) -> None:
+            given.setdefault(ENDPOINT, self.endpoints.get(scope["path"]))  # not routed: counted under its route
+            await send_problem(scope, send, status, detail, headers=headers)
+
         headers = dict(scope["headers"])
         length = headers.get(b"content-length")
         if length is not None:
             try:
                 declared = int(length)
             except ValueError:
-                return await send_problem(scope, send, 400, "Content-Length is not a number")
+                return await refuse(400, "Content-Length is not a number")
             if declared > self.max_bytes:
-                return await send_problem(scope, send, 413, self.too_large())
+                return await refuse(413, self.too_large())
         coding = headers.get(b"content-encoding", b"").decode("latin-1").strip().lower()
         if coding not in ("", "identity"):
-            return await send_problem(scope, send, 415, f"Content-Encoding {shown(coding)} is not supported: "
-                                      "send the body uncompressed", headers={"Accept-Encoding": "identity"})
+            return await refuse(415, f"Content-Encoding {shown(coding)} is not supported: send the body uncompressed",
+                                headers={"Accept-Encoding": "identity"})
         content_type = headers.get(b"content-type")
         content_type = content_type.decode("latin-1") if content_type is not None else None
         allowed = self.body_types.get(scope.get("path", ""))
         if not readable(allowed, content_type):
             wanted = " or ".join(allowed)
-            return await send_problem(scope, send, 415, f"this route reads a body of type {wanted}, not "
-                                      f"{shown(media_type(content_type))}; send JSON with Content-Type: application/json")
-        given = scope
+            return await refuse(415, f"this route reads a body of type {wanted}, not {shown(media_type(content_type))}; "
+                                "send JSON with Content-Type: application/json")
         if allowed is not None and content_type is None:  # read as JSON: say so to the route's parser
             scope = {**scope, "headers": [*scope["headers"], (b"content-type", JSON_TYPES[0].encode())]}
         chunks, total = [], 0
@@ -130,7 +135,7 @@ class BodyLimitMiddleware:
                     deadline.reschedule(loop.time() + self.timeout_s)
                     message = await receive()
                     if message["type"] != "http.request":  # the client went away: what came is no request
-                        given.setdefault(ENDPOINT, self.endpoints.get(scope["path"]))  # not routed
+                        given.setdefault(ENDPOINT, self.endpoints.get(given["path"]))  # not routed
                         return client_closed(scope)
                     total += len(message.get("body", b""))
                     if total > self.max_bytes:
@@ -139,10 +144,10 @@ class BodyLimitMiddleware:
                     if not message.get("more_body", False):
                         break
         except TimeoutError:
-            return await send_problem(scope, send, 408, f"no byte of the request body arrived for "
-                                      f"{self.timeout_s:g} s (body_timeout_s)", headers={"Connection": "close"})
+            return await refuse(408, f"no byte of the request body arrived for {self.timeout_s:g} s (body_timeout_s)",
+                                headers={"Connection": "close"})
         if total > self.max_bytes:
-            return await send_problem(scope, send, 413, self.too_large())
+            return await refuse(413, self.too_large())
         body = b"".join(m.get("body", b"") for m in chunks)
         try:
             await serve_while_connected(self.app, scope, body, receive, send)

@@ -277,9 +277,11 @@ def _from_json(data: Any, spec: Tensor) -> list:
 def _check_shape(spec: Tensor, shape: Any, count: int) -> None:
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise V2Error(400, f"input '{spec.name}': shape must be a list of non-negative integers")
+    if len(shape) > MAX_NESTING:
+        raise V2Error(400, f"input '{spec.name}': shape has {len(shape)} dimensions; at most {MAX_NESTING}")
     if math.prod(shape) != count:
-        raise V2Error(400, f"input '{spec.name}': shape {shape} holds {math.prod(shape)} elements but the data has "
-                           f"{count}")
+        raise V2Error(400, f"input '{spec.name}': shape {shown(str(shape))} holds {math.prod(shape)} elements but the "
+                           f"data has {count}")
     want = math.prod(spec.shape) if -1 not in spec.shape else None
     if want is not None and count != want:
         raise V2Error(400, f"input '{spec.name}' takes {want} element{'s' * (want != 1)}, got {count}")
@@ -323,7 +325,7 @@ def parse_request(model: Model, body: bytes, header_length: str | None) -> tuple
         if name in inputs:
             raise V2Error(400, f"input '{name}' is given twice")
         if tensor.get("datatype") != spec.datatype:
-            raise V2Error(400, f"input '{name}' has datatype {spec.datatype}, got {tensor.get('datatype')!r}")
+            raise V2Error(400, f"input '{name}' has datatype {spec.datatype}, got {shown(repr(tensor.get('datatype')))}")
         parameters = tensor.get("parameters") or {}
         if not isinstance(parameters, dict):
             raise V2Error(400, f"input '{name}': parameters must be an object")
@@ -332,7 +334,7 @@ def parse_request(model: Model, body: bytes, header_length: str | None) -> tuple
             raise V2Error(400, f"input '{name}' has both 'data' and a binary_data_size: give one")
         if size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0 or at + size > len(binary):
-                raise V2Error(400, f"input '{name}': binary_data_size {size!r} does not fit the binary data")
+                raise V2Error(400, f"input '{name}': binary_data_size {shown(repr(size))} does not fit the binary data")
             values = _from_binary(binary[at:at + size], spec.datatype, name)
             at += size
         elif "data" in tensor:
@@ -434,6 +436,7 @@ def _model(request: Request, name: str, version: str | None = None) -> tuple[Any
 
 
 @router.get("")
+@router.get("/")  # the protocol's REST spec (open_inference_rest.yaml) names it /v2/, its text v2
 async def server_metadata() -> dict[str, Any]:
     from ..app import package_version  # the app module imports this one
 

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.app import MIDDLEWARE_PROBLEMS, create_app
 from tests.service.conftest import assert_problem, free_port, wait_until_ready
@@ -55,11 +56,54 @@ def vqa_body(image_id: str) -> bytes:
     return json.dumps({"image_id": image_id, "question": "what color is the shape?"}).encode()
 
 
-@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/metrics", "/", "/v2", "/v2/health/ready"])
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/metrics", "/", "/v2", "/v2/", "/v2/health/ready"])
 def test_head_answers_as_get_without_a_body(base, path):
     get, head = httpx.get(base + path), httpx.head(base + path)
     assert get.status_code == head.status_code == 200 and head.content == b""
     assert head.headers["content-type"] == get.headers["content-type"]
+
+
+def requests_counted(base: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for family in text_string_to_metric_families(httpx.get(f"{base}/metrics").text):
+        for sample in family.samples:
+            if sample.name == "vlserve_requests_total" and \
+                    ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items())) == want:
+                return sample.value
+    return 0.0
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/v2/health/ready", "/metrics"])
+def test_head_is_counted_under_its_route(base, path):
+    """Load balancers probe with HEAD: their requests are the route's, not unknown paths'."""
+    before = requests_counted(base, endpoint=path, method="HEAD", status="200")
+    assert httpx.head(base + path).status_code == 200
+    assert requests_counted(base, endpoint=path, method="HEAD", status="200") == before + 1
+
+
+@pytest.mark.parametrize("status,send", [
+    (415, lambda base, body: httpx.post(f"{base}/vqa", content=body, headers={"Content-Type": "text/plain"})),
+    (415, lambda base, body: httpx.post(f"{base}/vqa", content=body, headers={"Content-Type": "application/json",
+                                                                                "Content-Encoding": "gzip"})),
+    (413, lambda base, body: httpx.post(f"{base}/vqa", content=b"x" * (11 * 1024 * 1024),
+                                        headers={"Content-Type": "application/json"})),
+])
+def test_a_body_refused_before_routing_is_counted_under_its_route(base, image_id, status, send):
+    before = requests_counted(base, endpoint="/vqa", method="POST", status=str(status))
+    assert send(base, vqa_body(image_id)).status_code == status
+    assert requests_counted(base, endpoint="/vqa", method="POST", status=str(status)) == before + 1
+
+
+def test_the_request_id_comes_back_as_sent_from_every_answer(base, image_id):
+    """An id of Latin-1 bytes (printable) is echoed byte for byte, by the routes and by the answers given before
+    them (415 here), not re-encoded as UTF-8."""
+    sent = [(b"x-request-id", b"req-\xe9"), (b"content-type", b"text/plain")]
+    for path, status in (("/healthz", 200), ("/vqa", 415)):
+        with httpx.Client() as client:
+            r = client.send(httpx.Request("GET" if path == "/healthz" else "POST", base + path, headers=sent,
+                                          content=None if path == "/healthz" else vqa_body(image_id)))
+        echoed = [value for name, value in r.headers.raw if name.lower() == b"x-request-id"]
+        assert r.status_code == status and echoed == [b"req-\xe9"]
 
 
 def test_every_answer_carries_the_request_id(base, image_id):
@@ -193,6 +237,11 @@ def test_a_clients_long_names_are_cut_in_answers(base, image_id):
     assert httpx.get(f"{base}/v2/models/{'m' * 3000}").status_code == 404
     assert len(httpx.get(f"{base}/v2/models/{'m' * 3000}").content) < 600
     assert len(httpx.get(f"{base}/{'p' * 3000}").content) < 1200
+    question = {"name": "question", "datatype": "BYTES", "shape": [1]}
+    for odd in ({"datatype": long, "data": ["x"]}, {"parameters": {"binary_data_size": long}},
+                {"shape": [1, 0] * 3000, "data": ["x"]}, {"shape": [1] * 3000, "data": ["x"]}):
+        v2 = httpx.post(f"{base}/v2/models/vlserve-vqa/infer", json={"inputs": [{**question, **odd}]})
+        assert v2.status_code == 400 and len(v2.content) < 600, v2.text[:300]
 
 
 def test_a_bad_image_names_its_field(base, image_id, image_png):
