@@ -236,25 +236,38 @@ def score_tol(client) -> float:
 
 
 def while_the_encoder_is_held(batcher, send, n: int = 4, during=None) -> tuple[list, object]:
-    """Hold `batcher`'s batch function, call send() (one request, its response) from n threads until one answers
-    429, call during() (if given) while still held, then release: (every response, during()'s result)."""
+    """Hold `batcher`'s batch function; call send() (one request, its response) from one thread until its batch runs
+    held, from more until the queue is full, then from the rest of n threads (each refused 429); call during() (if
+    given) while the queue is still full, then release: (every response, during()'s result). Step by step, so that a
+    429 is never seen while the first request is still queued (the queue empties when it starts to run)."""
     import threading
 
     release, run = threading.Event(), batcher.fn
-    # hold the encoder until released below (the timeout only keeps a broken test from hanging: on a loaded machine
-    # the threads' requests can take seconds to fill the queue, and a hold that ended by itself admitted during())
-    batcher.fn = lambda items: (release.wait(30), run(items))[1]
+    # hold the encoder until released below (the timeout only keeps a broken test from hanging)
+    batcher.fn = lambda items: (release.wait(60), run(items))[1]
     responses: list = []
-    threads = [threading.Thread(target=lambda: responses.append(send())) for _ in range(n)]
-    for thread in threads:
+    threads: list[threading.Thread] = []
+
+    def sent(until, what: str) -> None:
+        thread = threading.Thread(target=lambda: responses.append(send()))
         thread.start()
-    deadline = time.monotonic() + 20
-    while not any(r.status_code == 429 for r in responses) and time.monotonic() < deadline:
-        time.sleep(0.01)
+        threads.append(thread)
+        deadline = time.monotonic() + 30
+        while not until():
+            assert time.monotonic() < deadline, f"timed out waiting until {what}"
+            time.sleep(0.005)
+
+    sent(lambda: bool(batcher._running), "the first request's batch runs")
+    while len(batcher._queue) < batcher.config.max_queue:
+        queued = len(batcher._queue)
+        sent(lambda: len(batcher._queue) > queued, "a request is queued")
+    while len(threads) < n:
+        answered = len(responses)
+        sent(lambda: len(responses) > answered, "a request is refused")
     extra = during() if during is not None else None
     release.set()
     for thread in threads:
-        thread.join(10)
+        thread.join(30)
     batcher.fn = run
     return responses, extra
 
