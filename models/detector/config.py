@@ -19,13 +19,19 @@ CHOICES = {  # fields with a fixed set of values
     "selection": ("per-class-nms", "argmax-nms"),
 }
 RESNET_BLOCKS = {50: (3, 4, 6), 101: (3, 4, 23), 152: (3, 8, 36)}  # blocks of res2, res3, res4 per depth (res5: 3)
-# the butd family's ranges, checked before a module divides by a group count or sizes a tensor by a width
+# ranges checked when a config is made, before a module divides by a group count or sizes a tensor by a width:
+# a config.json edited by hand or imported fails here, naming its field, not on every image later
+COUNTS = ("feature_dim", "roi_size", "min_size", "max_size", "size_divisible", "rpn_pre_nms_top_n",
+          "rpn_post_nms_top_n", "rpn_train_pre_nms_top_n", "rpn_train_post_nms_top_n", "box_batch_size_per_image",
+          "num_boxes", "min_boxes", "max_boxes")  # positive integers, both families
+FPN_COUNTS = ("fpn_channels",)
 BUTD_COUNTS = ("resnet_stem_channels", "resnet_res2_channels", "resnet_groups", "resnet_bottleneck_channels",
-               "rpn_channels", "roi_size", "min_size", "max_size", "size_divisible", "rpn_pre_nms_top_n",
-               "rpn_post_nms_top_n")  # positive integers
-BUTD_FRACTIONS = ("rpn_nms_thresh", "region_nms_thresh", "det_nms_thresh", "conf_thresh",
-                  "det_score_thresh")  # IoU and score thresholds, 0 to 1
-BUTD_POSITIVE = ("std", "anchor_sizes", "aspect_ratios", "rpn_box_weights", "box_weights")  # numbers above 0 (divisors)
+               "rpn_channels")
+FRACTIONS = ("rpn_nms_thresh", "region_nms_thresh", "det_nms_thresh", "conf_thresh",
+             "det_score_thresh")  # IoU and score thresholds, 0 to 1
+POSITIVE = ("std", "aspect_ratios")  # numbers above 0 (divisors), both families
+BUTD_POSITIVE = ("rpn_box_weights", "box_weights")
+FLAGS = ("adaptive", "image_feature", "resnet_stride_in_1x1", "resnet_caffe_maxpool", "res5_dilated")
 
 
 @dataclass
@@ -79,7 +85,7 @@ class DetectorConfig:
     box_weights: tuple[float, float, float, float] = (10.0, 10.0, 5.0, 5.0)  # butd: box-head delta weights
 
     def __post_init__(self) -> None:
-        self.anchor_sizes = tuple(tuple(s) for s in self.anchor_sizes)
+        self.anchor_sizes = tuple(tuple(s) if isinstance(s, (list, tuple)) else s for s in self.anchor_sizes)
         self.aspect_ratios = tuple(self.aspect_ratios)
         self.mean, self.std = tuple(self.mean), tuple(self.std)
         self.rpn_box_weights, self.box_weights = tuple(self.rpn_box_weights), tuple(self.box_weights)
@@ -88,36 +94,56 @@ class DetectorConfig:
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, not {getattr(self, name)!r}")
-        if self.family == "butd":
+        if self.family == "butd":  # first: its widths derive feature_dim, whose own check would hide their fault
             self._check_butd()
-        elif len(self.anchor_sizes) != 3:
-            raise ValueError("anchor_sizes needs one tuple per FPN level (3)")
+        else:
+            self._check_fpn()
+        self._check_common()
         if self.adaptive and not (0 < self.min_boxes <= self.max_boxes):
             raise ValueError("adaptive mode needs 0 < min_boxes <= max_boxes")
-        if self.num_boxes <= 0:
-            raise ValueError("num_boxes must be positive")
+
+    def _check_common(self) -> None:
+        """The fields both families run with; a message starts with the field at fault."""
+        for name in ("classes", "attributes"):
+            if not isinstance(getattr(self, name), list) or not all(isinstance(v, str) for v in getattr(self, name)):
+                raise ValueError(f"{name} must be a list of names")
+        if not isinstance(self.backbone, str):
+            raise ValueError(f"backbone must be a name, not {self.backbone!r}")
+        for name in FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, not {getattr(self, name)!r}")
+        _counts(self, COUNTS)
+        for name in FRACTIONS:
+            if not (_finite(getattr(self, name)) and 0 <= getattr(self, name) <= 1):
+                raise ValueError(f"{name} must be a number from 0 to 1, not {getattr(self, name)!r}")
+        _positive(self, POSITIVE)
+        if not self.anchor_sizes or not all(isinstance(level, tuple) and level and
+                                            all(_finite(v) and v > 0 for v in level) for level in self.anchor_sizes):
+            raise ValueError(f"anchor_sizes must hold, per feature level, numbers above 0, not {self.anchor_sizes!r}")
+        if len(self.mean) != 3 or not all(_finite(v) for v in self.mean):
+            raise ValueError(f"mean must hold 3 finite numbers (one per channel), not {self.mean!r}")
+        if len(self.std) != 3:
+            raise ValueError(f"std must hold 3 numbers (one per channel), not {self.std!r}")
+        if not (_finite(self.pixel_range) and self.pixel_range > 0):
+            raise ValueError(f"pixel_range must be a number above 0, not {self.pixel_range!r}")
+
+    def _check_fpn(self) -> None:
+        """The fields vlserve's own detector runs with."""
+        if len(self.anchor_sizes) != 3:
+            raise ValueError("anchor_sizes needs one tuple per FPN level (3)")
+        _counts(self, FPN_COUNTS)
+        if not isinstance(self.trainable_blocks, int) or isinstance(self.trainable_blocks, bool) \
+                or self.trainable_blocks < 0:
+            raise ValueError(f"trainable_blocks must be an integer, 0 or more, not {self.trainable_blocks!r}")
 
     def _check_butd(self) -> None:
-        """The fields a butd detector runs with; a message starts with the field at fault."""
+        """The fields a butd detector runs with."""
         if len(self.anchor_sizes) != 1:
             raise ValueError("anchor_sizes needs one tuple: a butd detector has one feature level (res4)")
         if self.resnet_depth not in RESNET_BLOCKS:
             raise ValueError(f"resnet_depth must be one of {', '.join(map(str, RESNET_BLOCKS))}")
-        for name in BUTD_COUNTS:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, not {value!r}")
-        for name in BUTD_FRACTIONS:
-            if not (_finite(getattr(self, name)) and 0 <= getattr(self, name) <= 1):
-                raise ValueError(f"{name} must be a number from 0 to 1, not {getattr(self, name)!r}")
-        for name in BUTD_POSITIVE:
-            values = self.anchor_sizes[0] if name == "anchor_sizes" else getattr(self, name)  # the one level's sizes
-            if not values or not all(_finite(v) and v > 0 for v in values):
-                raise ValueError(f"{name} must hold numbers above 0, not {values!r}")
-        if not (_finite(self.pixel_range) and self.pixel_range > 0):
-            raise ValueError(f"pixel_range must be a number above 0, not {self.pixel_range!r}")
-        if not all(_finite(v) for v in self.mean):
-            raise ValueError(f"mean must hold finite numbers, not {self.mean!r}")
+        _counts(self, BUTD_COUNTS)
+        _positive(self, BUTD_POSITIVE)
         if not (_finite(self.anchor_offset) and 0 <= self.anchor_offset < 1):
             raise ValueError(f"anchor_offset must be a number from 0 to below 1 (of a stride), not {self.anchor_offset!r}")
         if not (_finite(self.rpn_min_size) and self.rpn_min_size >= 0):
@@ -146,6 +172,20 @@ class DetectorConfig:
         if unknown:
             raise ValueError(f"detector config has unknown keys: {', '.join(sorted(unknown))}")
         return cls(**data)
+
+
+def _counts(config: DetectorConfig, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, not {value!r}")
+
+
+def _positive(config: DetectorConfig, names: tuple[str, ...]) -> None:
+    for name in names:
+        values = getattr(config, name)
+        if not values or not all(_finite(v) and v > 0 for v in values):
+            raise ValueError(f"{name} must hold numbers above 0, not {values!r}")
 
 
 def _finite(value: Any) -> bool:

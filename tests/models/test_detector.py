@@ -1,5 +1,8 @@
 """Region detector: output contract, batched = per-image extraction, training lowers the loss, checkpoints."""
+import hashlib
+import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -80,9 +83,11 @@ def test_adaptive_mode_keeps_between_min_and_max():
 
 
 def test_zero_proposals_give_an_image_without_regions(monkeypatch):
-    """An RPN that proposes nothing (here: rpn_post_nms_top_n=0) is a valid answer: num_boxes 0, all padding."""
+    """An RPN that proposes nothing (here: torchvision's RPN told to keep 0 proposals, which a config may not say) is
+    a valid answer: num_boxes 0, all padding."""
     torch.manual_seed(0)
-    det = RegionDetector(small_config(rpn_post_nms_top_n=0), pretrained_backbone=False).eval()
+    det = RegionDetector(small_config(), pretrained_backbone=False).eval()
+    monkeypatch.setitem(det.rpn._post_nms_top_n, "testing", 0)
     blank = np.full((64, 80, 3), 255, np.uint8)
     for img, rf in zip([blank, IMAGES[1]], det.extract([blank, IMAGES[1]])):
         assert rf.num_boxes == 0 and rf.boxes.shape == (12, 4) and rf.image_hw == img.shape[:2]
@@ -164,3 +169,36 @@ def test_config_is_validated():
         DetectorConfig(classes=[])
     with pytest.raises(ValueError, match="unknown keys: colour"):
         DetectorConfig.from_dict({"classes": ["a"], "colour": 1})
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("classes", 3, "classes must be a list of names"),
+    ("attributes", ["red", 7], "attributes must be a list of names"),
+    ("min_size", "128", "min_size must be a positive integer, not '128'"),
+    ("max_size", None, "max_size must be a positive integer, not None"),
+    ("fpn_channels", 0, "fpn_channels must be a positive integer"),
+    ("roi_size", 2.5, "roi_size must be a positive integer"),
+    ("mean", [0.5], "mean must hold 3 finite numbers"),
+    ("std", [0.0, 0.0, 0.0], "std must hold numbers above 0"),
+    ("std", [0.2, 0.2], "std must hold 3 numbers"),
+    ("aspect_ratios", [1.0, -2.0], "aspect_ratios must hold numbers above 0"),
+    ("anchor_sizes", [[12, 24], [32, "48"], [64]], "anchor_sizes must hold, per feature level, numbers above 0"),
+    ("rpn_nms_thresh", 1.5, "rpn_nms_thresh must be a number from 0 to 1"),
+    ("adaptive", "yes", "adaptive must be true or false"),
+    ("trainable_blocks", -1, "trainable_blocks must be an integer, 0 or more"),
+    ("pixel_range", 0, "pixel_range must be a number above 0"),
+])
+def test_a_demo_family_config_that_cannot_run_is_refused_naming_its_field(tmp_path, detector, field, value, message):
+    """Not a traceback from the model's constructor, nor a detector that loads and then fails on every image: the
+    config is refused where it is read, by load_detector (info, extract, serve) as by DetectorConfig."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        DetectorConfig.from_dict({**small_config().to_dict(), field: value})
+    out = tmp_path / "det"
+    save_detector(detector, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, field: value}))
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["files"]["config.json"] = hashlib.sha256((out / "config.json").read_bytes()).hexdigest()
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        load_detector(out)

@@ -373,7 +373,7 @@ ERRORS = {
     "zero-aspect-ratio": (setting("ANCHOR_GENERATOR", "ASPECT_RATIOS", [[0.0, 1.0, 2.0]]),
                           "ANCHOR_GENERATOR.ASPECT_RATIOS: aspect_ratios must hold numbers above 0, not (0.0, 1.0, 2.0)"),
     "negative-anchor": (setting("ANCHOR_GENERATOR", "SIZES", [[-64, 128]]),
-                        "ANCHOR_GENERATOR.SIZES: anchor_sizes must hold numbers above 0, not (-64, 128)"),
+                        "ANCHOR_GENERATOR.SIZES: anchor_sizes must hold, per feature level, numbers above 0, not ((-64, 128),)"),
     # values the detector cannot run with
     "no-pooler-resolution": (setting("ROI_BOX_HEAD", "POOLER_RESOLUTION", 0),
                              "ROI_BOX_HEAD.POOLER_RESOLUTION: roi_size must be a positive integer, not 0"),
@@ -396,7 +396,7 @@ ERRORS = {
                             "ROI_HEADS.NMS_THRESH_TEST: region_nms_thresh must be a number from 0 to 1, not -0.3"),
     "zero-std": (setting("MODEL", "PIXEL_STD", [0, 0, 0]), "MODEL.PIXEL_STD: std must hold numbers above 0, not (0.0, 0.0, 0.0)"),
     "infinite-mean": (setting("MODEL", "PIXEL_MEAN", [float("inf"), 0, 0]),
-                      "MODEL.PIXEL_MEAN: mean must hold finite numbers, not (inf, 0.0, 0.0)"),
+                      "MODEL.PIXEL_MEAN: mean must hold 3 finite numbers (one per channel), not (inf, 0.0, 0.0)"),
     "zero-box-weight": (setting("ROI_BOX_HEAD", "BBOX_REG_WEIGHTS", [10.0, 10.0, 0.0, 5.0]),
                         "ROI_BOX_HEAD.BBOX_REG_WEIGHTS: box_weights must hold numbers above 0"),
     "deep-yaml": (lambda src: (src / "config.yaml").write_text("[" * 5000 + "]" * 5000),
