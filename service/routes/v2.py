@@ -233,6 +233,18 @@ def _flatten(data: Any, name: str) -> list:
     return out
 
 
+def _laid_out_as(data: list, shape: list[int]) -> bool:
+    """Whether a JSON `data` array is flat, or nested exactly as `shape` (rows of equal length at every level)."""
+    if not any(isinstance(item, list) for item in data):
+        return True
+    level = [data]
+    for size in shape:
+        if not all(isinstance(row, list) and len(row) == size for row in level):
+            return False
+        level = [item for row in level for item in row]
+    return not any(isinstance(item, list) for item in level)
+
+
 def _from_binary(raw: bytes, datatype: str, name: str) -> list:
     if datatype == "BYTES":  # each element: 4-byte little-endian length, then the bytes
         values, at = [], 0
@@ -342,6 +354,9 @@ def parse_request(model: Model, body: bytes, header_length: str | None) -> tuple
         else:
             raise V2Error(400, f"input '{name}' has no 'data'")
         _check_shape(spec, tensor.get("shape"), len(values))
+        if "data" in tensor and not _laid_out_as(tensor["data"], tensor["shape"]):
+            raise V2Error(400, f"input '{name}': data is nested otherwise than its shape {shown(str(tensor['shape']))}; "
+                               "give it flat (row-major) or nested as its shape")
         inputs[name] = values
     if at != len(binary):
         raise V2Error(400, f"{len(binary) - at} bytes of binary data follow that no input claims")

@@ -218,7 +218,21 @@ MALFORMED = [  # (body, headers, a fragment of the error message)
     # nesting: deeper than a tensor of ours, and deeper than a recursive parser goes
     (v2_json([{**q(), "data": json.loads("[" * 20 + '"what?"' + "]" * 20)}]), {}, "nested deeper than 8 levels"),
     (b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", {}, "nested too deeply"),
+    # nested otherwise than the shape says: a row too many, ragged rows
+    (v2_json([{**q(), "data": [["what?"]]}]), {}, "nested otherwise than its shape [1]"),
+    (v2_json([{**q(), "shape": [1, 1], "data": [[], ["what?"]]}]), {}, "nested otherwise than its shape [1, 1]"),
+    (v2_json([{**q(), "shape": [1, 1], "data": [[["what?"]]]}]), {}, "nested otherwise than its shape [1, 1]"),
 ]
+
+
+@pytest.mark.parametrize("shape,data", [([1], ["what is it?"]), ([1, 1], [["what is it?"]]), ([1, 1], ["what is it?"])])
+def test_data_flat_or_nested_as_its_shape_is_read(server, image_png, shape, data):
+    base, _ = server
+    image_id = task(base, "/images", {"image": base64.b64encode(image_png).decode()})["image_id"]
+    body = v2_json([{**q(), "shape": shape, "data": data},
+                    {"name": "image_id", "datatype": "BYTES", "shape": [1], "data": [image_id]}])
+    response = httpx.post(f"{base}/v2/models/vlserve-vqa/infer", content=body, timeout=60)
+    assert response.status_code == 200, response.text
 
 
 def _binary_image_request(fn) -> tuple[bytes, dict[str, str]]:
