@@ -21,12 +21,13 @@ CHOICES = {  # fields with a fixed set of values
 RESNET_BLOCKS = {50: (3, 4, 6), 101: (3, 4, 23), 152: (3, 8, 36)}  # blocks of res2, res3, res4 per depth (res5: 3)
 # ranges checked when a config is made, before a module divides by a group count or sizes a tensor by a width:
 # a config.json edited by hand or imported fails here, naming its field, not on every image later
-COUNTS = ("feature_dim", "roi_size", "min_size", "max_size", "size_divisible", "rpn_pre_nms_top_n",
-          "rpn_post_nms_top_n", "rpn_train_pre_nms_top_n", "rpn_train_post_nms_top_n", "box_batch_size_per_image",
-          "num_boxes", "min_boxes", "max_boxes")  # positive integers, both families
+COUNTS = ("feature_dim", "roi_size", "min_size", "max_size", "size_divisible", "rpn_train_pre_nms_top_n",
+          "rpn_train_post_nms_top_n", "box_batch_size_per_image", "num_boxes", "min_boxes",
+          "max_boxes")  # positive integers, both families
+PROPOSALS = ("rpn_pre_nms_top_n", "rpn_post_nms_top_n")  # the FPN family's may be 0: images without regions, served
 FPN_COUNTS = ("fpn_channels",)
 BUTD_COUNTS = ("resnet_stem_channels", "resnet_res2_channels", "resnet_groups", "resnet_bottleneck_channels",
-               "rpn_channels")
+               "rpn_channels", *PROPOSALS)
 FRACTIONS = ("rpn_nms_thresh", "region_nms_thresh", "det_nms_thresh", "conf_thresh",
              "det_score_thresh")  # IoU and score thresholds, 0 to 1
 POSITIVE = ("std", "aspect_ratios")  # numbers above 0 (divisors), both families
@@ -132,6 +133,7 @@ class DetectorConfig:
         if len(self.anchor_sizes) != 3:
             raise ValueError("anchor_sizes needs one tuple per FPN level (3)")
         _counts(self, FPN_COUNTS)
+        _counts(self, PROPOSALS, least=0)
         if not isinstance(self.trainable_blocks, int) or isinstance(self.trainable_blocks, bool) \
                 or self.trainable_blocks < 0:
             raise ValueError(f"trainable_blocks must be an integer, 0 or more, not {self.trainable_blocks!r}")
@@ -174,11 +176,12 @@ class DetectorConfig:
         return cls(**data)
 
 
-def _counts(config: DetectorConfig, names: tuple[str, ...]) -> None:
+def _counts(config: DetectorConfig, names: tuple[str, ...], least: int = 1) -> None:
     for name in names:
         value = getattr(config, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, not {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            kind = "a positive integer" if least == 1 else f"an integer, {least} or more"
+            raise ValueError(f"{name} must be {kind}, not {value!r}")
 
 
 def _positive(config: DetectorConfig, names: tuple[str, ...]) -> None:

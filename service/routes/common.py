@@ -1,11 +1,14 @@
 """What every task route shares: the loaded services, the per-request timer, and the response envelope."""
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
-from fastapi import Query, Request
+from fastapi import Query, Request, Response
+from fastapi.routing import APIRoute
 
 from ..errors import ProblemError
 from ..pipeline import Pipeline, Timer
@@ -42,6 +45,33 @@ _HEADERS: dict[int, dict[str, Any]] = {
     for status in (429, 503)
 } | {401: {"WWW-Authenticate": {"description": "ApiKey", "required": True, "schema": {"type": "string"}}},
      405: {"Allow": {"description": "the methods the route answers", "required": True, "schema": {"type": "string"}}}}
+
+
+class StrictJSONRequest(Request):
+    """A request whose JSON body is read as RFC 8259 has it between systems: UTF-8 text (json.loads would also
+    take UTF-16 and UTF-32) without NaN or Infinity, as POST /images reads its body."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            text = (await self.body()).decode("utf-8")  # not UTF-8: FastAPI's 400, errors.py says why
+
+            def refuse(constant: str) -> Any:
+                raise json.JSONDecodeError(f"{constant} is not a JSON value", text, max(text.find(constant), 0))
+
+            self._json = json.loads(text, parse_constant=refuse)
+        return self._json
+
+
+class StrictJSONRoute(APIRoute):
+    """A route whose body is parsed by StrictJSONRequest (the task routes' `route_class`)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def strict(request: Request) -> Response:
+            return await handler(StrictJSONRequest(request.scope, request.receive, request._send))
+
+        return strict
 
 
 def problems(*kinds: str) -> dict[int | str, dict[str, Any]]:

@@ -2,9 +2,9 @@
 from fastapi import APIRouter, Request
 
 from ..schemas import NLVR2Request, NLVR2Response
-from .common import PROBLEMS, ExplainQuery, TimingsQuery, open_call
+from .common import PROBLEMS, ExplainQuery, StrictJSONRoute, TimingsQuery, open_call
 
-router = APIRouter(tags=["tasks"])
+router = APIRouter(tags=["tasks"], route_class=StrictJSONRoute)
 
 
 @router.post("/nlvr2", response_model=NLVR2Response, response_model_exclude_none=True, responses=PROBLEMS)

@@ -2,9 +2,9 @@
 from fastapi import APIRouter, Request
 
 from ..schemas import RetrieveRequest, RetrieveResponse
-from .common import PROBLEMS, ExplainQuery, TimingsQuery, open_call
+from .common import PROBLEMS, ExplainQuery, StrictJSONRoute, TimingsQuery, open_call
 
-router = APIRouter(tags=["tasks"])
+router = APIRouter(tags=["tasks"], route_class=StrictJSONRoute)
 
 
 @router.post("/retrieve", response_model=RetrieveResponse, response_model_exclude_none=True, responses=PROBLEMS)

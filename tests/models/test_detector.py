@@ -83,11 +83,9 @@ def test_adaptive_mode_keeps_between_min_and_max():
 
 
 def test_zero_proposals_give_an_image_without_regions(monkeypatch):
-    """An RPN that proposes nothing (here: torchvision's RPN told to keep 0 proposals, which a config may not say) is
-    a valid answer: num_boxes 0, all padding."""
+    """An RPN that proposes nothing (here: rpn_post_nms_top_n=0) is a valid answer: num_boxes 0, all padding."""
     torch.manual_seed(0)
-    det = RegionDetector(small_config(), pretrained_backbone=False).eval()
-    monkeypatch.setitem(det.rpn._post_nms_top_n, "testing", 0)
+    det = RegionDetector(small_config(rpn_post_nms_top_n=0), pretrained_backbone=False).eval()
     blank = np.full((64, 80, 3), 255, np.uint8)
     for img, rf in zip([blank, IMAGES[1]], det.extract([blank, IMAGES[1]])):
         assert rf.num_boxes == 0 and rf.boxes.shape == (12, 4) and rf.image_hw == img.shape[:2]
@@ -177,6 +175,7 @@ def test_config_is_validated():
     ("min_size", "128", "min_size must be a positive integer, not '128'"),
     ("max_size", None, "max_size must be a positive integer, not None"),
     ("fpn_channels", 0, "fpn_channels must be a positive integer"),
+    ("rpn_post_nms_top_n", -1, "rpn_post_nms_top_n must be an integer, 0 or more"),
     ("roi_size", 2.5, "roi_size must be a positive integer"),
     ("mean", [0.5], "mean must hold 3 finite numbers"),
     ("std", [0.0, 0.0, 0.0], "std must hold numbers above 0"),

@@ -149,6 +149,12 @@ def test_an_unknown_image_problem_lists_every_id_the_request_lacks(client, probl
     (b'{"image": "' + IMG.encode() + b'", "question": "q"', "application/json", 400, "bad-request"),  # cut short
     (b"\xff\xfe\x00garbage", "application/json", 400, "bad-request"),
     (b"\xff", "application/json", 400, "bad-request"),  # not UTF-8
+    # JSON between systems is UTF-8 (RFC 8259 8.1) and has no NaN or Infinity, as POST /images reads it
+    (('{"image": "' + IMG + '", "question": "q"}').encode("utf-16"), "application/json", 400, "bad-request"),
+    (('{"image": "' + IMG + '", "question": "q"}').encode("utf-32-le"), "application/json", 400, "bad-request"),
+    (b'{"image": "' + IMG.encode() + b'", "question": "q", "top_k": NaN}', "application/json", 400, "bad-request"),
+    (b'{"image": "' + IMG.encode() + b'", "question": "q", "top_k": -Infinity}', "application/json", 400,
+     "bad-request"),
     (b"question=what", "application/x-www-form-urlencoded", 415, "unsupported-media-type"),  # a form: not JSON
 ])
 def test_unparseable_bodies(client, problem, raw, content_type, status, kind):
