@@ -8,8 +8,10 @@ Record file (one file per extraction run, suffix `.vlfeat` by convention), all i
 
 Records are only ever appended, so an interrupted run leaves at worst one torn record at the end: readers
 ignore it (`FeatureFile.truncated_bytes` says how much) and `FeatureFileWriter` cuts it off before
-resuming. The same image id written twice resolves to the last record. Damage anywhere before the tail
-raises FeatureFormatError.
+resuming. The same image id written twice resolves to the last record. Damage to the structure before the tail
+raises FeatureFormatError on opening; a record whose bytes fail their CRC raises when it is read, and a resuming
+writer checks every record's CRC, so such a record is written again rather than counted as done. A writer holds
+an exclusive lock on the file (`lock_for_writing`) while it is open: a second writer is refused, not interleaved.
 
 obj36 TSV (airsplay/lxmert, bottom-up-attention): one image per line, tab separated, no header, columns
 FIELDNAMES; array columns are base64 of raw little-endian numpy bytes (ids int64, confidences and boxes
@@ -21,13 +23,17 @@ from __future__ import annotations
 import base64
 import binascii
 import csv
+import errno
+import fcntl
 import json
 import os
+import stat
 import struct
 import sys
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -41,25 +47,51 @@ _RECORD_HEADER = struct.Struct("<4sIQ")  # magic, id length, value length
 _CRC = struct.Struct("<I")
 
 
+class FileLockedError(OSError):
+    """Another process holds the write lock of an output file."""
+
+
+def lock_for_writing(path: str | os.PathLike) -> BinaryIO:
+    """`path` opened for reading and writing (created empty if absent) with an exclusive lock held until it is closed.
+
+    Two runs appending to one file would write over each other's records; the second is refused instead
+    (FileLockedError). The lock is flock(2) on the file itself, so it goes with the process: a killed run leaves no
+    stale lock behind. Opening changes nothing in an existing file.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or device would block or swallow what is written
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FileLockedError(f"{path}: another process is writing it (wait for it to end, or write to another "
+                                  "file)") from None
+        return os.fdopen(fd, "r+b")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 # --- record file ---
 
 def _read_file_header(f) -> tuple[dict, int]:
     """(meta, offset of the first record); FeatureFormatError for a foreign or other-version file."""
     raw = f.read(_FILE_HEADER.size)
     if len(raw) < _FILE_HEADER.size:
-        raise FeatureFormatError("feature file: too short for a header")
+        raise FeatureFormatError("too short for the header of a vlserve feature file")
     magic, version, meta_len = _FILE_HEADER.unpack(raw)
     if magic != MAGIC:
-        raise FeatureFormatError("feature file: not a vlserve feature file (bad magic)")
+        raise FeatureFormatError("not a vlserve feature file (bad magic)")
     if version != FILE_VERSION:
-        raise FeatureFormatError(f"feature file: version {version}, this code reads {FILE_VERSION}")
+        raise FeatureFormatError(f"feature file version {version}, this code reads {FILE_VERSION}")
     meta_raw = f.read(meta_len)
     try:
         meta = json.loads(meta_raw)
     except (ValueError, RecursionError) as e:
-        raise FeatureFormatError(f"feature file: meta is not JSON: {e}") from None
+        raise FeatureFormatError(f"feature file meta is not JSON: {e}") from None
     if len(meta_raw) < meta_len or not isinstance(meta, dict):
-        raise FeatureFormatError("feature file: meta is not a JSON object")
+        raise FeatureFormatError("feature file meta is not a JSON object")
     return meta, _FILE_HEADER.size + meta_len
 
 
@@ -101,11 +133,11 @@ def _scan(f, start: int, size: int) -> tuple[dict[str, tuple[int, int, int]], in
         if magic != RECORD_MAGIC:
             if _zeros_to_end(f, offset):
                 break  # a crash can leave the tail zero-filled
-            raise FeatureFormatError(f"feature file: bad record magic at byte {offset}")
+            raise FeatureFormatError(f"bad record magic at byte {offset}")
         try:
             image_id = f.read(key_len).decode("utf-8")
         except UnicodeDecodeError:
-            raise FeatureFormatError(f"feature file: image id at byte {offset} is not UTF-8") from None
+            raise FeatureFormatError(f"image id at byte {offset} is not UTF-8") from None
         records.append((image_id, offset, key_len, value_len))
         offset = end
     if records and offset == size:  # complete length, but the last write may still be torn
@@ -126,6 +158,9 @@ class FeatureFile(Mapping[str, RegionFeatures]):
             size = os.fstat(self._f.fileno()).st_size
             self._index, end = _scan(self._f, start, size)
             self.truncated_bytes = size - end  # a torn last record left by an interrupted run
+        except FeatureFormatError as e:
+            self._f.close()
+            raise FeatureFormatError(f"{self.path}: {e}") from None
         except BaseException:
             self._f.close()
             raise
@@ -134,9 +169,19 @@ class FeatureFile(Mapping[str, RegionFeatures]):
         offset, key_len, value_len = self._index[image_id]
         stored, computed = _record_crc(self._f, offset, key_len, value_len)
         if stored != computed:
-            raise FeatureFormatError(f"feature file: record {image_id!r} at byte {offset} is corrupt (CRC)")
+            raise FeatureFormatError(f"{self.path}: record {image_id!r} at byte {offset} is corrupt (CRC)")
         self._f.seek(offset + _RECORD_HEADER.size + key_len)
         return RegionFeatures.from_bytes(self._f.read(value_len))
+
+    def corrupt_ids(self) -> list[str]:
+        """Ids whose record fails its CRC. Reads every record, which opening does not (it checks the structure and
+        the last record only)."""
+        corrupt = []
+        for image_id, (offset, key_len, value_len) in self._index.items():
+            stored, computed = _record_crc(self._f, offset, key_len, value_len)
+            if stored != computed:
+                corrupt.append(image_id)
+        return corrupt
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._index)
@@ -157,28 +202,49 @@ class FeatureFile(Mapping[str, RegionFeatures]):
         self.close()
 
 
+def _meta_difference(there: dict, here: dict) -> str:
+    """The meta entries that differ, as a refused resume names them: "written with detector 'a', this run writes
+    detector 'b'"."""
+    keys = sorted(k for k in there.keys() | here.keys() if there.get(k) != here.get(k))
+
+    def entries(meta: dict) -> str:
+        return ", ".join(f"{k} {meta[k]!r}" if k in meta else f"no {k}" for k in keys)
+
+    return f"written with {entries(there)}, this run writes {entries(here)}"
+
+
 class FeatureFileWriter:
-    """Appends records to a feature file; an existing file is resumed (torn tail cut, meta must match)."""
+    """Appends records to a feature file, holding its write lock until closed; an existing file is resumed (meta must
+    match, torn tail cut).
+
+    `written` holds the ids whose record is whole and passes its CRC; `corrupt` the ids whose (last) record fails it,
+    which a resume writes again (the new record is the one readers get).
+    """
 
     def __init__(self, path: str | os.PathLike, meta: dict | None = None):
         self.path = Path(path)
         meta = {} if meta is None else json.loads(json.dumps(meta))  # JSON-normalized, to compare on resume
-        if self.path.exists() and self.path.stat().st_size > 0:
-            with FeatureFile(self.path) as existing:
-                if existing.meta != meta:
-                    raise FeatureFormatError(
-                        f"feature file {self.path}: written with meta {existing.meta}, resuming with {meta}")
-                self.written: set[str] = set(existing)
-                good_end = self.path.stat().st_size - existing.truncated_bytes
-            self._f = open(self.path, "r+b")
-            self._f.truncate(good_end)
-            self._f.seek(good_end)
-        else:
-            meta_raw = json.dumps(meta, sort_keys=True).encode()
-            self.written = set()
-            self._f = open(self.path, "wb")
-            self._f.write(_FILE_HEADER.pack(MAGIC, FILE_VERSION, len(meta_raw)) + meta_raw)
-            self._f.flush()
+        self._f = lock_for_writing(self.path)
+        try:
+            self.written: set[str] = set()
+            self.corrupt: list[str] = []
+            if os.fstat(self._f.fileno()).st_size > 0:
+                with FeatureFile(self.path) as existing:
+                    if existing.meta != meta:
+                        raise FeatureFormatError(f"{self.path}: {_meta_difference(existing.meta, meta)}; a feature "
+                                                 "file is resumed only with the settings that began it")
+                    self.corrupt = existing.corrupt_ids()
+                    self.written = set(existing).difference(self.corrupt)
+                    good_end = os.fstat(self._f.fileno()).st_size - existing.truncated_bytes
+                self._f.truncate(good_end)
+                self._f.seek(good_end)
+            else:  # new, or created by a run stopped before its header was written
+                meta_raw = json.dumps(meta, sort_keys=True).encode()
+                self._f.write(_FILE_HEADER.pack(MAGIC, FILE_VERSION, len(meta_raw)) + meta_raw)
+                self._f.flush()
+        except BaseException:
+            self._f.close()
+            raise
         self.meta = meta
 
     def __contains__(self, image_id: str) -> bool:
@@ -280,6 +346,36 @@ def decode_obj_row(row: Mapping[str, str | None]) -> tuple[str, RegionFeatures]:
         return row["img_id"], RegionFeatures(**arrays, image_hw=image_hw, num_boxes=num_boxes)
     except (ValueError, TypeError, binascii.Error) as e:
         raise FeatureFormatError(f"obj36 TSV row {row.get('img_id')!r}: {e}") from None
+
+
+_DIGITS = b"0123456789"
+_BASE64 = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/="
+# the bytes each column of a row holds as encode_obj_row writes it; None: the id, anything but a tab or line break
+_COLUMN_BYTES = {"img_id": None, "img_h": _DIGITS, "img_w": _DIGITS, "num_boxes": _DIGITS,
+                 **{column: _BASE64 for column in _TSV_ARRAYS}}
+
+
+def obj_row_prefix_columns(chunks: Iterable[bytes]) -> int | None:
+    """How many whole columns the bytes of an unfinished line hold, if they could be the start of a row that
+    encode_obj_row writes (each column's bytes of its kind: digits, base64; at most len(FIELDNAMES) columns); None
+    if they could not. What a write cut short leaves as a TSV's last line passes; most other text does not."""
+    column, length = 0, 0  # the column being read, and its bytes so far
+    for chunk in chunks:
+        for i, piece in enumerate(chunk.split(b"\t")):
+            if i:  # a tab ended the column
+                if length == 0 and _COLUMN_BYTES[FIELDNAMES[column]] is _DIGITS:
+                    return None  # a number column is never empty (a base64 one is for zero regions)
+                column, length = column + 1, 0
+                if column == len(FIELDNAMES):
+                    return None
+            allowed = _COLUMN_BYTES[FIELDNAMES[column]]
+            if allowed is None:
+                if b"\r" in piece:
+                    return None
+            elif piece.translate(None, allowed):  # bytes left once those of the column's kind are deleted
+                return None
+            length += len(piece)
+    return column
 
 
 def write_obj_tsv(path: str | os.PathLike, items: Iterable[tuple[str, RegionFeatures]], append: bool = False) -> int:

@@ -84,7 +84,7 @@ def test_usage_errors_exit_2(detector_dir, folder, tmp_path):
     assert run(folder, "--detector", tmp_path / "nope", "--out", tmp_path / "x").exit_code == 2
     assert run(tmp_path / "missing", "--detector", detector_dir, "--out", tmp_path / "x").exit_code == 2
     assert run(folder, "--detector", detector_dir, "--out", tmp_path / "x", "--format", "csv").exit_code == 2
-    (folder / "sub" / "a.png").write_bytes((folder / "a.png").read_bytes())
+    (folder / "sub" / "a.png").write_bytes((folder / "b.jpg").read_bytes())  # another image named a
     dup = run(folder, "--detector", detector_dir, "--out", tmp_path / "x")
     assert dup.exit_code == 2 and "share the id 'a'" in dup.stderr
 
@@ -231,3 +231,231 @@ def test_a_fifo_is_skipped_unread(detector_dir, folder, tmp_path, fifo, ids):
     assert result.exit_code == 1, result.output
     assert f"skipped {fifo}: not a regular file" in result.stderr
     assert summary_of(result) == {**summary_of(result), "written": 1, "failed": 1}
+
+
+# --- one writer at a time, and resumes that check what the output holds ---
+
+@pytest.mark.parametrize("fmt", ["vlfeat", "tsv"])
+def test_a_second_run_into_an_output_being_written_is_refused(detector_dir, folder, tmp_path, fmt):
+    """Run 1 holds the output (its detector is made to wait inside a batch) while run 2 starts: run 2 is refused with
+    one line and exit 2 and writes nothing; run 1 finishes, and every record it wrote reads back."""
+    from models.detector.extract import extract_folder
+    from models.detector.io import load_detector
+
+    detector, fingerprint = load_detector(detector_dir)
+    inside, release = threading.Event(), threading.Event()
+
+    class Waits:
+        def extract(self, images, batch_size=8):
+            inside.set()
+            assert release.wait(60)
+            return detector.extract(images, batch_size)
+
+    out = tmp_path / f"feats.{fmt}"
+    first = {}
+    thread = threading.Thread(target=lambda: first.update(report=extract_folder(
+        Waits(), fingerprint, [folder / "a.png", folder / "b.jpg"], out, fmt=fmt, progress=False)))
+    thread.start()
+    try:
+        assert inside.wait(60)
+        second = run(folder / "sub", "--detector", detector_dir, "--out", out, "--format", fmt)
+    finally:
+        release.set()
+        thread.join()
+    assert second.exit_code == 2 and isinstance(second.exception, SystemExit), second.output
+    assert second.stderr == (f"error: {out}: another process is writing it (wait for it to end, or write to another "
+                             "file)\n")
+    assert first["report"].written == 2
+    if fmt == "vlfeat":
+        with FeatureFile(out) as f:
+            assert sorted(f) == ["a", "b"] and f.corrupt_ids() == []
+    else:
+        assert sorted(dict(read_obj_tsv(out))) == ["a", "b"]
+
+
+def flip_a_byte_inside(path, image_id: str) -> None:
+    """Damage the value of image_id's record (not the last one), as a bad disk or an overlapping writer would."""
+    with FeatureFile(path) as f:
+        offset, key_len, value_len = f._index[image_id]
+    data = bytearray(path.read_bytes())
+    data[offset + 16 + key_len + value_len // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_resume_writes_again_a_record_that_fails_its_crc(detector_dir, folder, tmp_path):
+    out = tmp_path / "feats.vlfeat"
+    run(folder / "a.png", folder / "b.jpg", folder / "sub", "--detector", detector_dir, "--out", out)
+    flip_a_byte_inside(out, "a")
+    result = run(folder / "a.png", folder / "b.jpg", folder / "sub", "--detector", detector_dir, "--out", out)
+    assert result.exit_code == 0, result.output
+    assert summary_of(result) == {**summary_of(result), "written": 1, "already_done": 2, "corrupt": 1}
+    assert f"redone 'a': its record in {out} failed its CRC check; written again" in result.stderr
+    with FeatureFile(out) as f:
+        assert sorted(f) == ["a", "b", "c"] and f.corrupt_ids() == [] and f["a"].image_hw == (64, 64)
+
+
+def test_a_corrupt_record_no_input_has_is_reported_with_exit_1(detector_dir, folder, tmp_path):
+    out = tmp_path / "feats.vlfeat"
+    run(folder / "a.png", folder / "b.jpg", "--detector", detector_dir, "--out", out)
+    flip_a_byte_inside(out, "a")
+    result = run(folder / "sub", "--detector", detector_dir, "--out", out)
+    assert result.exit_code == 1, result.output
+    assert f"corrupt 'a': its record in {out} fails its CRC check and this run did not write it again" in result.stderr
+    assert summary_of(result) == {**summary_of(result), "written": 1, "corrupt": 1, "failed": 0}
+
+
+@pytest.mark.parametrize("fmt", ["vlfeat", "tsv"])
+def test_resume_with_another_image_of_a_done_name_is_refused(detector_dir, folder, tmp_path, fmt):
+    """Stem ids across runs: another picture named a.png is refused (its sha256 is not the one OUT.sources keeps for
+    'a'), as two such files in one run are; a copy of the same bytes under another folder is done."""
+    out = tmp_path / f"feats.{fmt}"
+    run(folder / "a.png", "--detector", detector_dir, "--out", out, "--format", fmt)
+    before = out.read_bytes()
+    other, same = tmp_path / "other", tmp_path / "same"
+    other.mkdir(), same.mkdir()
+    (other / "a.png").write_bytes((folder / "b.jpg").read_bytes())
+    (same / "a.png").write_bytes((folder / "a.png").read_bytes())
+    result = run(other / "a.png", folder / "sub", "--detector", detector_dir, "--out", out, "--format", fmt)
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert result.stderr == (f"error: {other / 'a.png'} ('a'): another image has that id in {out} (other bytes); "
+                             "rename it, write to another --out, or use --ids sha256\n")
+    assert out.read_bytes() == before
+    again = run(same / "a.png", "--detector", detector_dir, "--out", out, "--format", fmt)
+    assert again.exit_code == 0 and summary_of(again) == {**summary_of(again), "written": 0, "already_done": 1}
+
+
+def test_two_files_of_one_stem_and_the_same_bytes_share_a_record(detector_dir, folder, tmp_path):
+    (folder / "sub" / "a.png").write_bytes((folder / "a.png").read_bytes())
+    result = run(folder / "a.png", folder / "sub", "--detector", detector_dir, "--out", tmp_path / "f.vlfeat")
+    assert result.exit_code == 0, result.output
+    assert f"duplicate {folder / 'sub' / 'a.png'}: the same bytes as {folder / 'a.png'}" in result.stderr
+    assert summary_of(result) == {**summary_of(result), "written": 2, "duplicates": 1}
+
+
+@pytest.mark.parametrize("fmt", ["vlfeat", "tsv"])
+@pytest.mark.parametrize("first, then", [("stem", "sha256"), ("sha256", "stem")])
+def test_resume_with_another_id_scheme_is_refused(detector_dir, folder, tmp_path, fmt, first, then):
+    out = tmp_path / f"feats.{fmt}"
+    run(folder / "a.png", "--detector", detector_dir, "--out", out, "--format", fmt, "--ids", first)
+    before = out.read_bytes()
+    result = run(folder / "a.png", folder / "b.jpg", "--detector", detector_dir, "--out", out, "--format", fmt,
+                 "--ids", then)
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert (f"ids {first!r}" if fmt == "vlfeat" else f"written with --ids {first}") in result.stderr
+    assert out.read_bytes() == before
+
+
+# --- the TSV's torn last line ---
+
+def test_tsv_resume_cuts_a_last_row_torn_inside_its_id(detector_dir, folder, tmp_path):
+    out = tmp_path / "f.tsv"
+    run(folder / "a.png", "--detector", detector_dir, "--out", out, "--format", "tsv")
+    whole = out.read_bytes()
+    out.write_bytes(whole + b"c")  # the next row cut after one byte of its id
+    result = run(folder / "a.png", folder / "sub", "--detector", detector_dir, "--out", out, "--format", "tsv")
+    assert result.exit_code == 0, result.output
+    assert sorted(dict(read_obj_tsv(out))) == ["a", "c"] and out.read_bytes().startswith(whole)
+
+
+@pytest.mark.parametrize("text", [b"name\tvalue", b"name\tvalue\t", b"id\t12\t34\tnot base64!", b"a\t1\t2\t"])
+def test_a_tab_separated_file_that_is_not_an_obj36_tsv_is_left_as_it_is(detector_dir, folder, tmp_path, text):
+    """Without a whole row, a line is taken for a torn row only once it holds the columns before num_boxes (an id, the
+    image size, four base64 columns): b"a\\t1\\t2\\t" could be one, but nothing shows it is not a user's."""
+    out = tmp_path / "notes.tsv"
+    out.write_bytes(text)
+    result = run(folder / "a.png", "--detector", detector_dir, "--out", out, "--format", "tsv")
+    assert result.exit_code == 2 and "notes.tsv line 1" in result.stderr and result.stderr.count("\n") == 1
+    assert out.read_bytes() == text
+
+
+# --- names that cannot be an id ---
+
+@pytest.mark.parametrize("fmt", ["vlfeat", "tsv"])
+def test_a_name_that_is_not_utf8_is_skipped_naming_it_and_the_rest_written(detector_dir, folder, tmp_path, fmt):
+    odd = os.path.join(os.fsencode(folder), b"odd\xff.png")
+    with open(odd, "wb") as f:
+        f.write((folder / "b.jpg").read_bytes())
+    out = tmp_path / f"feats.{fmt}"
+    result = run(folder, "--detector", detector_dir, "--out", out, "--format", fmt)
+    assert result.exit_code == 1, result.output
+    assert (f"skipped {folder}/odd\\xff.png: its file name is not UTF-8, so it cannot be an image id; rename it, or "
+            "use --ids sha256\n") in result.stderr
+    assert summary_of(result) == {**summary_of(result), "written": 3, "failed": 3}
+    by_hash = run(folder, "--detector", detector_dir, "--out", tmp_path / f"h.{fmt}", "--format", fmt,
+                  "--ids", "sha256")
+    assert summary_of(by_hash) == {**summary_of(by_hash), "written": 3, "duplicates": 1, "failed": 2}, by_hash.output
+    assert f"duplicate {folder}/odd\\xff.png: the same bytes as {folder / 'b.jpg'}" in by_hash.stderr
+
+
+@pytest.mark.parametrize("name", ["tab\there.png", "new\nline.png"])
+def test_a_tsv_id_with_a_tab_or_line_break_is_skipped_and_the_rest_written(detector_dir, folder, tmp_path, name):
+    (folder / name).write_bytes((folder / "b.jpg").read_bytes())
+    out = tmp_path / "f.tsv"
+    result = run(folder, "--detector", detector_dir, "--out", out, "--format", "tsv")
+    assert result.exit_code == 1, result.output
+    shown = name.replace("\t", "\\t").replace("\n", "\\n")
+    assert (f"skipped {folder}/{shown}: its file name holds a tab or a line break, which an obj36 TSV img_id cannot; "
+            "rename it, or use --ids sha256\n") in result.stderr
+    assert sorted(dict(read_obj_tsv(out))) == ["a", "b", "c"]
+    vlfeat = run(folder, "--detector", detector_dir, "--out", tmp_path / "f.vlfeat")  # any UTF-8 id is a record id
+    with FeatureFile(tmp_path / "f.vlfeat") as f:
+        assert sorted(f) == sorted(["a", "b", "c", name[:-4]]), vlfeat.output
+
+
+# --- smaller things ---
+
+def test_the_same_file_given_twice_is_extracted_once(detector_dir, folder, tmp_path):
+    result = run(folder / "a.png", folder / "a.png", folder, "--detector", detector_dir, "--out", tmp_path / "f.vlfeat")
+    assert result.exit_code == 1 and "share the id" not in result.stderr and "duplicate" not in result.stderr
+    assert summary_of(result) == {**summary_of(result), "written": 3, "duplicates": 0}
+
+
+def test_out_onto_a_file_that_is_not_a_feature_file_names_it(detector_dir, folder, tmp_path):
+    out = tmp_path / "photo.vlfeat"
+    out.write_bytes((folder / "a.png").read_bytes())
+    result = run(folder / "a.png", "--detector", detector_dir, "--out", out)
+    assert result.exit_code == 2 and result.stderr == f"error: {out}: not a vlserve feature file (bad magic)\n"
+    assert out.read_bytes() == (folder / "a.png").read_bytes()
+
+
+def test_a_symlink_loop_with_an_image_suffix_is_reported(detector_dir, folder, tmp_path):
+    (folder / "loop.png").symlink_to("loop.png")
+    result = run(folder, "--detector", detector_dir, "--out", tmp_path / "f.vlfeat")
+    assert result.exit_code == 1
+    assert f"skipped {folder / 'loop.png'}: cannot read {folder / 'loop.png'}: Too many levels of symbolic links" \
+        in result.stderr
+
+
+def test_an_error_during_the_run_starts_its_own_line(detector_dir, folder, tmp_path, monkeypatch):
+    """The progress bar is finished before the error line, not written over."""
+    from models.feature_files import FeatureFileWriter
+
+    def disk_full(self, image_id, features):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(FeatureFileWriter, "append", disk_full)
+    result = run(folder, "--detector", detector_dir, "--out", tmp_path / "f.vlfeat")
+    assert result.exit_code == 2
+    assert result.stderr.splitlines()[-1] == "error: [Errno 28] No space left on device"
+
+
+def test_a_sources_file_that_is_not_ours_is_refused_and_left_as_it_is(detector_dir, folder, tmp_path):
+    out = tmp_path / "f.vlfeat"
+    sources = tmp_path / "f.vlfeat.sources"
+    sources.write_text("my list of sources\n")
+    result = run(folder / "a.png", "--detector", detector_dir, "--out", out)
+    assert result.exit_code == 2 and result.stderr.startswith(f"error: {sources} line 1: not a line of the list")
+    assert sources.read_text() == "my list of sources\n"
+
+
+def test_a_torn_sources_line_is_cut_before_the_next_is_added(detector_dir, folder, tmp_path):
+    out = tmp_path / "f.vlfeat"
+    run(folder / "a.png", "--detector", detector_dir, "--out", out)
+    sources = tmp_path / "f.vlfeat.sources"
+    whole = sources.read_bytes()
+    sources.write_bytes(whole + b'{"id": "b", "sha')  # a run stopped while writing the line of b
+    result = run(folder / "a.png", folder / "b.jpg", "--detector", detector_dir, "--out", out)
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in sources.read_bytes().splitlines()]
+    assert [entry["id"] for entry in lines] == ["a", "b"] and sources.read_bytes().startswith(whole)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from models.feature_files import (
-    FIELDNAMES, FeatureFile, FeatureFileWriter, decode_obj_row, read_feature_file, read_obj_tsv,
-    write_feature_file, write_obj_tsv,
+    FIELDNAMES, FeatureFile, FeatureFileWriter, FileLockedError, decode_obj_row, encode_obj_row, lock_for_writing,
+    obj_row_prefix_columns, read_feature_file, read_obj_tsv, write_feature_file, write_obj_tsv,
 )
 from models.region_features import FeatureFormatError, RegionFeatures
 
@@ -129,11 +129,80 @@ def test_foreign_or_other_version_file_raises(tmp_path, content):
         FeatureFile(path)
 
 
-def test_resume_with_other_meta_raises(tmp_path):
+def test_resume_with_other_meta_raises_naming_what_differs(tmp_path):
     path = tmp_path / "run.vlfeat"
-    write_feature_file(path, make_items(count=1), meta={"detector": "a"})
-    with pytest.raises(FeatureFormatError, match="meta"):
-        FeatureFileWriter(path, meta={"detector": "b"})
+    write_feature_file(path, make_items(count=1), meta={"detector": "a", "ids": "stem"})
+    with pytest.raises(FeatureFormatError) as e:
+        FeatureFileWriter(path, meta={"detector": "b", "ids": "stem"})
+    assert str(e.value) == (f"{path}: written with detector 'a', this run writes detector 'b'; a feature file is "
+                            "resumed only with the settings that began it")
+    with pytest.raises(FeatureFormatError, match="written with no extra, this run writes extra 1"):
+        FeatureFileWriter(path, meta={"detector": "a", "ids": "stem", "extra": 1})
+
+
+def test_errors_opening_a_file_name_it(tmp_path):
+    path = tmp_path / "photo.vlfeat"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 40)
+    with pytest.raises(FeatureFormatError) as e:
+        FeatureFile(path)
+    assert str(e.value) == f"{path}: not a vlserve feature file (bad magic)"
+    with pytest.raises(FeatureFormatError, match=f"^{path}: "):
+        FeatureFileWriter(path)
+    assert path.read_bytes() == b"\x89PNG\r\n\x1a\n" + b"\x00" * 40
+
+
+# --- one writer at a time ---
+
+def test_a_second_writer_is_refused_while_the_first_is_open(tmp_path):
+    path = tmp_path / "run.vlfeat"
+    items = make_items(count=3)
+    with FeatureFileWriter(path, meta={"detector": "a"}) as first:
+        first.append(*items[0])
+        with pytest.raises(FileLockedError, match=f"^{path}: another process is writing it"):
+            FeatureFileWriter(path, meta={"detector": "a"})
+        with pytest.raises(FileLockedError):
+            lock_for_writing(path)
+        first.append(*items[1])
+    with FeatureFileWriter(path, meta={"detector": "a"}) as second:  # the lock goes with the first writer
+        assert second.written == {items[0][0], items[1][0]}
+        second.append(*items[2])
+    assert list(read_feature_file(path)) == [k for k, _ in items]
+
+
+def test_lock_for_writing_creates_nothing_but_an_empty_file_and_refuses_a_fifo(tmp_path):
+    with lock_for_writing(tmp_path / "new.tsv") as f:
+        assert f.read() == b""
+    assert (tmp_path / "new.tsv").read_bytes() == b""
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(OSError, match="not a regular file"):
+        lock_for_writing(tmp_path / "fifo")
+
+
+# --- every record checked on resume ---
+
+def damage_value(path, image_id: str) -> None:
+    with FeatureFile(path) as f:
+        offset, key_len, value_len = f._index[image_id]
+    data = bytearray(path.read_bytes())
+    data[offset + 16 + key_len + value_len // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_resuming_writer_counts_a_record_that_fails_its_crc_as_not_written(tmp_path):
+    """Opening checks the last record's CRC only; a resume checks every record, so one damaged in the middle is
+    written again (the new record is the one read) rather than taken as done."""
+    path = tmp_path / "run.vlfeat"
+    items = make_items(count=3)
+    write_feature_file(path, items)
+    damage_value(path, items[1][0])
+    with FeatureFile(path) as f:
+        assert len(f) == 3 and f.corrupt_ids() == [items[1][0]]
+    with FeatureFileWriter(path) as writer:
+        assert writer.corrupt == [items[1][0]] and writer.written == {items[0][0], items[2][0]}
+        writer.append(*items[1])
+    with FeatureFile(path) as f:
+        assert f.corrupt_ids() == []
+        assert_identical(f[items[1][0]], items[1][1].to_float16())
 
 
 def test_last_record_of_an_id_wins(tmp_path):
@@ -228,3 +297,18 @@ def test_tsv_truncated_line_raises_feature_format_error(tmp_path):
         decode_obj_row({"img_id": "a"})
     with pytest.raises(ValueError, match="img_id"):
         write_obj_tsv(tmp_path / "b.tsv", [("a\tb", make_items(count=1)[0][1])])
+
+
+# --- a TSV's torn last line ---
+
+def test_obj_row_prefix_columns_takes_every_start_of_a_row_and_little_else():
+    (image_id, rf), = make_items(count=1, n=3, dim=8)
+    row = "\t".join(encode_obj_row(image_id, rf)[k] for k in FIELDNAMES).encode()
+    assert obj_row_prefix_columns([row]) == len(FIELDNAMES) - 1  # a whole row but its line break
+    for cut in range(len(row)):
+        assert obj_row_prefix_columns([row[:cut]]) == row[:cut].count(b"\t"), cut
+    assert obj_row_prefix_columns([row[:50], row[50:120]]) == row[:120].count(b"\t")  # chunks split anywhere
+    zero = "\t".join(encode_obj_row("z", rf.replace(num_boxes=0).trimmed())[k] for k in FIELDNAMES).encode()
+    assert obj_row_prefix_columns([zero]) == len(FIELDNAMES) - 1  # empty base64 columns of zero regions
+    for text in [b"name\tvalue", b"a\t\t", b"a\t12\t34\tnot base64", b"a\r\t1", row + b"\tmore"]:
+        assert obj_row_prefix_columns([text]) is None, text

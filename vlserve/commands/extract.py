@@ -14,17 +14,20 @@ def extract(
     images: Annotated[list[Path], typer.Argument(help="image files and/or folders (searched recursively)")],
     detector: Annotated[Path, typer.Option(help="detector checkpoint directory")],
     out: Annotated[Path, typer.Option(help="output file; an existing one is resumed")],
-    fmt: Annotated[str, typer.Option("--format", help="vlfeat (our record file, which names its detector and refuses "
-                                                    "resuming with another) or tsv (LXMERT obj36 TSV; it names no "
-                                                    "detector: resume a TSV only with the one that began it)")] = "vlfeat",
+    fmt: Annotated[str, typer.Option("--format", help="vlfeat (our record file, which names its detector and id "
+                                                    "scheme and refuses resuming with others) or tsv (LXMERT obj36 "
+                                                    "TSV; it names no detector: resume a TSV only with the one that "
+                                                    "began it)")] = "vlfeat",
     batch_size: Annotated[int, typer.Option(min=1, help="images per detector batch")] = 8,
-    ids: Annotated[str, typer.Option(help="image ids: stem (file name) or sha256 (of the bytes, as the service)")] = "stem",
+    ids: Annotated[str, typer.Option(help="image ids: stem (file name; OUT.sources keeps each one's sha256) or sha256 "
+                                          "(of the bytes, as the service)")] = "stem",
     threads: Annotated[int, typer.Option(min=1, max=MAX_THREADS, help="torch threads")] = 2,
 ) -> None:
     """Extract region features (boxes, features, classes, attributes) for every image; bad files are reported and skipped.
 
-    With --ids sha256, files of the same bytes (copies, links) get one record, the others are listed as duplicates.
-    Exit code 0 when every image was extracted, 1 when some could not be read (listed on stderr), 2 on usage errors.
+    Files of the same bytes and id (copies, links) get one record, the others are listed as duplicates.
+    One run at a time writes an output; a resume checks what it holds and extracts again records that fail their CRC.
+    Exit code 0: all extracted; 1: some skipped, or corrupt records left (listed on stderr); 2: usage, refused output.
     """
     import torch
 
@@ -37,21 +40,44 @@ def extract(
         typer.echo("error: --format must be vlfeat or tsv and --ids stem or sha256", err=True)
         raise typer.Exit(2)
     if out.is_dir():  # before the detector loads: --out names the feature file itself
-        typer.echo(f"error: {out}: is a directory; --out takes the feature file to write or resume", err=True)
+        say(f"error: {out}: is a directory; --out takes the feature file to write or resume")
         raise typer.Exit(2)
     torch.set_num_threads(threads)
     try:
         det, fingerprint = load_detector(detector)
         report = extract_folder(det, fingerprint, images, out, fmt=fmt, batch_size=batch_size, ids=ids)
-    except (CheckpointError, FeatureFormatError, OSError, ValueError) as exc:  # OSError: the output file, the disk
-        typer.echo(f"error: {exc}", err=True)
+    except (CheckpointError, FeatureFormatError, OSError, ValueError) as exc:  # OSError: the output file (another
+        # run writing it among them), the disk
+        say(f"error: {exc}")
         raise typer.Exit(2) from None
     for path, reason in report.failed:
-        typer.echo(f"skipped {path}: {reason}", err=True)
+        say(f"skipped {path}: {reason}")
     for path, first in report.duplicates:
-        typer.echo(f"duplicate {path}: the same bytes as {first}, whose record it shares", err=True)
+        say(f"duplicate {path}: the same bytes as {first}, whose record it shares")
+    for image_id in report.redone:
+        say(f"redone {image_id!r}: its record in {out} failed its CRC check; written again")
+    for image_id in report.corrupt:
+        say(f"corrupt {image_id!r}: its record in {out} fails its CRC check and this run did not write it again; "
+            "extract its image again")
     typer.echo(json.dumps({"out": str(out), "written": report.written, "already_done": report.already_done,
                            "duplicates": len(report.duplicates), "failed": len(report.failed),
-                           "detector": fingerprint}))
-    if report.failed:
+                           "corrupt": len(report.redone) + len(report.corrupt), "detector": fingerprint}))
+    if report.failed or report.corrupt:
         raise typer.Exit(1)
+
+
+_ESCAPES = str.maketrans({"\t": "\\t", "\n": "\\n", "\r": "\\r"})
+
+
+def printable(text: str) -> str:
+    """text as one printable line: the bytes of a file name that are not UTF-8 (Python holds them as surrogates) as
+    \\xNN, a tab or line break in a name as \\t, \\n, \\r."""
+    try:
+        text = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate that no file name gives
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text.translate(_ESCAPES)
+
+
+def say(line: str) -> None:
+    typer.echo(printable(line), err=True)
