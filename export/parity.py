@@ -37,10 +37,11 @@ MEASURED_REGIONS = REGION_CYCLE[0] + REGION_CYCLE[1] - 1  # the most regions of 
 
 @dataclass
 class Parity:
-    max_abs_diff: float  # over every logit of every batch
-    agreement: float  # top-1 agreement with torch over `examples`
+    max_abs_diff: float  # over every logit finite in both the graph's and torch's output, of every batch
+    agreement: float  # top-1 agreement with torch over `examples`; a row with a `nonfinite` logit disagrees
     examples: int
     shapes: list[list[int]]  # (batch, text, regions) of the batches measured
+    nonfinite: int = 0  # logits that are NaN or infinite in one output and not the same in the other
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -49,6 +50,14 @@ class Parity:
 def top1(logits: np.ndarray) -> np.ndarray:
     """Top-1 index per example along the last axis (refer: region, vqa: answer, itm/nlvr2: class)."""
     return logits.reshape(-1, logits.shape[-1]).argmax(-1)
+
+
+def nonfinite_mismatch(got: np.ndarray, expected: np.ndarray) -> np.ndarray:
+    """Where one output is NaN or infinite and the other is not the same value (NaN where torch has NaN, or the
+    same infinity, is a match): a difference no absolute bound measures, since NaN compares false with any."""
+    finite_got, finite_expected = np.isfinite(got), np.isfinite(expected)
+    same = (got == expected) | (np.isnan(got) & np.isnan(expected))
+    return ~(finite_got & finite_expected) & ~same
 
 
 def torch_logits(model: VLModel, task: str, feed: dict[str, np.ndarray]) -> np.ndarray:
@@ -83,8 +92,10 @@ def parity_batches(model: VLModel, task: str, examples: int, seed: int = 0):
 
 
 def measure(model: VLModel, spec: GraphSpec, run, examples: int = 1000, seed: int = 0, reference=None) -> Parity:
-    """Parity of `run(feed) -> logits` with the torch model (or with `reference(feed)` when given)."""
-    worst, agree, count, shapes = 0.0, 0, 0, []
+    """Parity of `run(feed) -> logits` with the torch model (or with `reference(feed)` when given). The largest
+    difference is taken over the logits finite in both outputs; the others, NaN or infinite on one side only, are
+    counted in `nonfinite` (a failure whatever the bounds) and their rows count as disagreeing."""
+    worst, agree, count, nonfinite, shapes = 0.0, 0, 0, 0, []
     for shape, feed, expected in parity_batches(model, spec.task, examples, seed):
         if reference is not None:
             expected = reference(feed)
@@ -92,9 +103,16 @@ def measure(model: VLModel, spec: GraphSpec, run, examples: int = 1000, seed: in
         if got.shape != expected.shape:
             raise ValueError(f"graph {spec.task!r}: logits of shape {got.shape}, torch gives {expected.shape} "
                              f"(batch, text, regions = {shape})")
-        worst = max(worst, float(np.abs(got.astype(np.float64) - expected).max()))
+        got, expected = got.astype(np.float64), expected.astype(np.float64)
+        mismatch = nonfinite_mismatch(got, expected)
+        both_finite = np.isfinite(got) & np.isfinite(expected)
+        if both_finite.any():
+            worst = max(worst, float(np.abs(got[both_finite] - expected[both_finite]).max()))
+        nonfinite += int(mismatch.sum())
+        rows = mismatch.reshape(-1, got.shape[-1]).any(-1)
         a, e = top1(got), top1(expected)
-        agree += int((a == e).sum())
+        agree += int(((a == e) & ~rows).sum())
         count += a.size
         shapes.append(list(shape))
-    return Parity(max_abs_diff=worst, agreement=agree / max(count, 1), examples=count, shapes=shapes)
+    return Parity(max_abs_diff=worst, agreement=agree / max(count, 1), examples=count, shapes=shapes,
+                  nonfinite=nonfinite)

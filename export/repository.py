@@ -4,9 +4,12 @@ whose graphs miss the parity bounds writes nothing.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -67,6 +70,9 @@ def _first_line(exc: Exception) -> str:
 
 def _check(task: str, variant: str, parity, max_diff: float | None, min_agreement: float) -> str | None:
     """The parity failure of one graph variant, or None."""
+    if parity.nonfinite:  # NaN compares false with any bound: counted apart, a failure whatever the bounds
+        return (f"graph {task!r} ({variant}): {parity.nonfinite} logits on {parity.examples} examples are NaN or "
+                "infinite where torch's are not, or the reverse")
     if max_diff is not None and parity.max_abs_diff > max_diff:
         return (f"graph {task!r} ({variant}): max abs logit difference to torch {parity.max_abs_diff:.3g} "
                 f"exceeds {max_diff:g}")
@@ -262,12 +268,122 @@ def _check_options(fmt: str, quantize: str | None, opset: int, exporter: str) ->
                           f"(up to {supported_opset()})")
 
 
+def _check_bounds(bounds: Bounds) -> None:
+    """ExportError for parity bounds no measurement can be held to, before any work: a difference bound must be a
+    finite number above 0, an agreement bound a share from 0 to 1 (NaN compares false with every measurement, so it
+    would pass any graph; an agreement above 1 would fail every one after the whole export)."""
+    for name, value in asdict(bounds).items():
+        option = "--" + name.replace("_", "-")
+        if name.endswith("max_abs_diff"):
+            if not (math.isfinite(value) and value > 0):
+                raise ExportError(f"{option} must be a finite number above 0, got {value}")
+        elif not 0 <= value <= 1:  # NaN fails this too
+            raise ExportError(f"{option} must be a share of examples from 0 to 1, got {value}")
+
+
 def _check_ranges(ranges: engine_runner.Ranges, text_positions: int) -> None:
     """ExportError unless TensorRT engines over `ranges` hold every parity batch of an encoder with `text_positions`."""
     longest = measured_text(text_positions)
     if ranges.max_batch < 1 or ranges.max_text < longest or ranges.max_regions < MEASURED_REGIONS:
         raise ExportError(f"engine ranges need --max-batch >= 1, --max-text >= {longest} and --max-regions "
                           f">= {MEASURED_REGIONS} (the parity batches reach those sizes), got {asdict(ranges)}")
+
+
+# ---- staging -------------------------------------------------------------------------------------------
+# The repository is assembled in a hidden directory beside --out, `.<out name>.export-<pid>.<8 random characters>`,
+# then renamed into place. Its export holds an exclusive flock on it while it runs (the kernel releases it when the
+# process ends, SIGKILL included), so another export of the same --out can tell a live staging directory (locked:
+# refused) from the remains of a killed one (unlocked and its pid gone: removed). Exports beside one another set up
+# their staging directories one at a time, under a flock on the parent directory held for that moment only.
+
+STAGING = "export"
+
+
+def _staging_name(out: Path) -> re.Pattern:
+    """The names of export staging directories of `out` (mkdtemp's random part: 8 of [a-z0-9_])."""
+    return re.compile(rf"\.{re.escape(out.name)}\.{STAGING}-(\d+)\.[a-z0-9_]{{8}}")
+
+
+def _lock(fd: int, wait: bool = False) -> bool | None:
+    """flock `fd` exclusively: True when taken, False when another open file holds it, None where the file system
+    has no flock (then nothing is known)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    return True
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # no such process; a number no pid has
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
+def _sweep(out: Path, log: Callable[[str], None]) -> None:
+    """ExportError when another export is writing `out` (its staging directory is locked, or, where the file system
+    has no flock, its pid is alive); staging directories of `out` left by exports that ended without removing them
+    (SIGKILL, a power cut) are removed. Nothing but this process's uid's directories of `out`'s staging name is
+    touched."""
+    pattern = _staging_name(out)
+    try:
+        entries = [e for e in out.parent.iterdir() if pattern.fullmatch(e.name)]
+    except OSError:
+        return
+    for entry in entries:
+        pid = int(pattern.fullmatch(entry.name)[1])
+        try:
+            fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)  # a link or a file is no staging dir
+        except OSError:
+            continue
+        try:
+            taken = _lock(fd)
+            live = not taken if taken is not None else _pid_alive(pid)
+            if live:
+                raise ExportError(f"{out}: another export (pid {pid}) is writing this repository (staging directory "
+                                  f"{entry}); wait for it to end or choose another --out")
+            if taken and not _pid_alive(pid) and os.fstat(fd).st_uid == os.getuid():
+                shutil.rmtree(entry, ignore_errors=True)
+                log(f"removed {entry}: the staging directory of an export (pid {pid}) that ended without removing it")
+        finally:
+            os.close(fd)
+
+
+def _stage(out: Path, log: Callable[[str], None]) -> tuple[Path, int]:
+    """The staging directory of an export to `out`, created beside it and locked -> (path, the locked descriptor,
+    which the export closes when it ends). ExportError when `out` cannot be created there, another export is writing
+    it, or it was filled since the export began."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        parent = os.open(out.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except FileExistsError as exc:  # a file where a parent directory should be
+        raise ExportError(f"{out}: cannot create the repository: {exc.filename} is a file, not a directory") from None
+    except OSError as exc:  # a read-only file system, no write permission
+        raise ExportError(f"{out}: cannot create the repository in {out.parent} ({exc.strerror})") from None
+    try:
+        _lock(parent, wait=True)  # released when `parent` is closed
+        _sweep(out, log)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):  # written while this export loaded its models
+            raise ExportError(f"{out} exists and is not an empty directory; choose a new --out")
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{STAGING}-{os.getpid()}.", dir=out.parent))
+        except OSError as exc:  # a read-only file system, no write permission
+            raise ExportError(f"{out}: cannot create the repository in {out.parent} ({exc.strerror})") from None
+        try:
+            held = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        except BaseException:
+            tmp.rmdir()
+            raise
+        _lock(held)
+        return tmp, held
+    finally:
+        os.close(parent)
 
 
 def export_repository(
@@ -304,6 +420,7 @@ def export_repository(
     """
     _check_options(fmt, quantize, opset, exporter)
     bounds = Bounds(max_abs_diff, min_agreement, int8_min_agreement, fp16_max_abs_diff, fp16_min_agreement)
+    _check_bounds(bounds)
     model_dir, out = Path(model_dir), Path(out_dir)
     if out.is_symlink():  # the finished repository is renamed into --out's place, which a link cannot give up
         raise ExportError(f"{out} is a symbolic link (to {os.readlink(out)}); pass the directory itself as --out")
@@ -320,13 +437,7 @@ def export_repository(
         detector, fingerprint = _load_detector(Path(detector_dir), checkpoint.manifest, config.encoder.visual_feat_dim)
     torch.set_num_threads(threads)
 
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    except FileExistsError as exc:  # a file where a parent directory should be
-        raise ExportError(f"{out}: cannot create the repository: {exc.filename} is a file, not a directory") from None
-    except OSError as exc:  # a read-only file system, no write permission
-        raise ExportError(f"{out}: cannot create the repository in {out.parent} ({exc.strerror})") from None
+    tmp, held = _stage(out, log)
     work = tmp / ".work"  # intermediate graphs, removed before the repository is moved into place
     try:
         (tmp / GRAPHS).mkdir()
@@ -375,7 +486,8 @@ def export_repository(
                     "int8_min_agreement": int8_min_agreement if quantize else None,
                     "fp16_max_abs_diff": fp16_max_abs_diff if fp16 or engine_fields else None,
                     "fp16_min_agreement": fp16_min_agreement if fp16 or engine_fields else None}
-        (tmp / PARITY).write_text(json.dumps({"bounds": recorded, "graphs": parity, **extra_reports}, indent=2))
+        (tmp / PARITY).write_text(json.dumps({"bounds": recorded, "graphs": parity, **extra_reports}, indent=2,
+                                             allow_nan=False))  # NaN and Infinity are no JSON
         source = checkpoint.manifest
         files = [CONFIG, LABELS, *TOKENIZER_FILES, PARITY, *graph_files(graphs, engine_fields),
                  *(detector_fields.get(k) for k in ("graph", "config", "labels") if detector_fields)]
@@ -403,10 +515,16 @@ def export_repository(
             fields["engines"] = engine_fields
         write_manifest(tmp, files, fields)
         apply_umask(tmp)  # the umask's modes, not mkdtemp's 0700 (the service image's user reads the repository)
-        if out.exists():
-            out.rmdir()
-        tmp.replace(out)
+        try:
+            if out.exists():
+                out.rmdir()
+            tmp.replace(out)
+        except OSError as exc:  # ENOTEMPTY, EEXIST: another writer, which ignores the staging locks, filled --out
+            raise ExportError(f"{out}: another process wrote there while this export ran ({exc.strerror}); this "
+                              "export's repository was discarded") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        os.close(held)  # the staging lock, now on --out itself or on nothing
     return load_repository(out)

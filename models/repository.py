@@ -132,8 +132,24 @@ class Repository:
     @property
     def detector_path(self) -> Path | None:
         """The exported detector graph, when the export was given the detector (`--detector`)."""
-        graph = (self.manifest.get("detector") or {}).get("graph")
-        return self.path / graph if graph else None
+        graph = detector_graph(self.manifest, self.path)
+        return self.path / graph[0] if graph else None
+
+
+def detector_graph(manifest: dict[str, Any], path: Path) -> list[str]:
+    """The detector graph a repository's manifest serves (`detector.graph`, with --detector), as a list of none or
+    one file name; RepositoryError when the entry is not an object or the name not a string."""
+    detector = manifest.get("detector")
+    if detector is None:
+        return []
+    if not isinstance(detector, dict):
+        raise RepositoryError(f"{path / MANIFEST}: field 'detector' is {type(detector).__name__}, not an object")
+    graph = detector.get("graph")
+    if graph is None:
+        return []
+    if not isinstance(graph, str) or not graph:
+        raise RepositoryError(f"{path / MANIFEST}: field 'detector.graph' is {graph!r}, not a file name")
+    return [graph]
 
 
 def graph_files(graphs: dict[str, dict], engine_fields: dict) -> list[str]:
@@ -196,8 +212,10 @@ def onnxruntime_reason(exc: BaseException) -> str:
 
 
 def check_graph(path: Path) -> None:
-    """RepositoryError naming the graph when onnx cannot parse it, or it needs a newer IR version or opset than this
-    onnxruntime loads: what can be known of a graph without an onnxruntime session (initializers stay unread)."""
+    """RepositoryError naming the graph when onnx cannot parse it, it holds no graph with inputs and outputs, or it
+    needs a newer IR version or opset than this onnxruntime loads: what can be known of a graph without an onnxruntime
+    session (initializers stay unread). Protobuf parses any empty message, so a 0-byte file is a ModelProto without
+    a graph (which onnxruntime refuses: "No graph was found in the protobuf")."""
     import onnx
 
     try:
@@ -205,6 +223,12 @@ def check_graph(path: Path) -> None:
     except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and onnx's own: the file is no ONNX graph
         raise RepositoryError(f"{path}: not an ONNX graph onnx can parse ({type(exc).__name__}: "
                               f"{' '.join(str(exc).split())[:200]})") from None
+    if not model.HasField("graph"):
+        size = path.stat().st_size
+        raise RepositoryError(f"{path}: not an ONNX graph (a {size}-byte ONNX model with no graph in it)")
+    missing = [what for what, values in (("inputs", model.graph.input), ("outputs", model.graph.output)) if not values]
+    if missing:
+        raise RepositoryError(f"{path}: not a servable ONNX graph (its graph has no {' and no '.join(missing)})")
     import onnxruntime
 
     if model.ir_version > supported_ir_version():
@@ -273,9 +297,9 @@ def _read_json(path: Path) -> Any:
 
 
 def load_repository(path: str | Path) -> Repository:
-    """Verify a repository's manifest (every file present with its sha256, every graph and engine among them, an
-    opset onnxruntime runs) and read its config, tokenizer, labels and graph specs. RepositoryError names the
-    file or field at fault."""
+    """Verify a repository's manifest (every file present with its sha256, every graph, the detector's included, and
+    engine among them, an integer opset onnxruntime runs) and read its config, tokenizer, labels and graph specs.
+    RepositoryError names the file or field at fault."""
     path = Path(path)
     if not path.is_dir():
         raise RepositoryError(f"model repository directory not found: {path}")
@@ -286,8 +310,12 @@ def load_repository(path: str | Path) -> Repository:
     if manifest.get("kind") != KIND:
         raise RepositoryError(f"{path}: not a model repository (manifest kind {manifest.get('kind')!r}); "
                               f"`vlserve export` makes one from a checkpoint directory")
-    opset, limit = manifest.get("opset"), supported_opset()
-    if not isinstance(opset, int) or opset > limit:
+    opset = manifest.get("opset")
+    if not isinstance(opset, int) or isinstance(opset, bool):
+        raise RepositoryError(f"{path / MANIFEST}: field 'opset' is {opset!r}, not an integer (the ONNX opset of "
+                              f"the graphs)")
+    limit = supported_opset()
+    if opset > limit:
         import onnxruntime
 
         raise RepositoryError(f"{path / MANIFEST}: the graphs use ONNX opset {opset!r} but onnxruntime "
@@ -316,6 +344,7 @@ def load_repository(path: str | Path) -> Repository:
         named = graph_files(manifest["graphs"], manifest.get("engines") or {})
     except (KeyError, TypeError) as exc:
         raise RepositoryError(f"{path / MANIFEST}: invalid graph or engine entry ({exc})") from None
+    named += detector_graph(manifest, path)
     unverified = [name for name in named if name not in manifest["files"]]
     if unverified:  # a file the manifest serves but does not hash would escape verification
         raise RepositoryError(f"{path / MANIFEST}: {unverified[0]} is served but has no sha256 in the manifest")

@@ -65,6 +65,10 @@ def test_a_model_repository_is_summarised(checkpoint, tmp_path):
     assert summary["kind"] == "onnx-repository" and summary["preset"] == "lxmert" and summary["opset"] == 17
     assert summary["graphs"] == {"vqa": {"kind": "vqa", "file": "graphs/vqa.onnx", "fp16": False}}
     assert "graphs/vqa.onnx" in summary["verified_files"]
+    assert "onnxruntime sessions are created when the service starts" in summary["graph_check"]
+    opened = summary_of(runner.invoke(app, ["info", "--sessions", str(repo.path)]))
+    assert opened == {**summary, "graph_check": opened["graph_check"]}
+    assert opened["graph_check"].endswith("loaded in onnxruntime CPU sessions as the service loads them")
 
 
 def test_a_tampered_detector_is_one_line(detector, tmp_path):

@@ -80,7 +80,20 @@ BROKEN_GRAPHS = {  # id -> (graph file, its broken content from the good one, wh
                   "Protobuf parsing failed", "not an ONNX graph onnx can parse"),
     "truncated-detector": ("detector/detector.onnx", lambda p: p.read_bytes()[: p.stat().st_size // 2],
                            "Protobuf parsing failed", "not an ONNX graph onnx can parse"),
+    # protobuf parses an empty message: onnx.load gives a model without a graph
+    "empty": ("graphs/vqa.onnx", lambda p: b"", "No graph was found", "not an ONNX graph (a 0-byte ONNX model"),
+    "empty-detector": ("detector/detector.onnx", lambda p: b"", "No graph was found",
+                       "not an ONNX graph (a 0-byte ONNX model"),
+    "no-graph": ("graphs/vqa.onnx", lambda p: graph_without_graph(p), "No graph was found",
+                 "ONNX model with no graph in it"),
 }
+
+
+def graph_without_graph(path: Path) -> bytes:
+    """The model's header (IR version, opsets, producer) without its graph."""
+    model = onnx.load(str(path))
+    model.ClearField("graph")
+    return model.SerializeToString()
 
 
 @pytest.mark.parametrize("broken", BROKEN_GRAPHS, ids=list(BROKEN_GRAPHS))
@@ -102,6 +115,83 @@ def test_info_says_how_far_it_checked_the_graphs(models):
     result = runner.invoke(app, ["info", str(models[2])])
     assert result.exit_code == 0, result.output
     assert "onnxruntime sessions are created when the service starts" in json.loads(result.stdout)["graph_check"]
+    result = runner.invoke(app, ["info", "--sessions", str(models[2])])
+    assert result.exit_code == 0, result.output
+    check = json.loads(result.stdout)["graph_check"]
+    assert "loaded in onnxruntime CPU sessions" in check and "created when the service starts" not in check, check
+
+
+def test_a_graph_without_inputs_or_outputs_is_refused_by_the_check(models, tmp_path):
+    """onnxruntime loads a graph without outputs (nothing to serve); check_graph names what it lacks."""
+    from onnx import TensorProto, helper
+
+    from models.repository import check_graph
+
+    value = helper.make_tensor_value_info
+    for inputs, outputs, lacks in (([value("x", TensorProto.FLOAT, [1])], [], "no outputs"),
+                                   ([], [value("y", TensorProto.FLOAT, [1])], "no inputs"),
+                                   ([], [], "no inputs and no outputs")):
+        graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", inputs, outputs)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = 10
+        onnx.save(model, str(tmp_path / "g.onnx"))
+        with pytest.raises(RepositoryError, match=f"not a servable ONNX graph \\(its graph has {lacks}\\)"):
+            check_graph(tmp_path / "g.onnx")
+    check_graph(models[2] / "graphs/vqa.onnx")
+
+
+def with_unknown_operator(path: Path) -> bytes:
+    """The graph with its first node's operator renamed to one no opset has: onnx parses it, onnxruntime refuses."""
+    model = onnx.load(str(path))
+    model.graph.node[0].op_type = "NoSuchOperator"
+    return model.SerializeToString()
+
+
+@pytest.mark.parametrize("name", ["graphs/vqa.onnx", "detector/detector.onnx"])
+def test_info_sessions_loads_the_graphs_as_the_service_does(models, tmp_path, name):
+    _, detector, repo = models
+    copy = rehashed(repo, tmp_path / "repo", name, with_unknown_operator(repo / name))
+    assert runner.invoke(app, ["info", str(copy)]).exit_code == 0  # parses, IR version and opset fine
+    with pytest.raises(StartupError, match="NoSuchOperator"):
+        start(copy, detector)
+    result = runner.invoke(app, ["info", "--sessions", str(copy)])
+    one_line_exit_2(result, f"{copy / name}: onnxruntime cannot load the graph (")
+    assert "NoSuchOperator" in result.stderr
+
+
+# ---- the detector's graph in the manifest --------------------------------------------------------------------
+
+def with_detector_graph(repo: Path, copy: Path, graph) -> Path:
+    """A copy of the repository whose manifest's detector.graph is `graph` (the manifest itself is not hashed)."""
+    shutil.copytree(repo, copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    manifest["detector"]["graph"] = graph
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    return copy
+
+
+def test_a_detector_graph_the_manifest_does_not_hash_is_refused(models, tmp_path):
+    _, detector, repo = models
+    copy = with_detector_graph(repo, tmp_path / "repo", "detector/unhashed.onnx")
+    shutil.copyfile(repo / "detector/detector.onnx", copy / "detector/unhashed.onnx")
+    message = f"{copy / MANIFEST}: detector/unhashed.onnx is served but has no sha256 in the manifest"
+    with pytest.raises(RepositoryError) as caught:
+        load_repository(copy)
+    assert str(caught.value) == message
+    one_line_exit_2(runner.invoke(app, ["info", str(copy)]), message)
+    with pytest.raises(StartupError, match="detector/unhashed.onnx is served but has no sha256"):
+        start(copy, detector)
+
+
+@pytest.mark.parametrize("graph", [7, ["detector/detector.onnx"], ""])
+def test_a_detector_graph_that_is_no_file_name_is_one_line(models, tmp_path, graph):
+    _, _, repo = models
+    copy = with_detector_graph(repo, tmp_path / "repo", graph)
+    message = f"{copy / MANIFEST}: field 'detector.graph' is {graph!r}, not a file name"
+    with pytest.raises(RepositoryError) as caught:
+        load_repository(copy)
+    assert str(caught.value) == message
+    one_line_exit_2(runner.invoke(app, ["info", str(copy)]), message)
 
 
 # ---- malformed config.json and labels.json -----------------------------------------------------------
@@ -221,3 +311,56 @@ def test_the_dynamo_exporter_says_only_vlserves_lines(models, tmp_path):
     assert len(stdout.splitlines()) == 1 and json.loads(stdout)["graphs"] == ["vqa"], stdout
     lines = stderr.splitlines()
     assert lines[0] == "exporting vqa (vqa)" and lines[1].startswith("  vqa: fp32 max|diff|") and len(lines) == 2, stderr
+
+
+# ---- staging directories: a killed export's, a running export's ----------------------------------------------
+
+def wait_for_staging(process: subprocess.Popen, parent: Path, pattern: str) -> Path:
+    deadline = time.monotonic() + 120
+    while not (found := list(parent.glob(pattern))):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+    return found[0]
+
+
+def test_a_killed_exports_staging_directory_is_removed_by_the_next_export_of_its_out(models, tmp_path):
+    parent = tmp_path / "repos"
+    out = parent / "repo"
+    process = vlserve("export", str(models[0]), "--out", str(out), "--examples", "1000000", "--threads", "1")
+    staging = wait_for_staging(process, parent, f".repo.export-{process.pid}.*")
+    process.kill()  # nothing of the export's own runs: its staging directory stays
+    process.communicate(timeout=60)
+    assert staging.is_dir()
+    # what the next export must leave alone: another --out's staging directory, names it does not write, a file and
+    # a link of its staging name, and an unlocked staging directory whose pid is alive (this process's)
+    keep = [parent / f".repo2.export-{process.pid}.abcd1234", parent / ".repo.abcd1234",
+            parent / f".repo.export-{process.pid}.abcd12345", parent / f".repo.export-{process.pid}", parent / "other",
+            parent / f".repo.export-{os.getpid()}.live1234"]
+    for path in keep:
+        path.mkdir()
+    (parent / f".repo.export-{process.pid}.file1234").write_text("a file")
+    (parent / f".repo.export-{process.pid}.link1234").symlink_to(parent / "other")
+    keep += [parent / f".repo.export-{process.pid}.file1234", parent / f".repo.export-{process.pid}.link1234"]
+    before = sorted(parent.iterdir())
+
+    again = vlserve("export", str(models[0]), "--out", str(out), "--examples", "4", "--threads", "1")
+    _, stderr = again.communicate(timeout=300)
+    assert again.returncode == 0, stderr
+    assert f"removed {staging}: the staging directory of an export (pid {process.pid}) that ended" in stderr, stderr
+    assert sorted(parent.iterdir()) == sorted([p for p in before if p != staging] + [out])
+    load_repository(out)
+
+
+def test_a_second_export_of_one_out_is_refused_while_the_first_runs(models, tmp_path):
+    out = tmp_path / "repo"
+    first = vlserve("export", str(models[0]), "--out", str(out), "--examples", "1000000", "--threads", "1")
+    try:
+        staging = wait_for_staging(first, tmp_path, f".repo.export-{first.pid}.*")
+        second = runner.invoke(app, ["export", str(models[0]), "--out", str(out), "--examples", "4"])
+        one_line_exit_2(second, f"error: {out}: another export (pid {first.pid}) is writing this repository "
+                                f"(staging directory {staging}); wait for it to end or choose another --out")
+        assert list(tmp_path.iterdir()) == [staging] and first.poll() is None  # the first goes on
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=60)
+    assert not list(tmp_path.iterdir())

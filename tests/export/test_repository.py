@@ -7,6 +7,7 @@ import json
 import shutil
 import sys
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -252,3 +253,104 @@ def test_the_cli_default_opset_is_the_repositorys():
     from vlserve.commands.export import export
 
     assert inspect.signature(export).parameters["opset"].default == DEFAULT_OPSET
+
+
+# ---- NaN and infinite values, bounds no measurement can be held to ----------------------------------------
+
+def with_nonfinite(run, where: str, value: float):
+    """`run`, its logits changed to `value` at each row's top-1 ("top1") or at each row's other logits ("others")."""
+    def changed(feed):
+        out = run(feed).copy()
+        rows = np.arange(len(out))
+        top = out.argmax(-1)
+        if where == "top1":
+            out[rows, top] = value
+        else:
+            keep = out[rows, top].copy()
+            out[:] = value
+            out[rows, top] = keep
+        return out
+    return changed
+
+
+@pytest.mark.parametrize("where, value", [("top1", np.nan), ("others", np.nan), ("top1", -np.inf),
+                                          ("others", np.inf)])
+def test_nan_or_infinite_logits_where_torch_has_none_fail_parity(repository, checkpoint, where, value):
+    """NaN compares false with any bound and argmax picks it: such logits are counted apart and fail the check."""
+    from export.parity import measure
+    from export.repository import _check, runner
+    from models.checkpoint import load_checkpoint
+    from models.repository import session
+
+    model = load_checkpoint(checkpoint).model.float().eval()
+    run = runner(session(repository.graph_path("vqa"), 1))
+    parity = measure(model, repository.graphs["vqa"], with_nonfinite(run, where, value), examples=16)
+    assert np.isfinite(parity.max_abs_diff) and parity.max_abs_diff <= 1e-4, parity  # over the finite logits
+    assert parity.nonfinite > 0 and parity.agreement == 0.0, parity  # every row has one: none agrees
+    json.dumps(parity.to_dict(), allow_nan=False)  # parity.json stays JSON
+    failure = _check("vqa", "fp32", parity, 1e-4, 0.0)
+    assert failure and f"{parity.nonfinite} logits on 16 examples are NaN or infinite where torch's are not" in failure
+    assert "NaN or infinite" in _check("vqa", "int8", parity, None, 0.0)  # the bound-free int8 check too
+    clean = measure(model, repository.graphs["vqa"], run, examples=16)
+    assert clean.nonfinite == 0 and _check("vqa", "fp32", clean, 1e-4, 0.995) is None
+
+
+def test_an_export_whose_graph_gives_nan_fails_and_writes_nothing(checkpoint, tmp_path, monkeypatch):
+    import export.repository
+
+    real = export.repository.runner
+    monkeypatch.setattr(export.repository, "runner", lambda sess: with_nonfinite(real(sess), "others", np.nan))
+    out = tmp_path / "repo"
+    with pytest.raises(ParityError, match=r"graph 'vqa' \(fp32\): \d+ logits on 16 examples are NaN or infinite"):
+        export_repository(checkpoint, out, examples=16, max_abs_diff=1e-4, min_agreement=0.0)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--max-abs-diff", "nan", "--max-abs-diff must be a finite number above 0, got nan"),
+    ("--max-abs-diff", "inf", "--max-abs-diff must be a finite number above 0, got inf"),
+    ("--max-abs-diff", "0", "--max-abs-diff must be a finite number above 0, got 0.0"),
+    ("--max-abs-diff", "-1e-4", "--max-abs-diff must be a finite number above 0"),
+    ("--min-agreement", "nan", "--min-agreement must be a share of examples from 0 to 1, got nan"),
+    ("--min-agreement", "1.5", "--min-agreement must be a share of examples from 0 to 1, got 1.5"),
+    ("--min-agreement", "-0.1", "--min-agreement must be a share of examples from 0 to 1"),
+    ("--int8-min-agreement", "nan", "--int8-min-agreement must be a share"),
+    ("--fp16-max-abs-diff", "nan", "--fp16-max-abs-diff must be a finite number above 0"),
+    ("--fp16-min-agreement", "2", "--fp16-min-agreement must be a share"),
+])
+def test_bounds_no_measurement_can_be_held_to_are_refused_before_any_work(checkpoint, tmp_path, option, value,
+                                                                          message):
+    """NaN would pass every graph (and write NaN, no JSON, into parity.json); an agreement above 1 would fail every
+    one after the whole export."""
+    result = CliRunner().invoke(app, ["export", str(checkpoint), "--out", str(tmp_path / "repo"), "--examples", "4",
+                                      option, value])
+    one_line_exit_2(result, message)
+    assert result.stderr.count("\n") == 1 and not list(tmp_path.iterdir())
+
+
+def test_the_parity_report_is_strict_json(repository):
+    def refuse(constant):
+        raise ValueError(f"{constant} is no JSON")
+    json.loads((repository.path / "parity.json").read_text(), parse_constant=refuse)
+
+
+def test_examples_measures_at_least_the_shape_batches_and_the_help_says_so(checkpoint):
+    from export.parity import SHAPES, parity_shapes
+
+    floor = sum(batch for batch, _, _ in SHAPES)
+    assert sum(b for b, _, _ in parity_shapes(1)) == floor and sum(b for b, _, _ in parity_shapes(100)) == 100
+    result = CliRunner().invoke(app, ["export", "--help"], env={"COLUMNS": "400"})
+    assert f"at least {floor}" in " ".join(result.stdout.split()), result.stdout
+
+
+# ---- the manifest's opset field -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("opset", ["17", 17.0, True, None])
+def test_an_opset_that_is_not_an_integer_is_named_as_such(copy, opset):
+    manifest = json.loads((copy / MANIFEST).read_text())
+    manifest["opset"] = opset
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(RepositoryError) as caught:
+        load_repository(copy)
+    assert f"field 'opset' is {opset!r}, not an integer" in str(caught.value)
+    assert "upgrade onnxruntime" not in str(caught.value)

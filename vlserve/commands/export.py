@@ -21,9 +21,9 @@ def export(
     opset: Annotated[int, typer.Option(help="ONNX opset of the graphs")] = 17,  # models.repository.DEFAULT_OPSET,
     # written out: importing models (torch) here would slow every vlserve command's start by 1.4 s; a test keeps them equal
     exporter: Annotated[str, typer.Option(help="torchscript (default) or dynamo (which needs a newer --opset than the default; the error says which)")] = "torchscript",
-    examples: Annotated[int, typer.Option(min=1, help="examples in the top-1 agreement check")] = 1000,
-    max_abs_diff: Annotated[float, typer.Option(help="fail past this max abs fp32 logit difference to torch")] = 1e-4,
-    min_agreement: Annotated[float, typer.Option(help="fail below this top-1 agreement with torch (fp32)")] = 0.995,
+    examples: Annotated[int, typer.Option(min=1, help="examples in the top-1 agreement check, at least 16: the four shape-checking batches (1, 3, 5 and 7 examples) always run, then batches of 32 up to this number")] = 1000,
+    max_abs_diff: Annotated[float, typer.Option(help="fail past this max abs fp32 logit difference to torch (finite, above 0)")] = 1e-4,
+    min_agreement: Annotated[float, typer.Option(help="fail below this top-1 agreement with torch (fp32; a share from 0 to 1)")] = 0.995,
     int8_min_agreement: Annotated[float, typer.Option(help="fail below this top-1 agreement with torch (int8)")] = 0.5,
     fp16_max_abs_diff: Annotated[float, typer.Option(help="fail past this max abs logit difference to torch (fp16 graphs, engines)")] = 5e-2,
     fp16_min_agreement: Annotated[float, typer.Option(help="fail below this top-1 agreement with torch (fp16 graphs, engines)")] = 0.99,
@@ -37,8 +37,8 @@ def export(
     with --fp16 also fp16 graphs, with --format tensorrt also fp16 TensorRT engines built on this GPU.
 
     Exit code 0 with the repository written; 1 when a graph misses the parity bounds (nothing is written);
-    2 when the checkpoint or the options are not usable. SIGTERM, as Ctrl-C, removes what was started and ends
-    the process by that signal (exit status 143 in a shell).
+    2 when the checkpoint or the options are not usable, or another export is writing --out. SIGTERM, as Ctrl-C,
+    removes what was started and ends the process by that signal (exit status 143 in a shell).
     """
     from models.checkpoint import CheckpointError
     from export.engines import Ranges

@@ -60,18 +60,31 @@ def detector_summary(path: Path) -> dict:
     }
 
 
-GRAPH_CHECK = ("parsed by onnx, IR version and opset within what this onnxruntime loads; onnxruntime sessions are "
-               "created when the service starts")
+PARSED = ("parsed by onnx, holds a graph with inputs and outputs, IR version and opset within what this onnxruntime "
+          "loads")
+GRAPH_CHECK = (f"{PARSED}; onnxruntime sessions are created when the service starts (`vlserve info --sessions` "
+               "creates them here)")
+SESSION_CHECK = (f"{PARSED}; the graphs served on CPU (each task's graph, the detector's) loaded in onnxruntime CPU "
+                 "sessions as the service loads them")
+FP16_UNOPENED = "; fp16 graphs, served by the CUDA and TensorRT providers only, not loaded"
 
 
-def repository_summary(path: Path) -> dict:
-    from models.repository import KIND, check_graph, graph_files, load_repository
+def repository_summary(path: Path, sessions: bool = False) -> dict:
+    """The repository's summary; every graph checked with check_graph, and with `sessions` each graph the service
+    opens on CPU loaded in an onnxruntime session too (seconds for a large encoder)."""
+    from models.repository import KIND, check_graph, detector_graph, graph_files, load_repository, open_graph
 
     repo = load_repository(path)
     manifest, enc = repo.manifest, repo.config.encoder
     graphs = graph_files(manifest["graphs"], {})  # engines are TensorRT's, not ONNX graphs
-    for name in [*graphs, *([manifest["detector"]["graph"]] if repo.detector_path else [])]:
+    for name in [*graphs, *detector_graph(manifest, path)]:
         check_graph(path / name)
+    graph_check = GRAPH_CHECK
+    if sessions:
+        served = [repo.graph_path(task) for task in repo.graphs]  # what service.runtime.onnx_runtime opens on CPU
+        for graph in served + ([repo.detector_path] if repo.detector_path else []):
+            open_graph(graph, threads=1, spin=False)
+        graph_check = SESSION_CHECK + (FP16_UNOPENED if any(repo.has_fp16(task) for task in repo.graphs) else "")
     return {
         "path": str(path),
         "kind": KIND,
@@ -87,15 +100,19 @@ def repository_summary(path: Path) -> dict:
         "engines": sorted(repo.engines.get("graphs", {})),
         "detector": manifest.get("detector", {}),
         "verified_files": sorted(manifest["files"]),
-        "graph_check": GRAPH_CHECK,
+        "graph_check": graph_check,
     }
 
 
 def info(path: Annotated[Path, typer.Argument(
         help="checkpoint directory (vlserve import, train), detector directory (vlserve import frcnn-vg) or model "
-             "repository (vlserve export)")]) -> None:
+             "repository (vlserve export)")],
+         sessions: Annotated[bool, typer.Option(
+             "--sessions", help="model repository: also load each graph the service opens on CPU in an onnxruntime "
+                                "session, as its start-up does (seconds per large graph)")] = False) -> None:
     """Verify a checkpoint, detector or model repository directory (manifest hashes, config, weights or graph
-    entries) and print its summary."""
+    entries) and print its summary; the summary of a repository says in `graph_check` how far its graphs were
+    checked."""
     from models.checkpoint import CheckpointError
     from models.detector.io import KIND as DETECTOR
     from models.repository import KIND as REPOSITORY
@@ -106,7 +123,7 @@ def info(path: Annotated[Path, typer.Argument(
         if kind is not None and kind not in summaries:
             raise CheckpointError(f"{path / 'manifest.json'}: kind {kind!r} is not one `vlserve info` reads "
                                   f"(a checkpoint, {DETECTOR} or {REPOSITORY} directory)")
-        summary = summaries[kind or CHECKPOINT](path)
+        summary = (repository_summary(path, sessions) if kind == REPOSITORY else summaries[kind or CHECKPOINT](path))
     except CheckpointError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
