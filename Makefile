@@ -62,9 +62,10 @@ gpu: install
 bench-butd: install
 	$(PYTHON) benchmarks/butd.py --reference "$(REFERENCE)"
 
-# The presets table of docs/RESULTS.md (benchmarks/results/presets.json): needs the demo detector (`make zoo`).
+# The presets table of docs/RESULTS.md: needs the demo detector (`make zoo`). --force replaces the recorded results
+# (benchmarks/results/presets.json and the table), whatever detector and budget they were made with. ~75 min on 2 cores.
 results: install
-	$(PYTHON) benchmarks/presets.py --finetune-steps 600 --lead-steps 150 --demo-levers --pretrain-steps 300 --grounded-mlm
+	$(PYTHON) benchmarks/presets.py --finetune-steps 600 --lead-steps 150 --demo-levers --pretrain-steps 300 --grounded-mlm --force
 
 # The service image (vlserve:latest) with no registry needed: the base from Debian (debootstrap) when python:3.11-slim
 # is not present, wheels from this machine's pip configuration; PROFILE=demo bakes that model set in. docs/DEPLOYMENT.md
@@ -73,7 +74,7 @@ image:
 	PROFILE=$(PROFILE) docker/build.sh
 
 # The production topology rehearsed with Docker (Redis, two replicas, HAProxy; Redis stopped and a replica SIGTERMed
-# under load, then locust): asserts, and records the figures in docs/DEPLOYMENT.md "Rehearsal". ~3 min warm.
+# under load, then locust): asserts, and records the figures in docs/DEPLOYMENT.md "Rehearsal". About 2 min warm.
 deploy-test: install
 	PYTHON=$(PYTHON) docker/deploy-test.sh --record
 

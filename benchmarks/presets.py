@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))  # runs from a checkout without installing
 from encoder import cpu_name  # noqa: E402
 
 from models.checkpoint import load_checkpoint  # noqa: E402
-from training.finetune import TASKS, FinetuneConfig, train, train_precision  # noqa: E402
+from training.finetune import TASKS, FinetuneConfig, detector_fingerprint, train, train_precision  # noqa: E402
 from training.pretrain import DEFAULT_OBJECTIVES, PretrainConfig, pretrain  # noqa: E402
 from training.retrieval import evaluate_retrieval  # noqa: E402
 from training.vl_data import TaskData, prepare_task_data  # noqa: E402
@@ -303,10 +303,13 @@ def load_results(path: Path, want: dict, force: bool) -> dict:
     if not path.is_file():
         return {"budget": want, "runs": {}}
     results = json.loads(path.read_text())
-    if results.get("budget") != want:
+    held = results.get("budget") or {}
+    if held != want:
         if not force:
-            print(f"{path} holds results of another budget ({results.get('budget')}); pass --force to replace "
-                  "them or --json to write elsewhere", file=sys.stderr)
+            differ = "; ".join(f"{k} {held.get(k, 'unset')} there, {want.get(k, 'unset')} here"
+                               for k in sorted(set(held) | set(want)) if held.get(k) != want.get(k))
+            print(f"{path} holds results of another budget ({differ}): pass --force to replace them or --json FILE "
+                  "to write elsewhere", file=sys.stderr)
             sys.exit(2)
         return {"budget": want, "runs": {}}
     return results
@@ -318,12 +321,18 @@ def main() -> None:
     if not (args.detector_dir / "manifest.json").is_file():
         print(f"no detector in {args.detector_dir}: run `make zoo` first (or pass --detector-dir)", file=sys.stderr)
         sys.exit(2)
+    fingerprint = detector_fingerprint(args.detector_dir)
+    if fingerprint is None:
+        print(f"the detector in {args.detector_dir} has an unreadable manifest: rebuild it with `make zoo` (or pass "
+              "--detector-dir)", file=sys.stderr)
+        sys.exit(2)
+    # before the minutes of data preparation: results of another budget or detector stop the run at once
+    results = load_results(args.json, budget(args, fingerprint), args.force)
     torch.set_num_threads(args.threads)
     data, data_seconds = timed(prepare_task_data, args.detector_dir, args.train_scenes, args.eval_scenes, True,
                                progress=False, easy_vqa_images=args.easy_vqa_images)
     data = held_out(data, args.eval_examples)
     log.info("data prepared in %.0f s", data_seconds)
-    results = load_results(args.json, budget(args, data.fingerprint), args.force)
     script = Path(sys.argv[0]).resolve()
     args.provenance = {  # recorded with each (preset, variant): a resumed table may come from several invocations
         "command": shlex.join(["python", str(script.relative_to(ROOT)) if script.is_relative_to(ROOT) else sys.argv[0],

@@ -57,10 +57,21 @@ from .stream_cache import StreamCache
 
 log = logging.getLogger("vlserve.app")
 
-DEMO_MISSING = (
-    "no model to serve: set VLSERVE_MODEL_DIR and VLSERVE_DETECTOR_DIR (or --model-dir / --detector-dir). "
-    "`vlserve serve` without them serves the demo model set (built by `make zoo` on first use)."
-)
+DEMO_SET = "`vlserve serve` then serves the demo model set, building it on first use"
+
+
+def missing_models(settings: Settings) -> str:
+    """Why there is no model to serve when the encoder or the detector directory (or both) is not set, in one line."""
+    if settings.model_dir is not None:
+        return (f"no detector given for the encoder {settings.model_dir}: set VLSERVE_DETECTOR_DIR (--detector-dir) "
+                f"to the detector it was trained on, or give neither directory: {DEMO_SET}")
+    if settings.detector_dir is not None:
+        return (f"no encoder given for the detector {settings.detector_dir}: set VLSERVE_MODEL_DIR (--model-dir) to "
+                f"a checkpoint trained on its regions, or give neither directory: {DEMO_SET}")
+    return ("no model to serve: set VLSERVE_MODEL_DIR and VLSERVE_DETECTOR_DIR (--model-dir, --detector-dir), or run "
+            "`vlserve serve` with neither: it serves the demo model set, building it on first use")
+
+
 DESCRIPTION = """Vision-and-language inference: VQA, referring expressions, image-text retrieval and NLVR2.
 
 Send images inline (`image`: base64) or register them once with `POST /images` and then refer to them by
@@ -455,7 +466,7 @@ def create_app(settings: Settings, load_in_background: bool = False) -> FastAPI:
     returns once the models are loaded and warm, or at once with `load_in_background` (`vlserve serve`: the port
     answers while they load, /readyz 503 and the task routes 503 not-ready until then)."""
     if settings.model_dir is None or settings.detector_dir is None:
-        raise StartupError(DEMO_MISSING)
+        raise StartupError(missing_models(settings))
     # redirect_slashes off: "/vqa/" is a 404 problem, not a bare 307 to an http:// URL built from the Host header
     app = FastAPI(title="vlserve", version=package_version(), description=DESCRIPTION, lifespan=lifespan,
                   redirect_slashes=False, docs_url=None, redoc_url=None)  # /docs: routes/docs.py (no CDN)

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import difflib
+import inspect
 import re
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlparse
+from urllib.parse import parse_qs, urlparse
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -249,10 +251,44 @@ def redis_url_error(url: str) -> str | None:
         parse_url(url)
     except (ValueError, TypeError) as exc:
         return str(exc)
+    scheme = url.split("://", 1)[0]
+    accepted = redis_query_options(scheme)
+    unknown = [name for name in parse_qs(urlparse(url).query) if name not in accepted]
+    if unknown:
+        return (f"redis-py takes no query option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+                f"in a {scheme}:// URL; it takes {', '.join(sorted(accepted))}")
     path = urlparse(url).path
     if not url.startswith("unix://") and path.strip("/") and not path.strip("/").isdigit():
         return f"the database must be a number (/0), not {path!r}"  # redis-py would silently use db 0
     return None
+
+
+def redis_query_options(scheme: str) -> frozenset[str]:
+    """The query options a redis://, rediss:// or unix:// URL may carry. redis-py's from_url hands each one to the
+    connection pool feature_store.RedisStore uses and on to the scheme's connection class, converted where
+    URL_QUERY_ARGUMENT_PARSERS names a parser and as text otherwise: a name neither accepts fails at the first
+    connection (an unexpected keyword argument), and text for a parameter that takes none and has no parser is a
+    wrong value (decode_responses=False would arrive as a true string)."""
+    from redis.asyncio import connection as rc
+
+    classes = {"rediss": rc.SSLConnection, "unix": rc.UnixDomainSocketConnection}.get(scheme, rc.Connection)
+    accepted = set()
+    for cls in (*rc.BlockingConnectionPool.__mro__, *classes.__mro__):
+        if "__init__" not in vars(cls):
+            continue
+        for name, param in inspect.signature(cls.__init__).parameters.items():
+            if name == "self" or param.kind not in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD):
+                continue
+            if name in rc.URL_QUERY_ARGUMENT_PARSERS or _takes_text(param.annotation):
+                accepted.add(name)
+    return frozenset(accepted)
+
+
+def _takes_text(annotation: Any) -> bool:
+    """Whether a parameter annotated so takes a str (str, str | None, Union[str, ...]; a string annotation by name)."""
+    if isinstance(annotation, str):
+        return re.search(r"(?<![\w.])str\b", annotation) is not None
+    return annotation is str or str in typing.get_args(annotation)
 
 
 def settings_error_message(error: ValidationError) -> str:

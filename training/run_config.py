@@ -237,7 +237,8 @@ class PretrainConfig(RunConfig):
     mismatch_prob: float = option(0.5, "itm: pairs whose image is swapped for another one")
     image_qa_batches: float = option(0.5, "image_qa: share of steps whose sentences are questions (the rest captions)")
     log_every: int = option(50, "steps per logged loss average", min=1)
-    eval_examples: int | None = option(2000, "held-out ITM examples evaluated at the end (default: all)", min=1)
+    eval_examples: int | None = option(2000, "held-out ITM examples evaluated at the end: the first N of the "
+                                             "--eval-scenes' ones", min=1)
 
     def __post_init__(self) -> None:
         self.objectives = tuple(self.objectives) or DEFAULT_OBJECTIVES.get(self.preset, ())

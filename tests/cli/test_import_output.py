@@ -172,3 +172,31 @@ def test_forced_import_never_replaces_a_directory_of_the_users(sources, tmp_path
     assert result.stderr == f"error: [Errno 21] Is a directory: '{out / 'vocab.txt'}'\n"
     assert snapshot(out) == before and sorted(p.name for p in out.iterdir()) == ["vocab.txt"]
     assert_no_staging_left(tmp_path)
+
+
+VILBERT = Path(__file__).parents[1] / "fixtures" / "vilbert"
+
+
+def test_vilbert_says_once_which_tensors_it_leaves_out_and_why(tmp_path):
+    """The unused biOutput.q_dense* tensors: one warning with the reason (they were listed by name, then again by
+    reason)."""
+    from models.importers.vilbert import WHY_UNUSED
+
+    result = cli("vilbert", VILBERT / "pretrained_model.bin", tmp_path / "out", "--config",
+                 VILBERT / "pretrained_config.json")
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert warnings == [f"warning: 8 source tensors not imported (listed in manifest.json): {WHY_UNUSED['q_dense']}"]
+
+
+def test_a_repeated_answer_is_counted_in_words_that_agree(sources, tmp_path):
+    (tmp_path / "answers.json").write_text(json.dumps(["yes", "no", "yes"]))
+    result = cli("hf-visualbert", sources["hf-visualbert"], tmp_path / "out", "--answers", tmp_path / "answers.json")
+    assert result.exit_code == 0, result.output
+    assert ("warning: 1 answer names more than one output of the vqa head ('yes' at 0, 2); is the answer table the "
+            "checkpoint's own?") in result.stderr
+
+
+def test_frcnn_vg_adaptive_help_names_what_it_replaces():
+    help_text = " ".join(cli("frcnn-vg", "--help").output.replace("│", " ").split())
+    assert "instead of frcnn-vg's fixed 36" in help_text and "demo" not in help_text

@@ -5,6 +5,7 @@ The trainers, the evaluations' data preparation and the grounding analysis are r
 must never reach them, an accepted one reaches them at once.
 """
 import dataclasses
+import re
 import typing
 
 import pytest
@@ -223,3 +224,21 @@ def test_a_cache_root_that_is_a_file_exits_2_before_any_work(models, tmp_path, m
             "eval detector": ["eval", "detector", det]}[command]
     line = error_line(invoke(*argv))
     assert line == f"error: VLSERVE_CACHE={tmp_path / 'afile'}: not a writable directory (it is a file)"
+
+
+@pytest.mark.parametrize("tasks, named", [("vqa:1,bogus:1", "unknown task 'bogus'"),
+                                          ("bogus:1,vqa:1,other:2", "unknown tasks 'bogus', 'other'")])
+def test_an_unknown_task_is_named_as_a_task_with_the_known_ones(models, tmp_path, tasks, named):
+    from training.finetune import TASKS, TRAINING_SETS
+
+    det, _ = models
+    line = error_line(invoke("train", "finetune", "--out", tmp_path / "run", "--detector", det, *TINY, "--tasks", tasks))
+    assert line == f"error: {named} in --tasks; choose from {', '.join((*TASKS, *TRAINING_SETS))}"
+
+
+def test_pretrain_eval_examples_help_states_what_the_option_takes():
+    """Its default was shown as "(default: all) [default: 2000]", and no value of the option means all."""
+    help_text = " ".join(invoke("train", "pretrain", "--help").output.replace("│", " ").split())
+    entry = re.search(r"--eval-examples (.*?\[default: \d+\])", help_text)
+    assert entry, help_text
+    assert "default: all" not in entry[1] and entry[1].endswith("[default: 2000]") and "first N" in entry[1]

@@ -383,3 +383,25 @@ def test_a_run_that_cannot_go_on_exits_2_with_one_line(tmp_path, monkeypatch, er
     result = runner.invoke(app, ["zoo", "build", "--root", str(tmp_path)])
     assert result.exit_code == 2, result.output
     assert result.stderr == "error: multitask/train_state.pt is from another run (--steps 600, not 500): delete it\n"
+
+
+def test_the_build_minutes_of_the_help_texts_are_the_docs_figures():
+    """`zoo build --help` and `serve --help` give the same minutes per model set, those of README.md, docs/RESULTS.md
+    and docs/TRAINING.md (they said "about twice as long", "up to an hour", "about 14" and "about 30")."""
+    from vlserve.commands.zoo import BUILD_MINUTES
+
+    root = Path(__file__).parents[2]
+    assert set(BUILD_MINUTES) == set(training.zoo.PROFILES)
+    for command in (["zoo", "build", "--help"], ["serve", "--help"]):
+        result = runner.invoke(app, command, env={"COLUMNS": "400"})
+        text = " ".join(result.output.replace("│", " ").split())
+        for profile, minutes in BUILD_MINUTES.items():
+            assert f"{minutes} min" in text, (command, profile, text)
+        assert "twice as long" not in text and "an hour" not in text and "about 14" not in text
+    readme, results, training_doc = (root / name for name in ("README.md", "docs/RESULTS.md", "docs/TRAINING.md"))
+    for profile, minutes in BUILD_MINUTES.items():
+        assert f"| `{profile}` " in readme.read_text() and f"| {minutes} min |" in readme.read_text().split(
+            f"| `{profile}` ", 1)[1].split("\n", 1)[0]
+        row = results.read_text().split(f"| `{profile}` | ", 1)[1].split(" |", 1)[0]
+        assert row.strip("*") == f"{minutes} min"
+        assert f"`{profile}` ({minutes} min" in training_doc.read_text()

@@ -511,7 +511,7 @@ def test_repeated_answers_warn(good_src, tmp_path):
     (tmp_path / "answers.json").write_text(json.dumps(["yes", "no", "yes"]))
     result = cli("hf-visualbert", good_src, tmp_path / "out", "--answers", tmp_path / "answers.json")
     assert result.exit_code == 0, result.output
-    assert "warning: 1 answers name more than one output of the vqa head ('yes' at 0, 2)" in result.stderr
+    assert "warning: 1 answer names more than one output of the vqa head ('yes' at 0, 2)" in result.stderr
     clean = cli("hf-visualbert", good_src, tmp_path / "clean", "--answers", _table(tmp_path, ["yes", "no", "red"]))
     assert clean.exit_code == 0 and "warning" not in clean.stderr
 

@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from models.layers import cpu_has_native_bf16
-from service.app import DEMO_MISSING, StartupError, create_app
+from service.app import StartupError, create_app
 
 from tests.service.conftest import SCORE_TOL, metric, score_tol
 
@@ -375,7 +375,7 @@ def test_start_up_refuses_a_checkpoint_for_another_detector(tmp_path, tiny_check
 def test_no_model_means_the_demo_model_message(make_settings):
     with pytest.raises(StartupError) as err:
         create_app(make_settings(model_dir=None))
-    assert str(err.value) == DEMO_MISSING and "demo model" in DEMO_MISSING
+    assert str(err.value).startswith("no encoder given for the detector") and "demo model set" in str(err.value)
 
 
 def test_concurrent_requests_for_one_new_image_run_the_detector_once(client, make_png):

@@ -14,7 +14,6 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from service.app import DEMO_MISSING
 from tests.service.conftest import free_port, wait_until_ready
 from vlserve.cli import app as cli
 
@@ -32,7 +31,8 @@ def serve(*args: str):
 
 def test_half_a_model_set_exits_2_with_the_demo_message(clean_env, tiny_checkpoint):
     result = serve("--model-dir", tiny_checkpoint)  # an encoder without its detector
-    assert result.exit_code == 2 and DEMO_MISSING in result.output
+    assert result.exit_code == 2 and "no detector given for the encoder" in result.output
+    assert "`vlserve serve` then serves the demo model set" in result.output
 
 
 def cached_set(root, name: str, checkpoint, detector) -> None:

@@ -183,3 +183,33 @@ def test_every_vlserve_variable_the_project_reads_is_a_setting_or_a_known_other_
             names |= set(re.findall(r"\bVLSERVE_([A-Z0-9_]*[A-Z0-9])\b", path.read_text(errors="replace")))
     assert {"CACHE", "PROFILE", "PACK_CPU_WEIGHTS", "MAX_WAIT_MS"} <= names
     assert {n for n in names if n.lower() not in Settings.model_fields} <= OTHER_VARIABLES
+
+
+@pytest.mark.parametrize("url, option", [
+    ("redis://:secret@localhost:6379/0?foo=1", "'foo'"),
+    ("redis://:secret@localhost:6379/0?decode_responses=True", "'decode_responses'"),  # would arrive as text
+    ("redis://:secret@localhost:6379/0?connection_class=x", "'connection_class'"),
+    ("rediss://:secret@localhost:6379/0?socket_timeout=2&bogus=1&other=2", "'bogus', 'other'"),
+    ("unix:///run/redis.sock?password=secret&socket_keepalive=1", "'socket_keepalive'"),  # TCP only
+])
+def test_a_redis_url_query_option_redis_py_does_not_take_is_an_invalid_setting(url, option):
+    """An unknown option passed redis-py's parse_url and failed at the first connection, a traceback at start-up."""
+    with pytest.raises(ValidationError) as err:
+        load_settings(redis_url=url)
+    message = settings_error_message(err.value)
+    assert message.startswith("invalid settings: VLSERVE_REDIS_URL: ") and "\n" not in message
+    assert "redis-py takes no query option" in message and option in message and "socket_timeout" in message
+    assert "secret" not in message and "***" in message
+
+
+@pytest.mark.parametrize("url", [
+    "redis://:secret@localhost:6379/0?socket_timeout=2&socket_connect_timeout=1&health_check_interval=30",
+    "redis://localhost:6379?db=2&client_name=pod&retry_on_timeout=yes&max_connections=8",
+    "rediss://localhost:6380/0?ssl_cert_reqs=none&ssl_ca_certs=/etc/ca.pem&ssl_check_hostname=false",
+    "unix:///run/redis.sock?db=1&password=secret",
+])
+def test_the_query_options_redis_py_takes_are_valid_and_connect_as_given(url):
+    from redis.asyncio import BlockingConnectionPool
+
+    assert load_settings(redis_url=url).redis_url == url
+    BlockingConnectionPool.from_url(url).make_connection()  # every option reaches a connection class that takes it

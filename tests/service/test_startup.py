@@ -112,3 +112,39 @@ def test_with_redis_a_local_tier_below_one_image_is_refused_and_0_means_none(mak
             pass
     with TestClient(create_app(make_settings(redis_url=redis_url, cache_max_bytes=0))) as c:
         assert c.get("/readyz").status_code == 200
+
+
+@pytest.mark.parametrize("given, missing, words", [
+    ("model_dir", "detector_dir", "no detector given for the encoder"),
+    ("detector_dir", "model_dir", "no encoder given for the detector"),
+])
+def test_half_a_model_set_names_the_half_that_is_missing(make_settings, tiny_checkpoint, tiny_detector, given, missing,
+                                                         words):
+    settings = make_settings(**{missing: None})
+    with pytest.raises(StartupError) as err:
+        create_app(settings)
+    message = str(err.value)
+    assert message.startswith(f"{words} {getattr(settings, given)}: set VLSERVE_{missing.upper()}")
+    assert "\n" not in message and "make zoo" not in message
+    assert message.endswith("or give neither directory: `vlserve serve` then serves the demo model set, building it "
+                            "on first use")
+
+
+def test_no_model_at_all_says_vlserve_serve_builds_the_demo_set(make_settings):
+    message = service.app.missing_models(make_settings(model_dir=None, detector_dir=None))
+    assert message.startswith("no model to serve: set VLSERVE_MODEL_DIR and VLSERVE_DETECTOR_DIR")
+    assert "`vlserve serve` with neither: it serves the demo model set, building it on first use" in message
+
+
+def test_vlserve_serve_with_an_encoder_alone_says_the_detector_is_missing(tmp_path, tiny_checkpoint, monkeypatch):
+    from typer.testing import CliRunner
+
+    from vlserve.cli import app as cli
+
+    for name in [n for n in os.environ if n.startswith("VLSERVE_")]:
+        monkeypatch.delenv(name)
+    result = CliRunner().invoke(cli, ["serve", "--model-dir", str(tiny_checkpoint)])
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and lines[0].startswith(f"error: no detector given for the encoder {tiny_checkpoint}: "
+                                                   "set VLSERVE_DETECTOR_DIR (--detector-dir)"), result.output

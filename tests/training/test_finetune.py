@@ -262,9 +262,9 @@ def test_weights_a_step_leaves_non_finite_are_never_saved(task_data, tmp_path, m
     [
         (["--preset", "resnet"], "unknown preset 'resnet'"),
         (["--size", "huge"], "unknown size 'huge'"),
-        (["--tasks", "vqa:1,grounding:1"], "head not supported by fine-tuning: grounding (choose vqa, refer, itm, nlvr2, "
+        (["--tasks", "vqa:1,grounding:1"], "unknown task 'grounding' in --tasks; choose from vqa, refer, itm, nlvr2, "
                                            "multiple_choice, itm_rank, itm_rank_text, positions, positions_one_side, relations, attributes, "
-                                           "related_attributes, related_refer)"),
+                                           "related_attributes, related_refer"),
         (["--tasks", "vqa:0"], "task weights must be positive"),
         (["--tasks", "vqa:nan"], "task weights must be finite numbers above 0, got vqa:nan"),
         (["--tasks", "vqa:inf,itm:1"], "task weights must be finite numbers above 0, got vqa:inf, itm:1"),

@@ -139,14 +139,17 @@ def _shown(path: Path) -> str:
 
 
 def _run(convert: Callable[[Path, Path], Path], src: Path, out: Path, force: bool,
-         reads: tuple[Path | None, ...] = ()) -> None:
-    """Run one checkpoint importer and say what it wrote."""
+         reads: tuple[Path | None, ...] = (), why_unused: Callable[[list[str]], list[str]] | None = None) -> None:
+    """Run one checkpoint importer and say what it wrote. why_unused: the reasons for the source tensors it leaves
+    out, said in their stead (an importer that knows them); otherwise the first of their names."""
     path = _convert(convert, src, out, force, reads)
     record = json.loads((path / "manifest.json").read_text())["import"]
     ignored = record["ignored_keys"]
     if ignored:
-        shown = ", ".join(ignored[:8]) + (f", ... ({len(ignored) - 8} more)" if len(ignored) > 8 else "")
-        typer.echo(f"warning: {len(ignored)} source tensors not imported (listed in manifest.json): {shown}", err=True)
+        reasons = why_unused(ignored) if why_unused else []
+        shown = "; ".join(reasons) or ", ".join(ignored[:8]) + (f", ... ({len(ignored) - 8} more)" if len(ignored) > 8 else "")
+        typer.echo(f"warning: {len(ignored)} source {'tensor' if len(ignored) == 1 else 'tensors'} not imported "
+                   f"(listed in manifest.json): {shown}", err=True)
     heads = json.loads((path / "config.json").read_text())["heads"]
     _warn_about_answers(path, heads, record)
     typer.echo(f"wrote {_shown(path)} ({record['architecture'] or 'unknown architecture'}; heads: "
@@ -168,8 +171,8 @@ def _warn_about_answers(path: Path, heads: dict, record: dict) -> None:
         if repeats:
             shown = "; ".join(f"{name!r} at {', '.join(map(str, idx))}" for name, idx in list(repeats.items())[:3])
             more = f" and {len(repeats) - 3} more" if len(repeats) > 3 else ""
-            typer.echo(f"warning: {len(repeats)} answers name more than one output of the {task} head ({shown}{more});"
-                       " is the answer table the checkpoint's own?", err=True)
+            typer.echo(f"warning: {len(repeats)} {'answer names' if len(repeats) == 1 else 'answers name'} more than "
+                       f"one output of the {task} head ({shown}{more}); is the answer table the checkpoint's own?", err=True)
 
 
 @app.command("hf-visualbert")
@@ -238,9 +241,7 @@ def vilbert(
     """Import a checkpoint of facebookresearch/vilbert-multi-task (ViLBERT, 12-in-1)."""
     from models.importers.vilbert import import_vilbert, why_unused
 
-    _run(partial(import_vilbert, config=config, answers=answers), src, out, force, (config, answers))
-    for why in why_unused(json.loads((out / "manifest.json").read_text())["import"]["ignored_keys"]):
-        typer.echo(f"warning: not imported: {why}", err=True)
+    _run(partial(import_vilbert, config=config, answers=answers), src, out, force, (config, answers), why_unused)
 
 
 @app.command("u-visualbert")
@@ -289,7 +290,7 @@ def frcnn_vg(
                                                                   "attribute names")],
     adaptive: Annotated[bool, typer.Option(
         "--adaptive", help="bottom-up attention's 10-100 regions (per-class NMS 0.3, confidence >= 0.2) instead of "
-        "the demo's 36")] = False,
+        "frcnn-vg's fixed 36 (its config.yaml's MAX_DETECTIONS)")] = False,
     force: Force = False,
 ) -> None:
     """Import the bottom-up-attention detector of the public LXMERT/VisualBERT checkpoints (frcnn-vg format)."""

@@ -8,6 +8,8 @@ from typing import Annotated, Any
 
 import typer
 
+from vlserve.commands.zoo import PROFILE_HELP
+
 _S = "Settings"  # help panel: every option is also an environment variable VLSERVE_<OPTION>
 
 
@@ -36,9 +38,8 @@ def serve(
                                            "the --profile model set is used (built on first use)", "Models")] = None,
     detector_dir: Annotated[Path | None, _opt("detector directory (env VLSERVE_DETECTOR_DIR)", "Models")] = None,
     profile: Annotated[str | None, _opt("with no --model-dir or --detector-dir: the model set of `vlserve zoo build --profile` "
-                                        "to serve from the cache, built there on first use: demo (about 10 min on 2 cores), "
-                                        "pretrained (about 14) or full (about 30) (env VLSERVE_PROFILE; default demo)", "Models",
-                                        envvar="VLSERVE_PROFILE")] = None,
+                                        f"to serve from the cache, built there on first use: {PROFILE_HELP} "
+                                        "(env VLSERVE_PROFILE; default demo)", "Models", envvar="VLSERVE_PROFILE")] = None,
     runtime: Annotated[str | None, _opt("inference backend: torch, onnxruntime or tensorrt " + _default("runtime"), "Models")] = None,
     device: Annotated[str | None, _opt("cpu, cuda or cuda:N " + _default("device"), "Models")] = None,
     threads: Annotated[int | None, _opt("intra-op threads of the runtime " + _default("threads"), "Models")] = None,
@@ -147,7 +148,7 @@ def serve(
 
 def zoo_model_dirs(profile: str = "demo") -> dict[str, Path]:
     """The embedded default: a profile's model set in the cache (the demo's unless asked), built first if absent
-    (the demo 9.3 min on 2 cores with native bf16, the pretrained set 13.7, the full set 27.6: docs/RESULTS.md)."""
+    (vlserve.commands.zoo.BUILD_MINUTES: how long that takes)."""
     from training.zoo import PROFILES, build_zoo, is_built, zoo_dir
 
     from .checks import check_cache_root

@@ -122,7 +122,8 @@ def validate_finetune(cfg) -> None:
         raise ValueError("--rank-pool names the ranking head's pool: add itm_rank or itm_rank_text to --tasks")
     unknown = set(cfg.tasks) - {*TASKS, *TRAINING_SETS}
     if unknown:
-        raise ValueError(f"head not supported by fine-tuning: {', '.join(sorted(unknown))} (choose {', '.join((*TASKS, *TRAINING_SETS))})")
+        raise ValueError(f"unknown task{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, sorted(unknown)))} in "
+                         f"--tasks; choose from {', '.join((*TASKS, *TRAINING_SETS))}")
     if cfg.dropout is not None and not 0.0 <= cfg.dropout < 1.0:
         raise ValueError(f"--dropout must be in [0, 1), not {cfg.dropout}")
     if any(w <= 0 for w in cfg.tasks.values()):

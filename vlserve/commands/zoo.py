@@ -12,11 +12,19 @@ from vlserve.commands.checks import check_cache_root, check_writable_dir, fail
 
 app = typer.Typer(help="Build the model sets the service runs on.", no_args_is_help=True)
 
+# Minutes a build of each model set takes into an empty cache on 2 cores with native bfloat16 (AMD EPYC, AVX512-BF16),
+# as docs/RESULTS.md measures them and README.md and docs/TRAINING.md repeat: the figures of `vlserve zoo build --help`
+# and `vlserve serve --help`
+BUILD_MINUTES = {"demo": 9.3, "pretrained": 13.7, "full": 27.6}
+PROFILE_HELP = (f"demo ({BUILD_MINUTES['demo']} min), pretrained (the demo after grounded pretraining, "
+                f"{BUILD_MINUTES['pretrained']} min) or full (the demo's recipe on all the data, {BUILD_MINUTES['full']} "
+                "min); the minutes of a build on 2 cores with native bfloat16 (docs/RESULTS.md)")
+
 
 @app.command("build")
 @config_command(RunConfig, only=("threads", "device"), build=False)
 def build(
-    profile: Annotated[str, typer.Option(help="demo (CPU, minutes), pretrained (the demo after a grounded pretraining, about twice as long) or full (up to an hour)")] = "demo",
+    profile: Annotated[str, typer.Option(help=PROFILE_HELP)] = "demo",
     root: Annotated[Path | None, typer.Option(help="cache root of everything the build writes: shapes-world data, "
                                               "region features, the model set (default $VLSERVE_CACHE or "
                                               "~/.cache/vlserve)")] = None,
