@@ -2,6 +2,7 @@
 the same numbers as training's own evaluation, and exit 2 on bad input."""
 import json
 import shutil
+import sys
 
 import pytest
 import torch
@@ -202,3 +203,26 @@ def test_the_report_gives_the_scenes_it_scored(trained):
     result = evaluate(root, "--scenes", 99_999, "--easy-vqa-images", 0, "--retrieval-pool", 0)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["scenes"] == test_scenes < 99_999
+
+
+def test_the_exported_accuracy_benchmark_evaluates_a_service_runtime_as_the_model(trained, monkeypatch):
+    """benchmarks/exported_accuracy.py scores a service runtime through training.evaluate (GraphModel reads as a
+    model): over the torch runtime in float32 it gives the model's own figures (within a near-tie's flip)."""
+    from pathlib import Path
+
+    from service.runtime.torch_runtime import TorchRuntime
+    from training.evaluate import evaluate_tasks
+
+    root, _ = trained
+    monkeypatch.setenv("VLSERVE_CACHE", str(root))  # the fixture's regions, already extracted
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    for name in ("exported_accuracy", "encoder"):  # the script and the benchmark module it imports, not kept
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    from exported_accuracy import GraphModel
+
+    data = prepare_task_data(root / "detector", 40, 10, easy_vqa=False, progress=False, data=SHAPES)
+    checkpoint = load_checkpoint(root / "encoder")
+    graphs = GraphModel(TorchRuntime(load_checkpoint(root / "encoder"), threads=1, precision="fp32"),
+                        checkpoint.model.config)
+    got, want = (evaluate_tasks(m, data, checkpoint.tokenizer) for m in (graphs, checkpoint.model))
+    assert got.keys() == want.keys() and all(abs(got[k] - want[k]) <= 0.05 for k in want), (got, want)
