@@ -218,7 +218,7 @@ def test_the_exported_accuracy_benchmark_evaluates_a_service_runtime_as_the_mode
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
     for name in ("exported_accuracy", "encoder"):  # the script and the benchmark module it imports, not kept
         monkeypatch.delitem(sys.modules, name, raising=False)
-    from exported_accuracy import GraphModel
+    from exported_accuracy import GraphModel, agreement, table
 
     data = prepare_task_data(root / "detector", 40, 10, easy_vqa=False, progress=False, data=SHAPES)
     checkpoint = load_checkpoint(root / "encoder")
@@ -226,3 +226,8 @@ def test_the_exported_accuracy_benchmark_evaluates_a_service_runtime_as_the_mode
                         checkpoint.model.config)
     got, want = (evaluate_tasks(m, data, checkpoint.tokenizer) for m in (graphs, checkpoint.model))
     assert got.keys() == want.keys() and all(abs(got[k] - want[k]) <= 0.05 for k in want), (got, want)
+    agree = {"runtime": agreement(graphs, checkpoint.model, data, checkpoint.tokenizer)}
+    assert set(agree["runtime"]) == {name for name in data.eval if f"{name}_acc" in want}
+    lines, worst = table({"torch": want, "runtime": got}, agree, ["runtime"], data)
+    assert len(lines) == 2 + len(agree["runtime"]) and worst["runtime"] <= 0  # one row per eval set, VQA's per type
+    assert any(key.startswith("vqa_acc_") for key in want)  # figures by answer type, which are not eval sets
