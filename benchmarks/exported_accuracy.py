@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runs from a checkout without installing
 
-from encoder import write_section  # noqa: E402
+from encoder import cpu_name, write_section  # noqa: E402
 
 from export.repository import export_repository  # noqa: E402
 from models import ModelOutput, VLInputs  # noqa: E402
@@ -139,7 +139,7 @@ def main() -> None:
     text = "\n".join([
         HEADING, "",
         f"Command: `{' '.join(['python benchmarks/exported_accuracy.py', *sys.argv[1:]])}` · "
-        f"{datetime.date.today().isoformat()} · model set {zoo}: {checkpoint.model.config.encoder.preset} "
+        f"{datetime.date.today().isoformat()} · {cpu_name()}, {args.threads} threads · model set {zoo}: {checkpoint.model.config.encoder.preset} "
         f"{checkpoint.model.config.encoder.size} fine-tuned on shapes-world and easy-VQA; eval sizes of the "
         f"{args.profile!r} zoo profile.",
         "",
