@@ -285,6 +285,10 @@ def main() -> None:
                              "2 pinned cores of the GPU machine's AMX host)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     args = parser.parse_args()
+    sys.path.insert(0, str(ROOT / "scripts" / "reference_fixtures"))
+    import frcnn_vg as generator
+
+    generator.provenance(args.reference.resolve(), None)  # before any work: its files must be the pinned commit's
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda":

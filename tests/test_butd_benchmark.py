@@ -136,3 +136,16 @@ def test_detector_parts_split_a_photo_and_leave_the_detector_as_it_was(tmp_path)
     assert "forward" not in vars(detector.backbone) and "forward" not in vars(detector.rpn)
     assert "features" not in vars(detector.roi_heads) and "settle" not in vars(detector.roi_heads)
     np.testing.assert_array_equal(before.boxes, after.boxes)
+
+
+def test_a_folder_that_is_not_the_reference_is_refused_before_any_work(tmp_path):
+    """The benchmark builds GBs of models before it first runs the reference: a wrong --reference is said first."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "butd.py"), "--reference", str(tmp_path),
+                           "--no-write"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"{tmp_path}: not the reference's lxmert folder (no modeling_frcnn.py" in done.stderr

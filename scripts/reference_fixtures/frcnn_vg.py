@@ -84,6 +84,10 @@ def config(tiny: bool) -> dict:
 
 
 def provenance(reference: Path, commit: str | None) -> dict:
+    missing = [name for name in REFERENCE_SHA256 if not (reference / name).is_file()]
+    if missing:
+        sys.exit(f"{reference}: not the reference's lxmert folder (no {', '.join(missing)}); give the "
+                 f"lxmert folder of {REPOSITORY} at {REFERENCE_COMMIT[:12]}")
     hashes = {name: hashlib.sha256((reference / name).read_bytes()).hexdigest() for name in REFERENCE_SHA256}
     changed = [name for name, digest in hashes.items() if digest != REFERENCE_SHA256[name]]
     if changed:
