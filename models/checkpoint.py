@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save_file
 
 from .config import FORMAT_VERSION, ModelConfig, json_type
 from .file_modes import apply_umask
@@ -308,6 +308,8 @@ def load_weights(path: Path | str) -> dict[str, torch.Tensor]:
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:
+        if not os.path.isdir("/proc/self/fd"):  # no procfs (another OS, a sandbox): read whole from its bytes
+            return load(Path(path).read_bytes())
         fd = os.open(path, os.O_RDONLY)
         try:
             return load_file(f"/proc/self/fd/{fd}", device="cpu")

@@ -22,8 +22,8 @@ RESNET_BLOCKS = {50: (3, 4, 6), 101: (3, 4, 23), 152: (3, 8, 36)}  # blocks of r
 # ranges checked when a config is made, before a module divides by a group count or sizes a tensor by a width:
 # a config.json edited by hand or imported fails here, naming its field, not on every image later
 COUNTS = ("feature_dim", "roi_size", "min_size", "max_size", "size_divisible", "rpn_train_pre_nms_top_n",
-          "rpn_train_post_nms_top_n", "box_batch_size_per_image", "num_boxes", "min_boxes",
-          "max_boxes")  # positive integers, both families
+          "rpn_train_post_nms_top_n", "box_batch_size_per_image", "num_boxes")  # positive integers, both families
+ADAPTIVE_COUNTS = ("min_boxes", "max_boxes")  # read in adaptive mode only
 PROPOSALS = ("rpn_pre_nms_top_n", "rpn_post_nms_top_n")  # the FPN family's may be 0: images without regions, served
 FPN_COUNTS = ("fpn_channels",)
 BUTD_COUNTS = ("resnet_stem_channels", "resnet_res2_channels", "resnet_groups", "resnet_bottleneck_channels",
@@ -100,8 +100,10 @@ class DetectorConfig:
         else:
             self._check_fpn()
         self._check_common()
-        if self.adaptive and not (0 < self.min_boxes <= self.max_boxes):
-            raise ValueError("adaptive mode needs 0 < min_boxes <= max_boxes")
+        if self.adaptive:
+            _counts(self, ADAPTIVE_COUNTS)
+            if self.min_boxes > self.max_boxes:
+                raise ValueError("adaptive mode needs 0 < min_boxes <= max_boxes")
 
     def _check_common(self) -> None:
         """The fields both families run with; a message starts with the field at fault."""

@@ -40,6 +40,7 @@ router = APIRouter(prefix="/v2", tags=["open-inference-protocol"], include_in_sc
 HEADER_LENGTH = "inference-header-content-length"  # the binary tensor data extension's header
 VERSION = "1"  # each model's one version: the loaded checkpoint (GET /readyz names it)
 _IMAGE_ID = re.compile(IMAGE_ID_PATTERN)
+MAX_DIMENSION = 2**31 - 1  # of a shape: the protocol's int64 dimensions, bounded as Triton bounds them
 MAX_NESTING = 8  # levels of a JSON `data` array: every input here is one-dimensional, nested as its shape at most
 _END = object()  # _flatten's end of a row
 _NUMERIC = {"BOOL": "?", "INT8": "<i1", "INT16": "<i2", "INT32": "<i4", "INT64": "<i8", "UINT8": "<u1",
@@ -291,6 +292,8 @@ def _check_shape(spec: Tensor, shape: Any, count: int) -> None:
         raise V2Error(400, f"input '{spec.name}': shape must be a list of non-negative integers")
     if len(shape) > MAX_NESTING:
         raise V2Error(400, f"input '{spec.name}': shape has {len(shape)} dimensions; at most {MAX_NESTING}")
+    if any(d > MAX_DIMENSION for d in shape):  # no body holds more; and a product too long to print is a ValueError
+        raise V2Error(400, f"input '{spec.name}': a dimension of its shape is over {MAX_DIMENSION}")
     if math.prod(shape) != count:
         raise V2Error(400, f"input '{spec.name}': shape {shown(str(shape))} holds {math.prod(shape)} elements but the "
                            f"data has {count}")

@@ -58,6 +58,26 @@ def test_a_directory_whose_name_is_not_utf8_loads(tmp_path, tokenizer):
         assert torch.equal(model(batch(), "vqa").logits, load_checkpoint(path).model(batch(), "vqa").logits)
 
 
+def test_a_directory_whose_name_is_not_utf8_loads_without_procfs(tmp_path, tokenizer, monkeypatch):
+    """Where /proc is not there (another OS, a sandbox) such weights are read whole from their bytes."""
+    torch.manual_seed(1)
+    model = create_model("visualbert", "tiny", heads=HEADS).eval()
+    path = save_checkpoint(model, Path(os.fsdecode(bytes(tmp_path) + b"/mod\xe8le")), tokenizer, labels=LABELS)
+    import models.checkpoint as checkpoint_module
+
+    isdir, load_file = os.path.isdir, checkpoint_module.load_file
+
+    def no_procfs(name, device="cpu"):
+        if name.startswith("/proc/"):
+            raise FileNotFoundError(name)
+        return load_file(name, device=device)
+
+    monkeypatch.setattr(os.path, "isdir", lambda p: False if p == "/proc/self/fd" else isdir(p))
+    monkeypatch.setattr(checkpoint_module, "load_file", no_procfs)
+    with torch.no_grad():
+        assert torch.equal(model(batch(), "vqa").logits, load_checkpoint(path).model(batch(), "vqa").logits)
+
+
 def test_manifest_lists_every_file_with_its_hash(saved):
     _, path = saved
     manifest = verify_manifest(path)

@@ -165,6 +165,11 @@ def test_a_directory_whose_name_is_not_utf8_loads(detector, tmp_path):
 def test_config_is_validated():
     with pytest.raises(ValueError, match="at least one object class"):
         DetectorConfig(classes=[])
+    DetectorConfig(classes=["a"], min_boxes=0)  # read in adaptive mode only (frcnn-vg's MIN_DETECTIONS may be 0)
+    with pytest.raises(ValueError, match="min_boxes must be a positive integer, not 0"):
+        DetectorConfig(classes=["a"], min_boxes=0, adaptive=True)
+    with pytest.raises(ValueError, match="0 < min_boxes <= max_boxes"):
+        DetectorConfig(classes=["a"], min_boxes=20, max_boxes=10, adaptive=True)
     with pytest.raises(ValueError, match="unknown keys: colour"):
         DetectorConfig.from_dict({"classes": ["a"], "colour": 1})
 

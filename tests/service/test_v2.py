@@ -222,6 +222,9 @@ MALFORMED = [  # (body, headers, a fragment of the error message)
     (v2_json([{**q(), "data": [["what?"]]}]), {}, "nested otherwise than its shape [1]"),
     (v2_json([{**q(), "shape": [1, 1], "data": [[], ["what?"]]}]), {}, "nested otherwise than its shape [1, 1]"),
     (v2_json([{**q(), "shape": [1, 1], "data": [[["what?"]]]}]), {}, "nested otherwise than its shape [1, 1]"),
+    # dimensions whose product has more digits than Python turns into text (a ValueError, a 500 before)
+    (b'{"inputs": [{"name": "question", "datatype": "BYTES", "shape": [' + b"9" * 4000 + b", " + b"9" * 4000
+     + b'], "data": ["what?"]}]}', {}, "a dimension of its shape is over 2147483647"),
 ]
 
 
