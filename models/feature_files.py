@@ -11,7 +11,8 @@ ignore it (`FeatureFile.truncated_bytes` says how much) and `FeatureFileWriter` 
 resuming. The same image id written twice resolves to the last record. Damage to the structure before the tail
 raises FeatureFormatError on opening; a record whose bytes fail their CRC raises when it is read, and a resuming
 writer checks every record's CRC, so such a record is written again rather than counted as done. A writer holds
-an exclusive lock on the file (`lock_for_writing`) while it is open: a second writer is refused, not interleaved.
+an exclusive lock on the file (`lock_for_writing`) while it is open: a second writer is refused (or waits), not
+interleaved; on a file system without flock(2) it goes on unlocked, with a warning.
 
 obj36 TSV (airsplay/lxmert, bottom-up-attention): one image per line, tab separated, no header, columns
 FIELDNAMES; array columns are base64 of raw little-endian numpy bytes (ids int64, confidences and boxes
@@ -26,12 +27,13 @@ import csv
 import errno
 import fcntl
 import json
+import logging
 import os
 import stat
 import struct
 import sys
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import BinaryIO
 
@@ -45,28 +47,39 @@ RECORD_MAGIC = b"REC\x00"
 _FILE_HEADER = struct.Struct("<8sII")  # magic, version, meta length
 _RECORD_HEADER = struct.Struct("<4sIQ")  # magic, id length, value length
 _CRC = struct.Struct("<I")
+# flock(2) errors that say the file system cannot lock (Lustre without -o flock, some NFS, FUSE and 9p mounts), not
+# that another process holds the lock
+_NO_LOCKING = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.EBADF}
+
+log = logging.getLogger(__name__)
 
 
 class FileLockedError(OSError):
     """Another process holds the write lock of an output file."""
 
 
-def lock_for_writing(path: str | os.PathLike) -> BinaryIO:
+def lock_for_writing(path: str | os.PathLike, wait: bool = False) -> BinaryIO:
     """`path` opened for reading and writing (created empty if absent) with an exclusive lock held until it is closed.
 
     Two runs appending to one file would write over each other's records; the second is refused instead
-    (FileLockedError). The lock is flock(2) on the file itself, so it goes with the process: a killed run leaves no
-    stale lock behind. Opening changes nothing in an existing file.
+    (FileLockedError), or with `wait` blocks until the first has closed it. The lock is flock(2) on the file itself, so
+    it goes with the process: a killed run leaves no stale lock behind. On a file system that cannot flock, the file
+    is opened unlocked and a warning says so. Opening changes nothing in an existing file.
     """
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or device would block or swallow what is written
             raise OSError(errno.EINVAL, "not a regular file", str(path))
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             raise FileLockedError(f"{path}: another process is writing it (wait for it to end, or write to another "
                                   "file)") from None
+        except OSError as exc:
+            if exc.errno not in _NO_LOCKING:
+                raise
+            log.warning("cannot lock %s on this file system (%s): do not run two writers at once", path,
+                        exc.strerror or exc)
         return os.fdopen(fd, "r+b")
     except BaseException:
         os.close(fd)
@@ -215,30 +228,37 @@ def _meta_difference(there: dict, here: dict) -> str:
 
 class FeatureFileWriter:
     """Appends records to a feature file, holding its write lock until closed; an existing file is resumed (meta must
-    match, torn tail cut).
+    match unless it holds no records, torn tail cut).
 
     `written` holds the ids whose record is whole and passes its CRC; `corrupt` the ids whose (last) record fails it,
     which a resume writes again (the new record is the one readers get).
     """
 
-    def __init__(self, path: str | os.PathLike, meta: dict | None = None):
+    def __init__(self, path: str | os.PathLike, meta: dict | None = None, *,
+                 also_resumes: Callable[[dict], bool] | None = None, wait: bool = False):
+        """`also_resumes`: whether an existing file's meta other than `meta` is resumed too (`self.meta` is then the
+        file's meta); `wait`: block while another process writes the file rather than raise FileLockedError."""
         self.path = Path(path)
         meta = {} if meta is None else json.loads(json.dumps(meta))  # JSON-normalized, to compare on resume
-        self._f = lock_for_writing(self.path)
+        self._f = lock_for_writing(self.path, wait=wait)
         try:
             self.written: set[str] = set()
             self.corrupt: list[str] = []
             if os.fstat(self._f.fileno()).st_size > 0:
                 with FeatureFile(self.path) as existing:
-                    if existing.meta != meta:
-                        raise FeatureFormatError(f"{self.path}: {_meta_difference(existing.meta, meta)}; a feature "
-                                                 "file is resumed only with the settings that began it")
+                    if len(existing) and existing.meta != meta:
+                        if also_resumes is None or not also_resumes(existing.meta):
+                            raise FeatureFormatError(f"{self.path}: {_meta_difference(existing.meta, meta)}; a "
+                                                     "feature file is resumed only with the settings that began it")
+                        meta = existing.meta
                     self.corrupt = existing.corrupt_ids()
                     self.written = set(existing).difference(self.corrupt)
                     good_end = os.fstat(self._f.fileno()).st_size - existing.truncated_bytes
+                    if not len(existing):  # no records: the header is written anew with this meta
+                        good_end = 0
                 self._f.truncate(good_end)
                 self._f.seek(good_end)
-            else:  # new, or created by a run stopped before its header was written
+            if self._f.tell() == 0:  # new, created by a run stopped before its header was written, or with no records
                 meta_raw = json.dumps(meta, sort_keys=True).encode()
                 self._f.write(_FILE_HEADER.pack(MAGIC, FILE_VERSION, len(meta_raw)) + meta_raw)
                 self._f.flush()

@@ -10,9 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import stat
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -188,9 +190,9 @@ def _tsv_done(path: Path) -> set[str]:
     return done
 
 
-def _check_tsv_ids(path: Path, done: set[str], inputs: list[Input], mode: str) -> None:
-    """Refuse a resume that would mix id schemes in a TSV (which does not record its scheme): sha256 ids are 64 hex
-    digits, stems nearly never are."""
+def _check_id_scheme(path: Path, done: set[str], inputs: list[Input], mode: str) -> None:
+    """Refuse a resume that would mix id schemes in an output that does not record its scheme (a TSV, a .vlfeat whose
+    meta has no "ids"): sha256 ids are 64 hex digits, stems nearly never are; an output with no ids fits either."""
     stems = sorted(i for i in done if not is_sha256_id(i))
     if mode == "sha256" and stems:
         raise FeatureFormatError(f"{path} holds ids that are not sha256 digests (such as {stems[0]!r}): it was "
@@ -250,8 +252,13 @@ class SourceList:
         self._f.flush()
 
     def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
+        """Flush and fsync the list, as the output's writer does its records: a done id keeps its line on disk."""
+        if self._f is not None and not self._f.closed:
+            try:
+                self._f.flush()
+                os.fsync(self._f.fileno())
+            finally:
+                self._f.close()
 
 
 def _check_sources(out: Path, done: set[str], inputs: list[Input], sources: dict[str, str]) -> None:
@@ -286,20 +293,28 @@ def extract_folder(
     if ids not in ("stem", "sha256"):
         raise ValueError(f"unknown id scheme {ids!r}; choose stem or sha256")
     report = ExtractionReport()
-    keyed = image_ids(find_images(inputs), ids, report, fmt, progress)
+    paths = find_images(inputs)
     writer = lock = None
     sources = SourceList(out) if ids == "stem" else None
     try:
-        # the output, locked for this run, and what it holds
+        # the output, locked for this run before any input is read (a second run is refused at once), and what it
+        # holds; then the inputs, and the checks that need them
+        meta = {"detector": fingerprint, "ids": ids}
         if fmt == "vlfeat":
-            writer = FeatureFileWriter(out, meta={"detector": fingerprint, "ids": ids})
+            # a .vlfeat whose meta names the detector only does not record its id scheme: checked like a TSV
+            writer = FeatureFileWriter(out, meta=meta, also_resumes=lambda there: there == {"detector": fingerprint})
             done, new = set(writer.written), not writer.written and not writer.corrupt
             corrupt = set(writer.corrupt)
         else:
             lock = lock_for_writing(out)
             done = _tsv_done(out)
-            _check_tsv_ids(out, done, keyed, ids)
             new, corrupt = not done, set()
+        unrecorded = writer is None or writer.meta != meta  # the output does not say which id scheme wrote it
+        if unrecorded and ids == "sha256":  # needs no input: refused before they are read
+            _check_id_scheme(out, done | corrupt, [], ids)
+        keyed = image_ids(paths, ids, report, fmt, progress)
+        if unrecorded and ids == "stem":
+            _check_id_scheme(out, done | corrupt, keyed, ids)
         if sources is not None:
             _check_sources(out, done, keyed, sources.begin(new))
         todo = [i for i in keyed if i.image_id not in done]
@@ -336,8 +351,9 @@ def extract_folder(
         report.redone = sorted(corrupt & written)
         report.corrupt = sorted(corrupt - written)
     finally:
-        for f in (writer, lock, sources):
-            if f is not None:
-                f.close()
+        with ExitStack() as closing:  # closed last to first: the sources list is on disk before the output's records
+            for f in (writer, lock, sources):
+                if f is not None:
+                    closing.callback(f.close)
     return report
 

@@ -459,3 +459,75 @@ def test_a_torn_sources_line_is_cut_before_the_next_is_added(detector_dir, folde
     assert result.exit_code == 0, result.output
     lines = [json.loads(line) for line in sources.read_bytes().splitlines()]
     assert [entry["id"] for entry in lines] == ["a", "b"] and sources.read_bytes().startswith(whole)
+
+
+# --- outputs written before the meta recorded the id scheme, and the order of a run's work ---
+
+def write_without_ids(detector_dir, folder, out, ids: str) -> None:
+    """`out` as a run whose meta held the detector only ({"detector": fingerprint}) wrote it, from a.png."""
+    from models.detector.extract import extract_folder
+    from models.detector.io import load_detector
+    from models.feature_files import FeatureFileWriter
+
+    detector, fingerprint = load_detector(detector_dir)
+    extract_folder(detector, fingerprint, [folder / "a.png"], out.with_name("new.vlfeat"), ids=ids, progress=False)
+    with FeatureFile(out.with_name("new.vlfeat")) as new, FeatureFileWriter(out, meta={"detector": fingerprint}) as w:
+        for image_id in new:
+            w.append(image_id, new[image_id])
+    if ids == "stem":
+        out.with_name(out.name + ".sources").write_bytes(out.with_name("new.vlfeat.sources").read_bytes())
+
+
+@pytest.mark.parametrize("ids", ["stem", "sha256"])
+def test_a_feature_file_whose_meta_has_no_ids_is_resumed_in_the_scheme_of_its_ids(detector_dir, folder, tmp_path,
+                                                                                  ids):
+    out = tmp_path / "old.vlfeat"
+    write_without_ids(detector_dir, folder, out, ids)
+    result = run(folder / "a.png", folder / "b.jpg", "--detector", detector_dir, "--out", out, "--ids", ids)
+    assert result.exit_code == 0, result.output
+    assert summary_of(result) == {**summary_of(result), "written": 1, "already_done": 1}
+    with FeatureFile(out) as f:
+        assert "ids" not in f.meta and len(f) == 2 and f.corrupt_ids() == []
+        assert ("b" in f) == (ids == "stem")
+    again = run(folder / "a.png", folder / "b.jpg", "--detector", detector_dir, "--out", out, "--ids", ids)
+    assert again.exit_code == 0 and summary_of(again)["already_done"] == 2, again.output
+
+
+@pytest.mark.parametrize("first, then", [("stem", "sha256"), ("sha256", "stem")])
+def test_a_feature_file_whose_meta_has_no_ids_is_refused_to_the_other_scheme(detector_dir, folder, tmp_path, first,
+                                                                             then):
+    out = tmp_path / "old.vlfeat"
+    write_without_ids(detector_dir, folder, out, first)
+    before = out.read_bytes()
+    result = run(folder / "a.png", folder / "b.jpg", "--detector", detector_dir, "--out", out, "--ids", then)
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    assert f"written with --ids {first}" in result.stderr
+    assert out.read_bytes() == before
+
+
+@pytest.mark.parametrize("fmt", ["vlfeat", "tsv"])
+def test_a_second_run_is_refused_before_it_reads_an_input(detector_dir, folder, tmp_path, monkeypatch, fmt):
+    import models.detector.extract as extract
+    from models.feature_files import lock_for_writing
+
+    def hashed(path):
+        pytest.fail(f"read {path} before the output was locked")
+
+    monkeypatch.setattr(extract, "_hash_file", hashed)
+    out = tmp_path / f"feats.{fmt}"
+    with lock_for_writing(out):  # a first run writing it
+        result = run(folder, "--detector", detector_dir, "--out", out, "--format", fmt)
+    assert result.exit_code == 2 and "another process is writing it" in result.stderr, result.output
+
+
+def test_the_sources_list_is_fsynced_when_closed(tmp_path, monkeypatch):
+    import models.detector.extract as extract
+
+    synced = []
+    monkeypatch.setattr(extract.os, "fsync", lambda fd: synced.append(fd))
+    sources = extract.SourceList(tmp_path / "f.vlfeat")
+    sources.begin(new=True)
+    sources.add("a", "0" * 64)
+    fd = sources._f.fileno()
+    sources.close()
+    assert synced == [fd] and sources._f.closed

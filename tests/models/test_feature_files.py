@@ -312,3 +312,56 @@ def test_obj_row_prefix_columns_takes_every_start_of_a_row_and_little_else():
     assert obj_row_prefix_columns([zero]) == len(FIELDNAMES) - 1  # empty base64 columns of zero regions
     for text in [b"name\tvalue", b"a\t\t", b"a\t12\t34\tnot base64", b"a\r\t1", row + b"\tmore"]:
         assert obj_row_prefix_columns([text]) is None, text
+
+
+@pytest.mark.parametrize("code", ["ENOSYS", "ENOLCK", "EOPNOTSUPP"])
+def test_a_file_system_that_cannot_lock_is_written_unlocked_with_a_warning(tmp_path, monkeypatch, caplog, code):
+    import errno
+    import fcntl
+
+    def cannot_lock(fd, operation):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    monkeypatch.setattr(fcntl, "flock", cannot_lock)
+    path = tmp_path / "run.vlfeat"
+    items = make_items(count=2)
+    with caplog.at_level("WARNING", logger="models.feature_files"):
+        assert write_feature_file(path, items, meta={"detector": "a"}) == 2
+    assert list(read_feature_file(path)) == [k for k, _ in items]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and warnings[0].startswith(f"cannot lock {path} on this file system")
+    assert warnings[0].endswith("do not run two writers at once")
+
+
+def test_a_lock_error_other_than_unsupported_is_raised(tmp_path, monkeypatch):
+    import fcntl
+
+    def denied(fd, operation):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(fcntl, "flock", denied)
+    with pytest.raises(PermissionError):
+        lock_for_writing(tmp_path / "run.vlfeat")
+
+
+def test_a_file_with_no_records_takes_the_meta_of_its_next_writer(tmp_path):
+    path = tmp_path / "run.vlfeat"
+    FeatureFileWriter(path, meta={"detector": "a", "ids": "stem"}).close()  # a run stopped before its first record
+    items = make_items(count=1)
+    assert write_feature_file(path, items, meta={"detector": "a", "ids": "sha256"}) == 1
+    with FeatureFile(path) as f:
+        assert f.meta == {"detector": "a", "ids": "sha256"} and list(f) == [items[0][0]]
+
+
+def test_also_resumes_takes_another_meta_and_keeps_it(tmp_path):
+    path = tmp_path / "run.vlfeat"
+    items = make_items(count=2)
+    write_feature_file(path, items[:1], meta={"detector": "a"})
+    with FeatureFileWriter(path, meta={"detector": "a", "ids": "stem"},
+                           also_resumes=lambda there: there == {"detector": "a"}) as w:
+        assert w.meta == {"detector": "a"} and w.written == {items[0][0]}
+        w.append(*items[1])
+    with FeatureFile(path) as f:
+        assert f.meta == {"detector": "a"} and list(f) == [k for k, _ in items]
+    with pytest.raises(FeatureFormatError, match="written with no ids, this run writes ids 'stem'"):
+        FeatureFileWriter(path, meta={"detector": "a", "ids": "stem"}, also_resumes=lambda there: False)

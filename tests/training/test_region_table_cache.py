@@ -25,3 +25,41 @@ def test_a_complete_cache_file_is_read_without_opening_it_for_writing(tmp_path, 
     assert np.array_equal(first.features, again.features) and np.array_equal(first.boxes, again.boxes)
     with pytest.raises(PermissionError):  # one more image to extract: it must write, and says it cannot
         extract_table(detector, "f" * 16, lambda i: images[i % 3], 4, cache, progress=False)
+
+
+def test_a_run_finding_the_cache_being_written_waits_and_uses_what_the_other_wrote(tmp_path, caplog):
+    import threading
+    import time
+
+    from models.feature_files import FeatureFile, FeatureFileWriter
+
+    torch.manual_seed(0)
+    cfg = DetectorConfig(classes=["circle"], attributes=["red"], min_size=64, max_size=64, rpn_pre_nms_top_n=50,
+                         rpn_post_nms_top_n=20, num_boxes=4, feature_dim=16)
+    detector = RegionDetector(cfg).eval()
+    images = np.random.default_rng(0).integers(0, 255, (3, 64, 64, 3), dtype=np.uint8)
+    expected = extract_table(detector, "f" * 16, lambda i: images[i], 3, tmp_path / "done.vlfeat", progress=False)
+    with FeatureFile(tmp_path / "done.vlfeat") as done:
+        records = {k: done[k] for k in done}
+
+    cache = tmp_path / "shared" / "regions.vlfeat"
+    cache.parent.mkdir()
+    other = FeatureFileWriter(cache, meta={"detector": "f" * 16})  # another run, extracting into the shared cache
+
+    def finish():
+        time.sleep(0.5)
+        for image_id, rf in records.items():
+            other.append(image_id, rf)
+        other.close()
+
+    thread = threading.Thread(target=finish)
+    thread.start()
+    try:
+        with caplog.at_level("INFO", logger="training.data.region_table"):
+            table = extract_table(detector, "f" * 16, lambda i: pytest.fail("extracted again"), 3, cache,
+                                  progress=False)
+    finally:
+        thread.join()
+    assert [r.getMessage() for r in caplog.records if r.name == "training.data.region_table"] == \
+        [f"waiting for another run writing {cache}"]
+    assert np.array_equal(table.features, expected.features) and np.array_equal(table.boxes, expected.boxes)

@@ -1,6 +1,7 @@
 """Region features of a whole image set, extracted once (resumable, cached by detector fingerprint), held in memory."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -10,8 +11,10 @@ import torch
 from tqdm import tqdm
 
 from models.detector import RegionDetector
-from models.feature_files import FeatureFile, FeatureFileWriter
+from models.feature_files import FeatureFile, FeatureFileWriter, FileLockedError
 from models.region_features import RegionFeatures, region_tag_ids
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -108,7 +111,13 @@ def _holds(cache_file: Path, count: int, fingerprint: str) -> bool:
 def _extract_into(detector: RegionDetector, fingerprint: str, load_image: Callable[[int], np.ndarray], count: int,
                   cache_file: Path, batch_size: int, progress: bool) -> None:
     cache_file.parent.mkdir(parents=True, exist_ok=True)
-    with FeatureFileWriter(cache_file, meta={"detector": fingerprint}) as writer:
+    meta = {"detector": fingerprint}
+    try:
+        writer = FeatureFileWriter(cache_file, meta=meta)
+    except FileLockedError:  # another run shares this cache: what it extracts is not extracted twice
+        log.warning("waiting for another run writing %s", cache_file)
+        writer = FeatureFileWriter(cache_file, meta=meta, wait=True)
+    with writer:  # writer.written is what the cache holds now, the other run's records included
         todo = [i for i in range(count) if str(i) not in writer.written]
         bar = tqdm(total=len(todo), desc=f"regions {cache_file.stem}", unit="img", disable=not progress or not todo)
         for s in range(0, len(todo), batch_size):
