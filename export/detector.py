@@ -26,6 +26,8 @@ from models.detector.preprocess import prepare_image
 from models.region_features import RegionFeatures
 from models.repository import DEFAULT_OPSET
 
+from .parity import nonfinite_mismatch
+
 OUTPUTS = ("boxes", "features", "obj_ids", "obj_scores", "attr_ids", "attr_scores")
 
 
@@ -163,11 +165,22 @@ def tie_prone(image: np.ndarray) -> bool:
     return bool(image.min() == image.max())
 
 
+def difference(want: np.ndarray, got: np.ndarray) -> tuple[float, int]:
+    """(largest abs difference over the values finite in both, count of values NaN or infinite on one side and not
+    the same on the other): NaN compares false with any bound, so it is counted apart, as export.parity counts
+    logits."""
+    want, got = np.asarray(want, np.float64), np.asarray(got, np.float64)
+    both_finite = np.isfinite(want) & np.isfinite(got)
+    worst = float(np.abs(want[both_finite] - got[both_finite]).max()) if both_finite.any() else 0.0
+    return worst, int(nonfinite_mismatch(got, want).sum())
+
+
 def detector_parity(detector: RegionDetector, exported: OnnxDetector, images: list[np.ndarray]) -> dict:
-    """Worst differences of the exported detector's regions to the torch detector's over `images`; of a tie-prone
-    image only the region count is compared."""
+    """Worst differences of the exported detector's regions to the torch detector's over `images`, taken over the
+    values finite in both; `nonfinite` counts the boxes, features, scores and image-feature values NaN or infinite
+    on one side only. Of a tie-prone image only the region count is compared."""
     worst = {"boxes_px": 0.0, "features": 0.0, "scores": 0.0, "image_feature": 0.0}
-    same_count = same_ids = 0
+    same_count = same_ids = nonfinite = 0
     for image, want, got in zip(images, detector.extract(images), exported.extract(images)):
         if want.num_boxes != got.num_boxes:
             continue
@@ -177,12 +190,14 @@ def detector_parity(detector: RegionDetector, exported: OnnxDetector, images: li
             continue
         w, g = canonical(want), canonical(got)
         same_ids += int(np.array_equal(w["obj_ids"], g["obj_ids"]) and np.array_equal(w["attr_ids"], g["attr_ids"]))
-        for key, name in (("boxes_px", "boxes"), ("features", "features"), ("scores", "obj_scores")):
-            if w[name].size:
-                worst[key] = max(worst[key], float(np.abs(w[name] - g[name]).max()))
+        pairs = [(key, w[name], g[name]) for key, name in
+                 (("boxes_px", "boxes"), ("features", "features"), ("scores", "obj_scores"))]
         if want.image_feature is not None:
-            diff = np.abs(want.image_feature.astype(np.float32) - got.image_feature.astype(np.float32)).max()
-            worst["image_feature"] = max(worst["image_feature"], float(diff))
-    return {**worst, "same_region_count": same_count / len(images), "same_classes": same_ids / len(images),
-            "images": [list(im.shape[:2]) for im in images],
+            pairs.append(("image_feature", want.image_feature, got.image_feature))
+        for key, a, b in pairs:
+            diff, count = difference(a, b)
+            worst[key] = max(worst[key], diff)
+            nonfinite += count
+    return {**worst, "nonfinite": nonfinite, "same_region_count": same_count / len(images),
+            "same_classes": same_ids / len(images), "images": [list(im.shape[:2]) for im in images],
             "tie_prone_images": sum(tie_prone(im) for im in images)}

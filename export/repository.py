@@ -11,6 +11,7 @@ import math
 import os
 import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -116,6 +117,9 @@ def _export_detector(detector, fingerprint: str, detector_dir: Path, tmp: Path, 
 
 
 def _check_detector(report: dict, max_diff: float) -> str | None:
+    if report["nonfinite"]:  # NaN compares false with any bound: counted apart, a failure whatever the bounds
+        return (f"detector: {report['nonfinite']} box, feature or score values are NaN or infinite where torch's are "
+                "not, or the reverse")
     if report["same_region_count"] < 1 or report["same_classes"] < 1:
         return (f"detector: regions or classes differ from torch's on {1 - min(report['same_region_count'], report['same_classes']):.0%} "
                 "of the images")
@@ -290,18 +294,27 @@ def _check_ranges(ranges: engine_runner.Ranges, text_positions: int) -> None:
 
 
 # ---- staging -------------------------------------------------------------------------------------------
-# The repository is assembled in a hidden directory beside --out, `.<out name>.export-<pid>.<8 random characters>`,
-# then renamed into place. Its export holds an exclusive flock on it while it runs (the kernel releases it when the
-# process ends, SIGKILL included), so another export of the same --out can tell a live staging directory (locked:
-# refused) from the remains of a killed one (unlocked and its pid gone: removed). Exports beside one another set up
-# their staging directories one at a time, under a flock on the parent directory held for that moment only.
+# The repository is assembled in a hidden directory beside --out, `.<out name>.export-<host>-<pid>.<8 random
+# characters>`, then renamed into place. Its export holds an exclusive flock on it while it runs (the kernel releases
+# it when the process ends, SIGKILL included), so another export of the same --out can tell a live staging directory
+# (locked: refused) from the remains of a killed one (unlocked and its pid gone: removed). Only a directory of this
+# host is removed: on NFS mounted with local locks (nolock, local_lock=flock) another host's lock is not seen here and
+# its pid means nothing here, so its directory is left. Exports beside one another set up their staging directories
+# one at a time, under a flock on the parent directory held for that moment only.
 
 STAGING = "export"
 
 
+def _host() -> str:
+    """This host's name as a file name may hold it: characters other than [A-Za-z0-9.-] become `_`."""
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "_"
+
+
 def _staging_name(out: Path) -> re.Pattern:
-    """The names of export staging directories of `out` (mkdtemp's random part: 8 of [a-z0-9_])."""
-    return re.compile(rf"\.{re.escape(out.name)}\.{STAGING}-(\d+)\.[a-z0-9_]{{8}}")
+    """The names of export staging directories of `out` -> groups (host, pid); mkdtemp's random part is 8 of
+    [a-z0-9_], and the pid is the last `-<digits>` before it, so a host name with `-` in it parses as it was
+    written."""
+    return re.compile(rf"\.{re.escape(out.name)}\.{STAGING}-([A-Za-z0-9._-]+)-(\d+)\.[a-z0-9_]{{8}}")
 
 
 def _lock(fd: int, wait: bool = False) -> bool | None:
@@ -329,15 +342,17 @@ def _pid_alive(pid: int) -> bool:
 def _sweep(out: Path, log: Callable[[str], None]) -> None:
     """ExportError when another export is writing `out` (its staging directory is locked, or, where the file system
     has no flock, its pid is alive); staging directories of `out` left by exports that ended without removing them
-    (SIGKILL, a power cut) are removed. Nothing but this process's uid's directories of `out`'s staging name is
-    touched."""
-    pattern = _staging_name(out)
+    (SIGKILL, a power cut) on this host are removed. Nothing but this process's uid's directories of `out`'s staging
+    name that name this host is removed: another host's lock may not be seen here (NFS with local locks) and its pid
+    is not this host's, so its directory is left."""
+    pattern, here = _staging_name(out), _host()
     try:
         entries = [e for e in out.parent.iterdir() if pattern.fullmatch(e.name)]
     except OSError:
         return
     for entry in entries:
-        pid = int(pattern.fullmatch(entry.name)[1])
+        host, pid = pattern.fullmatch(entry.name).groups()
+        pid = int(pid)
         try:
             fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)  # a link or a file is no staging dir
         except OSError:
@@ -348,7 +363,10 @@ def _sweep(out: Path, log: Callable[[str], None]) -> None:
             if live:
                 raise ExportError(f"{out}: another export (pid {pid}) is writing this repository (staging directory "
                                   f"{entry}); wait for it to end or choose another --out")
-            if taken and not _pid_alive(pid) and os.fstat(fd).st_uid == os.getuid():
+            if host != here:
+                log(f"left {entry}: the staging directory of an export on host {host} (pid {pid}), which this host "
+                    "cannot tell running or ended; remove it once that export has ended")
+            elif taken and not _pid_alive(pid) and os.fstat(fd).st_uid == os.getuid():
                 shutil.rmtree(entry, ignore_errors=True)
                 log(f"removed {entry}: the staging directory of an export (pid {pid}) that ended without removing it")
         finally:
@@ -372,7 +390,7 @@ def _stage(out: Path, log: Callable[[str], None]) -> tuple[Path, int]:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):  # written while this export loaded its models
             raise ExportError(f"{out} exists and is not an empty directory; choose a new --out")
         try:
-            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{STAGING}-{os.getpid()}.", dir=out.parent))
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{STAGING}-{_host()}-{os.getpid()}.", dir=out.parent))
         except OSError as exc:  # a read-only file system, no write permission
             raise ExportError(f"{out}: cannot create the repository in {out.parent} ({exc.strerror})") from None
         try:

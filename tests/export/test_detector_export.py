@@ -54,3 +54,55 @@ def test_detector_parity_report(tmp_path):
     report = detector_parity(detector, OnnxDetector.load(tmp_path / "detector.onnx", detector.config), images)
     assert report["same_region_count"] == 1.0 and report["same_classes"] == 1.0, report
     assert report["boxes_px"] <= 1e-3 and report["features"] <= 1e-4 and report["image_feature"] <= 1e-4, report
+    assert report["nonfinite"] == 0, report
+
+
+def regions(boxes, features, scores, image_feature):
+    """The fields of RegionFeatures that detector_parity reads, without RegionFeatures' refusal of NaN: the raw
+    outputs of a graph as they are compared."""
+    from types import SimpleNamespace
+
+    boxes, features, scores = (np.asarray(a, np.float32) for a in (boxes, features, scores))
+    n = len(boxes)
+    return SimpleNamespace(num_boxes=n, boxes=boxes, features=features, obj_scores=scores, attr_scores=scores,
+                           obj_ids=np.arange(n), attr_ids=np.arange(n),
+                           image_feature=None if image_feature is None else np.asarray(image_feature, np.float32))
+
+
+class Fixed:
+    def __init__(self, rows):
+        self.rows = rows
+
+    def extract(self, images):
+        return [self.rows]
+
+
+CLEAN = dict(boxes=[[0, 0, 10, 10], [5, 5, 20, 20]], features=[[1.0, 2.0], [3.0, 4.0]], scores=[0.9, 0.5],
+             image_feature=[0.5, 0.25])
+
+
+@pytest.mark.parametrize("name, at, value", [
+    ("features", (0, 1), np.nan), ("features", (1, 0), np.inf), ("boxes", (1, 2), np.nan),
+    ("scores", (1,), -np.inf), ("image_feature", (1,), np.nan)])
+@pytest.mark.parametrize("side", ["exported", "torch"])
+def test_nan_or_infinite_detector_outputs_on_one_side_fail_parity(name, at, value, side):
+    """NaN compares false with any bound: such values are counted in `nonfinite` and fail the check, whichever side
+    has them; the differences are taken over the values finite in both."""
+    import json
+
+    from export.repository import MAX_ABS_DIFF, _check_detector
+
+    bad = {k: np.array(v, np.float64) for k, v in CLEAN.items()}
+    bad[name][at] = value
+    torch_rows, graph_rows = regions(**CLEAN), regions(**bad)
+    if side == "torch":
+        torch_rows, graph_rows = graph_rows, torch_rows
+    image = np.arange(12, dtype=np.uint8).reshape(2, 2, 3)  # not tie-prone: every value is compared
+    report = detector_parity(Fixed(torch_rows), Fixed(graph_rows), [image])
+    assert report["nonfinite"] == 1, report
+    assert all(report[k] == 0.0 for k in ("boxes_px", "features", "scores", "image_feature")), report
+    json.dumps(report, allow_nan=False)  # the report stays JSON
+    assert _check_detector(report, MAX_ABS_DIFF) == ("detector: 1 box, feature or score values are NaN or infinite "
+                                                     "where torch's are not, or the reverse")
+    clean = detector_parity(Fixed(regions(**CLEAN)), Fixed(regions(**CLEAN)), [image])
+    assert clean["nonfinite"] == 0 and _check_detector(clean, MAX_ABS_DIFF) is None, clean

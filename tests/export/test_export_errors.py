@@ -19,7 +19,7 @@ import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from export.repository import export_repository
+from export.repository import _host, _sweep, export_repository
 from models.checkpoint import MANIFEST, CheckpointError
 from models.config import ModelConfig
 from models.repository import RepositoryError, is_repository, load_repository
@@ -315,6 +315,35 @@ def test_the_dynamo_exporter_says_only_vlserves_lines(models, tmp_path):
 
 # ---- staging directories: a killed export's, a running export's ----------------------------------------------
 
+OTHER_HOST = "other-host.example"  # a host name with `-` and `.`, as host names have
+
+
+def dead_pid() -> int:
+    """A pid no process has: a child's, once it has ended and been reaped."""
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    child.wait()
+    return child.pid
+
+
+def test_the_sweep_removes_this_hosts_dead_staging_directory_and_leaves_another_hosts(tmp_path):
+    """On NFS mounted with local locks another host's live staging directory is unlocked here and its pid is dead
+    here: only a directory naming this host is removed."""
+    assert _host() != OTHER_HOST
+    out, pid = tmp_path / "repo", dead_pid()
+    mine = tmp_path / f".repo.export-{_host()}-{pid}.mine1234"
+    foreign = tmp_path / f".repo.export-{OTHER_HOST}-{pid}.dead1234"
+    mine.mkdir()
+    foreign.mkdir()
+    (foreign / "graph.onnx").write_text("being written on the other host")
+    logged = []
+    _sweep(out, logged.append)
+    assert sorted(tmp_path.iterdir()) == [foreign] and (foreign / "graph.onnx").is_file()
+    assert sorted(logged) == sorted([
+        f"removed {mine}: the staging directory of an export (pid {pid}) that ended without removing it",
+        f"left {foreign}: the staging directory of an export on host {OTHER_HOST} (pid {pid}), which this host cannot "
+        "tell running or ended; remove it once that export has ended"])  # in the order the directory lists them
+
+
 def wait_for_staging(process: subprocess.Popen, parent: Path, pattern: str) -> Path:
     deadline = time.monotonic() + 120
     while not (found := list(parent.glob(pattern))):
@@ -327,26 +356,31 @@ def test_a_killed_exports_staging_directory_is_removed_by_the_next_export_of_its
     parent = tmp_path / "repos"
     out = parent / "repo"
     process = vlserve("export", str(models[0]), "--out", str(out), "--examples", "1000000", "--threads", "1")
-    staging = wait_for_staging(process, parent, f".repo.export-{process.pid}.*")
+    staging = wait_for_staging(process, parent, f".repo.export-{_host()}-{process.pid}.*")
     process.kill()  # nothing of the export's own runs: its staging directory stays
     process.communicate(timeout=60)
     assert staging.is_dir()
     # what the next export must leave alone: another --out's staging directory, names it does not write, a file and
-    # a link of its staging name, and an unlocked staging directory whose pid is alive (this process's)
-    keep = [parent / f".repo2.export-{process.pid}.abcd1234", parent / ".repo.abcd1234",
-            parent / f".repo.export-{process.pid}.abcd12345", parent / f".repo.export-{process.pid}", parent / "other",
-            parent / f".repo.export-{os.getpid()}.live1234"]
+    # a link of its staging name, an unlocked staging directory whose pid is alive (this process's), and another
+    # host's unlocked staging directory whose pid is dead here (NFS with local locks: that export may be running)
+    this = f"{_host()}-{process.pid}"
+    foreign = parent / f".repo.export-{OTHER_HOST}-{process.pid}.dead1234"
+    keep = [parent / f".repo2.export-{this}.abcd1234", parent / ".repo.abcd1234",
+            parent / f".repo.export-{this}.abcd12345", parent / f".repo.export-{this}", parent / "other",
+            parent / f".repo.export-{process.pid}.abcd1234", parent / f".repo.export-{_host()}-{os.getpid()}.live1234",
+            foreign]
     for path in keep:
         path.mkdir()
-    (parent / f".repo.export-{process.pid}.file1234").write_text("a file")
-    (parent / f".repo.export-{process.pid}.link1234").symlink_to(parent / "other")
-    keep += [parent / f".repo.export-{process.pid}.file1234", parent / f".repo.export-{process.pid}.link1234"]
+    (parent / f".repo.export-{this}.file1234").write_text("a file")
+    (parent / f".repo.export-{this}.link1234").symlink_to(parent / "other")
+    keep += [parent / f".repo.export-{this}.file1234", parent / f".repo.export-{this}.link1234"]
     before = sorted(parent.iterdir())
 
     again = vlserve("export", str(models[0]), "--out", str(out), "--examples", "4", "--threads", "1")
     _, stderr = again.communicate(timeout=300)
     assert again.returncode == 0, stderr
     assert f"removed {staging}: the staging directory of an export (pid {process.pid}) that ended" in stderr, stderr
+    assert f"left {foreign}: the staging directory of an export on host {OTHER_HOST} (pid {process.pid})" in stderr
     assert sorted(parent.iterdir()) == sorted([p for p in before if p != staging] + [out])
     load_repository(out)
 
@@ -355,7 +389,7 @@ def test_a_second_export_of_one_out_is_refused_while_the_first_runs(models, tmp_
     out = tmp_path / "repo"
     first = vlserve("export", str(models[0]), "--out", str(out), "--examples", "1000000", "--threads", "1")
     try:
-        staging = wait_for_staging(first, tmp_path, f".repo.export-{first.pid}.*")
+        staging = wait_for_staging(first, tmp_path, f".repo.export-{_host()}-{first.pid}.*")
         second = runner.invoke(app, ["export", str(models[0]), "--out", str(out), "--examples", "4"])
         one_line_exit_2(second, f"error: {out}: another export (pid {first.pid}) is writing this repository "
                                 f"(staging directory {staging}); wait for it to end or choose another --out")
