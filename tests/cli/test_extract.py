@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from models.detector import DetectorConfig, RegionDetector
 from models.detector.io import save_detector
 from models.feature_files import FeatureFile, read_obj_tsv
+from tests.models.test_feature_files import damage_value
 from vlserve.cli import app
 
 runner = CliRunner()
@@ -273,19 +274,10 @@ def test_a_second_run_into_an_output_being_written_is_refused(detector_dir, fold
         assert sorted(dict(read_obj_tsv(out))) == ["a", "b"]
 
 
-def flip_a_byte_inside(path, image_id: str) -> None:
-    """Damage the value of image_id's record (not the last one), as a bad disk or an overlapping writer would."""
-    with FeatureFile(path) as f:
-        offset, key_len, value_len = f._index[image_id]
-    data = bytearray(path.read_bytes())
-    data[offset + 16 + key_len + value_len // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
 def test_resume_writes_again_a_record_that_fails_its_crc(detector_dir, folder, tmp_path):
     out = tmp_path / "feats.vlfeat"
     run(folder / "a.png", folder / "b.jpg", folder / "sub", "--detector", detector_dir, "--out", out)
-    flip_a_byte_inside(out, "a")
+    damage_value(out, "a")
     result = run(folder / "a.png", folder / "b.jpg", folder / "sub", "--detector", detector_dir, "--out", out)
     assert result.exit_code == 0, result.output
     assert summary_of(result) == {**summary_of(result), "written": 1, "already_done": 2, "corrupt": 1}
@@ -297,7 +289,7 @@ def test_resume_writes_again_a_record_that_fails_its_crc(detector_dir, folder, t
 def test_a_corrupt_record_no_input_has_is_reported_with_exit_1(detector_dir, folder, tmp_path):
     out = tmp_path / "feats.vlfeat"
     run(folder / "a.png", folder / "b.jpg", "--detector", detector_dir, "--out", out)
-    flip_a_byte_inside(out, "a")
+    damage_value(out, "a")
     result = run(folder / "sub", "--detector", detector_dir, "--out", out)
     assert result.exit_code == 1, result.output
     assert f"corrupt 'a': its record in {out} fails its CRC check and this run did not write it again" in result.stderr

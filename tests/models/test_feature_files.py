@@ -181,6 +181,7 @@ def test_lock_for_writing_creates_nothing_but_an_empty_file_and_refuses_a_fifo(t
 # --- every record checked on resume ---
 
 def damage_value(path, image_id: str) -> None:
+    """Damage the value of image_id's record (not the last one), as a bad disk or an overlapping writer would."""
     with FeatureFile(path) as f:
         offset, key_len, value_len = f._index[image_id]
     data = bytearray(path.read_bytes())

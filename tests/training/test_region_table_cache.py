@@ -8,12 +8,18 @@ from models.detector import DetectorConfig, RegionDetector
 from training.data.region_table import extract_table
 
 
-def test_a_complete_cache_file_is_read_without_opening_it_for_writing(tmp_path, monkeypatch):
+def small_detector() -> tuple[RegionDetector, np.ndarray]:
+    """A seeded detector of 16-d features and three 64 x 64 images."""
     torch.manual_seed(0)
     cfg = DetectorConfig(classes=["circle"], attributes=["red"], min_size=64, max_size=64, rpn_pre_nms_top_n=50,
                          rpn_post_nms_top_n=20, num_boxes=4, feature_dim=16)
     detector = RegionDetector(cfg).eval()
     images = np.random.default_rng(0).integers(0, 255, (3, 64, 64, 3), dtype=np.uint8)
+    return detector, images
+
+
+def test_a_complete_cache_file_is_read_without_opening_it_for_writing(tmp_path, monkeypatch):
+    detector, images = small_detector()
     cache = tmp_path / "regions.vlfeat"
     first = extract_table(detector, "f" * 16, lambda i: images[i], 3, cache, progress=False)
 
@@ -33,11 +39,7 @@ def test_a_run_finding_the_cache_being_written_waits_and_uses_what_the_other_wro
 
     from models.feature_files import FeatureFile, FeatureFileWriter
 
-    torch.manual_seed(0)
-    cfg = DetectorConfig(classes=["circle"], attributes=["red"], min_size=64, max_size=64, rpn_pre_nms_top_n=50,
-                         rpn_post_nms_top_n=20, num_boxes=4, feature_dim=16)
-    detector = RegionDetector(cfg).eval()
-    images = np.random.default_rng(0).integers(0, 255, (3, 64, 64, 3), dtype=np.uint8)
+    detector, images = small_detector()
     expected = extract_table(detector, "f" * 16, lambda i: images[i], 3, tmp_path / "done.vlfeat", progress=False)
     with FeatureFile(tmp_path / "done.vlfeat") as done:
         records = {k: done[k] for k in done}

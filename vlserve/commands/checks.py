@@ -1,4 +1,5 @@
-"""Checks the commands run on where they will write, before any work: a failure is one `error: ...` line and exit 2."""
+"""Checks the commands run on where they will write, before any work: a failure is one `error: ...` line and exit 2;
+and how a line that quotes file names prints whatever their encoding."""
 from __future__ import annotations
 
 import os
@@ -7,6 +8,19 @@ from pathlib import Path
 from typing import NoReturn
 
 import typer
+
+
+_ESCAPES = str.maketrans({"\t": "\\t", "\n": "\\n", "\r": "\\r"})
+
+
+def printable(text: str) -> str:
+    """text as one printable line: the bytes of a file name that are not UTF-8 (Python holds them as surrogates) as
+    \\xNN, a tab or line break in a name as \\t, \\n, \\r."""
+    try:
+        text = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate that no file name gives
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text.translate(_ESCAPES)
 
 
 def fail(message: str) -> NoReturn:

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from training.run_config import MAX_THREADS
+from vlserve.commands.checks import printable
 
 
 def extract(
@@ -64,19 +65,6 @@ def extract(
                            "corrupt": len(report.redone) + len(report.corrupt), "detector": fingerprint}))
     if report.failed or report.corrupt:
         raise typer.Exit(1)
-
-
-_ESCAPES = str.maketrans({"\t": "\\t", "\n": "\\n", "\r": "\\r"})
-
-
-def printable(text: str) -> str:
-    """text as one printable line: the bytes of a file name that are not UTF-8 (Python holds them as surrogates) as
-    \\xNN, a tab or line break in a name as \\t, \\n, \\r."""
-    try:
-        text = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    except UnicodeEncodeError:  # a surrogate that no file name gives
-        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text.translate(_ESCAPES)
 
 
 def say(line: str) -> None:

@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from vlserve.commands.checks import fail
+from vlserve.commands.checks import fail, printable
 from vlserve.commands.termination import unwinding
 
 app = typer.Typer(
@@ -133,11 +133,6 @@ def _move_into(staging: Path, out: Path, force: bool) -> None:
         raise
 
 
-def _shown(path: Path) -> str:
-    """A path as stdout can print it whatever its encoding: bytes of the name that are not UTF-8 as \\xNN."""
-    return os.fsencode(path).decode("utf-8", "backslashreplace")
-
-
 def _run(convert: Callable[[Path, Path], Path], src: Path, out: Path, force: bool,
          reads: tuple[Path | None, ...] = (), why_unused: Callable[[list[str]], list[str]] | None = None) -> None:
     """Run one checkpoint importer and say what it wrote. why_unused: the reasons for the source tensors it leaves
@@ -152,7 +147,7 @@ def _run(convert: Callable[[Path, Path], Path], src: Path, out: Path, force: boo
                    f"(listed in manifest.json): {shown}", err=True)
     heads = json.loads((path / "config.json").read_text())["heads"]
     _warn_about_answers(path, heads, record)
-    typer.echo(f"wrote {_shown(path)} ({record['architecture'] or 'unknown architecture'}; heads: "
+    typer.echo(f"wrote {printable(str(path))} ({record['architecture'] or 'unknown architecture'}; heads: "
                f"{', '.join(heads) or 'none'})")
 
 
@@ -304,6 +299,6 @@ def frcnn_vg(
         typer.echo(f"note: {len(counters)} BatchNorm counters (num_batches_tracked) not imported: inference never reads "
                    f"them (listed in manifest.json)", err=True)
     regions = f"{config['min_boxes']}-{config['max_boxes']}" if config["adaptive"] else str(config["num_boxes"])
-    typer.echo(f"wrote {_shown(path)} (detector {fingerprint_of(json.loads((path / 'manifest.json').read_text()))}: "
+    typer.echo(f"wrote {printable(str(path))} (detector {fingerprint_of(json.loads((path / 'manifest.json').read_text()))}: "
                f"{config['backbone']}, {len(config['classes'])} classes, {len(config['attributes'])} attributes, "
                f"{config['feature_dim']}-d features, {regions} regions)")
