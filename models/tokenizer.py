@@ -15,6 +15,13 @@ from tokenizers.pre_tokenizers import BertPreTokenizer
 
 TOKENIZER_FILES = ("vocab.txt", "tokenizer_config.json")
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+# tokenizer_config.json keys read (BertTokenizer's names; max_length is ours) -> VLTokenizer argument, JSON types
+CONFIG_OPTIONS = (
+    ("do_lower_case", "lowercase", (bool,)),
+    ("strip_accents", "strip_accents", (bool, type(None))),
+    ("tokenize_chinese_chars", "chinese_chars", (bool,)),
+    ("max_length", "max_length", (int,)),
+)
 
 
 def minilm_dir() -> Path:
@@ -37,19 +44,25 @@ class VLTokenizer:
     the last two in segment 1; pairs `[CLS] a [SEP] b [SEP]` with segments 0/1 (multiple choice).
     """
 
-    def __init__(self, vocab_file: str | Path, lowercase: bool = True, max_length: int = 64):
+    def __init__(self, vocab_file: str | Path, lowercase: bool = True, max_length: int = 64,
+                 strip_accents: bool | None = None, chinese_chars: bool = True):
+        """`lowercase`, `strip_accents` (None: as `lowercase`) and `chinese_chars` (a word piece per CJK character) are
+        BertTokenizer's do_lower_case, strip_accents and tokenize_chinese_chars: a checkpoint's ids follow its own."""
         self.vocab_file = Path(vocab_file)
         if not self.vocab_file.is_file():
             raise FileNotFoundError(f"tokenizer vocabulary not found: {self.vocab_file}")
         self.lowercase = lowercase
         self.max_length = max_length
+        self.strip_accents = strip_accents
+        self.chinese_chars = chinese_chars
         vocab = {tok: i for i, tok in enumerate(self.vocab_file.read_text(encoding="utf-8").splitlines())}
         missing = [s for s in SPECIALS if s not in vocab]
         if missing:
             raise ValueError(f"{self.vocab_file}: vocabulary lacks {', '.join(missing)}")
         self.vocab = vocab
         self._tok = Tokenizer(WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
-        self._tok.normalizer = BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=lowercase)
+        self._tok.normalizer = BertNormalizer(clean_text=True, handle_chinese_chars=chinese_chars,
+                                             strip_accents=strip_accents, lowercase=lowercase)
         self._tok.pre_tokenizer = BertPreTokenizer()
         self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (vocab[s] for s in SPECIALS)
 
@@ -71,8 +84,17 @@ class VLTokenizer:
         if not vocab.is_file():
             code = errno.EISDIR if vocab.is_dir() else errno.ENOENT
             raise OSError(code, os.strerror(code), str(vocab))  # FileNotFoundError / IsADirectoryError
+        options = {}
+        for key, name, kinds in CONFIG_OPTIONS:
+            if key in cfg:
+                if not any(type(cfg[key]) is kind for kind in kinds):  # bool is an int: exact types
+                    allowed = " or ".join("null" if kind is type(None) else kind.__name__ for kind in kinds)
+                    raise ValueError(f"{cfg_path}: {key} must be {allowed}, not {json.dumps(cfg[key])}")
+                options[name] = cfg[key]
+        if options.get("max_length", 64) < 1:
+            raise ValueError(f"{cfg_path}: max_length must be >= 1, not {options['max_length']}")
         try:
-            return cls(vocab, lowercase=cfg.get("do_lower_case", True), max_length=cfg.get("max_length", 64))
+            return cls(vocab, **options)
         except UnicodeDecodeError as exc:
             raise ValueError(f"{vocab}: not UTF-8 text ({exc})") from None
 
@@ -87,7 +109,9 @@ class VLTokenizer:
         if vocab_out.resolve() != self.vocab_file.resolve():
             shutil.copyfile(self.vocab_file, vocab_out)
         cfg = directory / "tokenizer_config.json"
-        cfg.write_text(json.dumps({"tokenizer_class": "BertTokenizer", "do_lower_case": self.lowercase, "max_length": self.max_length}, indent=2))
+        cfg.write_text(json.dumps({"tokenizer_class": "BertTokenizer", "do_lower_case": self.lowercase,
+                                   "strip_accents": self.strip_accents, "tokenize_chinese_chars": self.chinese_chars,
+                                   "max_length": self.max_length}, indent=2))
         return [vocab_out, cfg]
 
     def tokenize(self, text: str) -> list[str]:

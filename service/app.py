@@ -215,7 +215,10 @@ def bank_priors(checkpoint: Checkpoint | Repository, settings: Settings) -> Bank
         bank = QueryBank.from_labels(checkpoint.labels)
     except ValueError as exc:
         raise StartupError(f"{settings.model_dir}: labels.json: {exc}") from None
-    return BankPriors(bank, checkpoint.tokenizer, settings.query_bank_max_images) if bank else None
+    if not bank:
+        return None
+    positions = model_config(checkpoint).encoder.text_positions
+    return BankPriors(bank, checkpoint.tokenizer, settings.query_bank_max_images, max_length=positions)
 
 
 def explainer(loaded: Loaded, runtime, inference: ThreadPoolExecutor) -> Explainer | None:

@@ -34,13 +34,15 @@ ScoreRows = Callable[[Sequence[Item], str, RegionFeatures], Awaitable[np.ndarray
 
 
 class BankPriors:
-    def __init__(self, bank: QueryBank, tokenizer: VLTokenizer, max_images: int = 100_000) -> None:
+    def __init__(self, bank: QueryBank, tokenizer: VLTokenizer, max_images: int = 100_000,
+                 max_length: int | None = None) -> None:
+        """`max_length`: the longest row the model can place (its text positions), where it is below the tokenizer's."""
         if max_images < 1:
             raise ValueError(f"max_images must be >= 1, got {max_images}")
         self.bank = bank
         rows = []
         for text in bank.texts:  # one row per caption, each only as long as its own word pieces
-            encoded = tokenizer.encode([text])
+            encoded = tokenizer.encode([text], max_length=min(tokenizer.max_length, max_length or tokenizer.max_length))
             rows.append({name: value[0] for name, value in encoded.items()})
         self.rows: list[Item] = sorted(rows, key=lambda row: len(row["input_ids"]))  # the prior is order-free
         self.max_images = max_images

@@ -1,4 +1,7 @@
 """WordPiece tokenization matches transformers' BertTokenizerFast on the real bert-base-uncased vocab."""
+import json
+import re
+
 import pytest
 from transformers import BertTokenizerFast
 
@@ -60,3 +63,41 @@ def test_save_and_reload(ours, tmp_path):
 def test_word_id_of_a_tag(ours):
     assert ours.word_id("circle") == ours.token_ids("circle")[0]
     assert ours.word_id("") == ours.vocab["[UNK]"]
+
+
+OPTION_TEXTS = ["café naïve ÀÉÎ Straße", "北京 is a city", "Ünïcödé 東京タワー"]
+
+
+@pytest.mark.parametrize("options", [
+    {"do_lower_case": True, "strip_accents": False},
+    {"do_lower_case": False, "strip_accents": True},
+    {"do_lower_case": False},
+    {"do_lower_case": True, "tokenize_chinese_chars": False},
+    {"do_lower_case": True, "strip_accents": None, "tokenize_chinese_chars": True},
+])
+def test_a_checkpoints_tokenizer_options_give_bert_tokenizers_ids(options, tmp_path):
+    """A checkpoint's tokenizer_config.json decides lowercasing, accent stripping and CJK splitting, as it does for
+    BertTokenizer: other ids than the checkpoint was trained on would be read otherwise."""
+    (tmp_path / "vocab.txt").write_bytes((minilm_dir() / "vocab.txt").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(options))
+    ours = VLTokenizer.from_dir(tmp_path)
+    reference = BertTokenizerFast(str(tmp_path / "vocab.txt"), **options)
+    for text in OPTION_TEXTS:
+        assert ours.encode([text])["input_ids"][0].tolist() == reference(text)["input_ids"], text
+    ours.save(tmp_path / "saved")
+    again = VLTokenizer.from_dir(tmp_path / "saved")
+    assert again.encode(OPTION_TEXTS)["input_ids"].tolist() == ours.encode(OPTION_TEXTS)["input_ids"].tolist()
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"do_lower_case": "false"}, 'do_lower_case must be bool, not "false"'),
+    ({"strip_accents": 1}, "strip_accents must be bool or null, not 1"),
+    ({"tokenize_chinese_chars": None}, "tokenize_chinese_chars must be bool, not null"),
+    ({"max_length": True}, "max_length must be int, not true"),
+    ({"max_length": 0}, "max_length must be >= 1, not 0"),
+])
+def test_tokenizer_options_of_the_wrong_type_name_the_key(options, message, tmp_path):
+    (tmp_path / "vocab.txt").write_bytes((minilm_dir() / "vocab.txt").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(options))
+    with pytest.raises(ValueError, match=re.escape(f"tokenizer_config.json: {message}")):
+        VLTokenizer.from_dir(tmp_path)

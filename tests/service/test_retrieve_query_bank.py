@@ -186,3 +186,21 @@ def test_the_bank_travels_through_export_and_onnxruntime_ranks_the_same(banked, 
             return {h["image_id"]: h["bank_score"] for h in r.json()["results"]}
 
     assert ranked(model_dir=repo, runtime="onnxruntime") == pytest.approx(ranked(model_dir=banked, precision="fp32"), abs=1e-3)
+
+
+def test_bank_captions_longer_than_the_models_positions_are_cut_to_them(tmp_path, tiny_detector, make_checkpoint,
+                                                                        make_settings, make_png):
+    """A bank caption is cut to the text positions the model can place (12 here), not the tokenizer's 64: a longer
+    row indexed past the position table (a 500 on every text -> images ranking, and every prior failed)."""
+    texts = BANK[:4] + [" ".join(["red"] * 20)] * 4
+    model_dir = make_checkpoint(tmp_path / "short", tiny_detector.fingerprint, max_position_embeddings=12,
+                                labels_extra={"retrieval_bank": {"texts": texts, "temperature": TEMPERATURE}})
+    with TestClient(create_app(make_settings(model_dir=model_dir, precision="fp32"))) as c:
+        pipeline = c.app.state.services.pipeline
+        assert max(len(row["input_ids"]) for row in pipeline.bank.rows) == 12
+        ids = register(c, make_png, (81, 82))
+        c.portal.call(pipeline.bank.settle)
+        assert pipeline.bank.computed == 2 and all(pipeline.bank.known(i) for i in ids)
+        r = c.post("/retrieve", json={"text": "a red circle", "image_ids": ids})
+        assert r.status_code == 200, r.text
+        assert all("bank_score" in hit for hit in r.json()["results"])
