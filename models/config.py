@@ -251,8 +251,13 @@ class HeadConfig:
     #                        [SEP]` or "answer_segment" `[CLS] text [SEP] [MASK] [SEP]` (derived: pool's slot or plain)
 
     def __post_init__(self) -> None:
-        if self.kind not in HEAD_KINDS:
+        if not isinstance(self.kind, str) or self.kind not in HEAD_KINDS:
             raise ValueError(f"unknown head kind {self.kind!r}; choose one of {', '.join(HEAD_KINDS)}")
+        # each field of its type (num_labels=13.0 or "13" failed deep in torch), the counts not negative
+        _check_fields(HeadConfig, dataclasses.asdict(self), f"head {self.kind}", f"head {self.kind}: ")
+        for name in ("num_labels", "classifier_hidden"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"head {self.kind}: {name}={getattr(self, name)} must be at least 0")
         if self.pool in REMOVED_POOLS:
             raise ValueError(f"head {self.kind}: pool={self.pool!r} was removed from vlserve (no recipe used it); "
                              f"retrain the head with pool 'regions_film', which reads the same features")
@@ -299,6 +304,16 @@ class ModelConfig:
     encoder: EncoderConfig
     heads: dict[str, HeadConfig] = field(default_factory=dict)  # task name -> head
     format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.heads, dict) or not all(isinstance(h, HeadConfig) for h in self.heads.values()):
+            raise TypeError("heads must be a dict of task name -> HeadConfig")
+        for name, head in self.heads.items():
+            if head.task_token >= self.encoder.task_tokens:
+                have = (f"its {self.encoder.task_tokens} task tokens" if self.encoder.task_tokens
+                        else f"no task tokens (a {self.encoder.preset} encoder)" if self.encoder.preset != "vilbert"
+                        else "no task tokens (task_tokens=0)")
+                raise ValueError(f"head {name!r}: task_token={head.task_token} but the encoder has {have}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -55,5 +55,7 @@ def encoder_config(preset: str, size: str = "small", **overrides: Any) -> Encode
 
 
 def create_model(preset: str, size: str = "small", heads: dict[str, HeadConfig | dict] | None = None, **overrides: Any) -> VLModel:
+    if heads is not None and not isinstance(heads, dict):
+        raise TypeError(f"heads must be a dict of task name -> HeadConfig or its fields, not {type(heads).__name__}")
     head_cfgs = {name: h if isinstance(h, HeadConfig) else HeadConfig(**h) for name, h in (heads or {}).items()}
     return VLModel(ModelConfig(encoder=encoder_config(preset, size, **overrides), heads=head_cfgs))

@@ -5,7 +5,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .heads import build_head
-from .inputs import VLInputs
+from .inputs import VLInputs, check_inputs
 from .outputs import EncoderOutput, ModelOutput
 from .single_stream import SingleStreamEncoder
 from .two_stream import LxmertEncoder, VilbertEncoder
@@ -61,6 +61,11 @@ class VLModel(nn.Module):
         if task not in self.heads:
             raise KeyError(f"model has no head {task!r}; it has: {', '.join(self.heads) or 'none'}")
         head = self.heads[task]
+        enc_cfg = self.config.encoder
+        check_inputs(inputs, vocab_size=enc_cfg.vocab_size, type_vocab_size=enc_cfg.type_vocab_size,
+                     feature_dim=enc_cfg.visual_feat_dim, text_positions=enc_cfg.text_positions,
+                     weight_dtype=self.encoder.embeddings.word_embeddings.weight.dtype,
+                     choices=head.head.kind == "multiple_choice", pairs=head.head.kind == "nlvr2")
         prepared = head.prepare(inputs)
         enc = self.forward_features(prepared, output_attentions, pooled_only=head.pooled_only,
                                     task_token=head.head.task_token)

@@ -18,7 +18,7 @@ from service.regions import RegionService, UnknownImageError, image_id_of
 from service.settings import REDIS_MAX_TTL_S, load_settings, settings_error_message
 from vlserve.cli import app as cli
 
-from tests.service.conftest import assert_problem, random_regions
+from tests.service.conftest import assert_problem
 from tests.service.test_feature_store import regions, same
 
 

@@ -66,7 +66,8 @@ def test_new_models_get_the_published_embeddings_and_saved_configs_without_the_f
     x = VLInputs(input_ids=torch.randint(1000, 2000, (2, 5), generator=g),
                  attention_mask=torch.ones(2, 5, dtype=torch.long),
                  token_type_ids=torch.zeros(2, 5, dtype=torch.long), region_features=torch.randn(2, 3, 16, generator=g),
-                 region_boxes=torch.rand(2, 3, 4, generator=g), region_mask=torch.ones(2, 3, dtype=torch.long),
+                 region_boxes=torch.rand(2, 3, 4, generator=g).sort(-1).values,  # x1 <= y1 <= x2 <= y2
+                 region_mask=torch.ones(2, 3, dtype=torch.long),
                  tag_ids=torch.randint(1000, 2000, (2, 3), generator=g))
     with torch.no_grad():
         assert torch.equal(loaded(x, "vqa").logits, old(x, "vqa").logits)
