@@ -60,7 +60,10 @@ def with_attended_regions(region_query: nn.Linear, enc: EncoderOutput, region_ma
     query = region_query(enc.pooled)  # (B, Hv)
     scores = torch.einsum("bnh,bh->bn", enc.image, query) / enc.image.shape[-1] ** 0.5  # (B, N)
     scores = scores.masked_fill(region_mask == 0, torch.finfo(scores.dtype).min)
-    pooled_regions = torch.einsum("bn,bnh->bh", scores.softmax(-1), enc.image)  # (B, Hv)
+    # times the mask: an image without regions pools zero, not the mean of its padding (whose states depend on
+    # what else the batch held); where a row has a real region the masked weights are exactly 0 already
+    weights = scores.softmax(-1) * (region_mask != 0).to(scores.dtype)
+    pooled_regions = torch.einsum("bn,bnh->bh", weights, enc.image)  # (B, Hv)
     return torch.cat([enc.pooled, pooled_regions], dim=-1)
 
 
@@ -73,6 +76,7 @@ def located_boxes(where_query: nn.Linear, enc: EncoderOutput, region_mask: torch
     query = where_query(enc.pooled).reshape(b, GEOMETRY_QUERIES, hv)  # (B, K, Hv)
     logits = torch.einsum("bnh,bkh->bkn", enc.image, query).float() / hv ** 0.5  # (B, K, N)
     weights = logits.masked_fill(region_mask[:, None, :] == 0, torch.finfo(logits.dtype).min).softmax(-1)
+    weights = weights * (region_mask[:, None, :] != 0).to(weights.dtype)  # no regions: no box (0, 0, 0, 0)
     return torch.einsum("bkn,bnc->bkc", weights, boxes.float())
 
 

@@ -480,14 +480,24 @@ class Pipeline:
         self.check_top_k(top_k)
         self.check_candidates("texts", len(texts))
         rows = [self.tokens(t, ("texts", i), timer) for i, t in enumerate(texts)]
+        # texts that read as the same word pieces are scored once: equal scores, so their tie keeps the request's
+        # order (scored in separate batches they differed by float rounding and could swap)
+        first: dict[tuple[bytes, ...], int] = {}  # word pieces -> index in distinct
+        distinct, slot = [], []  # slot[i]: texts[i]'s row in distinct
+        for row in rows:
+            key = tuple(row[name].tobytes() for name in sorted(row))
+            if key not in first:
+                first[key] = len(distinct)
+                distinct.append(row)
+            slot.append(first[key])
         image_id, rf = await self.image(data, image_id, timer)
         if self.streams is None:
             regions = region_arrays([rf], self.tag_words)
-            items = [{**row, **regions} for row in rows]
+            items = [{**row, **regions} for row in distinct]
         else:
-            items = [self.streams.pair(self.streams.text_key(row), row, image_id, rf) for row in rows]
+            items = [self.streams.pair(self.streams.text_key(row), row, image_id, rf) for row in distinct]
         logits = await self.run(spec, items, timer)
-        score, prob = match_scores(np.stack(logits))
+        score, prob = match_scores(np.stack(logits)[slot])
         hits = [{"index": i, "text": texts[i], "score": float(score[i]), "probability": float(prob[i])}
                 for i in rank(score, top_k)]
         explained = {}

@@ -335,3 +335,34 @@ def test_itm_and_nlvr2_region_pooling_reads_real_regions_only(kind):
         HeadConfig(kind="refer", pool="regions")
     with pytest.raises(ValueError, match="pool='answer_slot' is for"):
         HeadConfig(kind="itm", pool="answer_slot")
+
+
+@pytest.mark.parametrize("pool", ["regions", "regions_film"])
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p != "lxmert"])  # LXMERT's cross-attention itself falls
+def test_an_image_without_regions_reads_none_of_its_padding(preset, pool):  # back to the padding (test_objectives)
+    """A row with every region masked (the detector found nothing) pools zero regions: the padding's states, which
+    depend on the rest of the batch (packed or not), were averaged into its answer (logits moved by up to 11)."""
+    from models import HeadConfig, VLInputs, create_model
+
+    torch.manual_seed(0)
+    model = create_model(preset, "tiny", heads={"vqa": HeadConfig(kind="vqa", num_labels=5, pool=pool)},
+                         visual_feat_dim=8).eval()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1000, 2000, (1, 30), generator=g)
+    boxes = torch.rand(1, 4, 4, generator=g).sort(-1).values
+    empty = torch.zeros(1, 4, dtype=torch.long)
+    answers = []
+    for padding in (torch.zeros(1, 4, 8), torch.randn(1, 4, 8, generator=g) * 3):  # other padding features
+        x = VLInputs(ids, torch.ones_like(ids), torch.zeros_like(ids), padding, boxes, empty)
+        with torch.no_grad():
+            answers.append(model(x, "vqa").logits)
+    # beside a short text with regions: the batch is mostly padding, so single-stream encoders pack it (padding
+    # states then zero), where the row alone (30 of 34 positions real) is computed padded
+    short = torch.cat([ids[:, :3], torch.zeros(1, 27, dtype=torch.long)], 1)
+    x = VLInputs(torch.cat([ids, short]), torch.cat([torch.ones_like(ids), (short != 0).long()]),
+                 torch.zeros(2, 30, dtype=torch.long), torch.cat([torch.zeros(1, 4, 8), torch.randn(1, 4, 8, generator=g)]),
+                 boxes.expand(2, 4, 4), torch.cat([empty, torch.ones_like(empty)]))
+    with torch.no_grad():
+        answers.append(model(x, "vqa").logits[:1])
+    for other in answers[1:]:
+        torch.testing.assert_close(answers[0], other, atol=1e-5, rtol=1e-5)

@@ -141,6 +141,32 @@ def test_retrieve_image_to_texts_ranks_captions(client, image_png):
     assert [h["score"] for h in hits] == sorted((h["score"] for h in hits), reverse=True)
 
 
+def test_captions_that_read_alike_score_alike_and_their_tie_keeps_the_requests_order(make_settings, image_png):
+    """Texts of the same word pieces are one row scored once: spread over batches of 4 they were scored apart and
+    rounding could rank a later copy above an earlier one."""
+    long = "a large red rectangle above two small blue circles left of a green triangle below one big square " * 2
+    texts = ["a red rectangle", "two blue circles", "a green triangle", "nothing at all", long,
+             "a red rectangle", "three squares", "A  Red rectangle", long + "again", "a red rectangle"]
+    with TestClient(create_app(make_settings(max_batch_size=4))) as c:
+        pipeline, scored = c.app.state.services.pipeline, []
+        run = pipeline.run
+
+        async def counted(spec, items, *args, **kwargs):
+            scored.append(len(items))
+            return await run(spec, items, *args, **kwargs)
+
+        pipeline.run = counted
+        r = c.post("/retrieve", json={"image": b64(image_png), "texts": texts, "top_k": len(texts)})
+    assert r.status_code == 200, r.text
+    assert scored == [7]  # the 10 texts are 7 distinct rows of word pieces
+    hits = r.json()["results"]
+    copies = [h for h in hits if h["text"].lower().split() == ["a", "red", "rectangle"]]
+    assert [h["index"] for h in copies] == [0, 5, 7, 9]
+    assert len({h["score"] for h in copies}) == 1 and len({h["probability"] for h in copies}) == 1
+    at = [hits.index(h) for h in copies]
+    assert at == list(range(at[0], at[0] + 4))  # side by side, in the request's order
+
+
 def test_nlvr2_mixes_inline_and_registered_images(client, image_png, make_png):
     left = client.post("/images", files={"file": ("left.png", image_png, "image/png")}).json()["image_id"]
     right = make_png(31)
