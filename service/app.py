@@ -38,9 +38,10 @@ from models.repository import Repository, is_repository, load_repository
 
 from .admission import ROUTES, TASK_KINDS, AdmissionMiddleware
 from .batcher import Batcher, BatcherConfig, InFlight
-from .errors import PROBLEM_JSON, install_error_handlers, is_v2
+from .errors import PROBLEM_JSON, InternalErrors, install_error_handlers, is_v2
 from .explain import Explainer, grounding_report
 from .feature_store import StoreConfigError, create_store, entry_bytes
+from .logs import AccessLog
 from .metrics import Metrics, MetricsMiddleware
 from .query_bank import BankPriors
 from .pipeline import Limits, Pipeline, TaskSpec, batch_fn, fused_batch_fn, task_specs
@@ -475,7 +476,7 @@ def create_app(settings: Settings, load_in_background: bool = False) -> FastAPI:
                   redirect_slashes=False, docs_url=None, redoc_url=None)  # /docs: routes/docs.py (no CDN)
     app.state.settings = settings
     app.state.metrics = metrics = Metrics()
-    metrics.expect_refusals(sorted(set(ROUTES.values())))
+    metrics.expect_refusals(sorted(set(ROUTES.values()) | {"/images"}))  # /images: the detector's queue refuses too
     app.state.services = None
     app.state.ready = False
     app.state.draining = False  # set on SIGTERM by service.shutdown.DrainingServer: /readyz 503, requests still served
@@ -492,5 +493,7 @@ def create_app(settings: Settings, load_in_background: bool = False) -> FastAPI:
     app.add_middleware(CloseWhileDraining, state=app.state)
     app.add_middleware(HTTPBasics)  # HEAD as GET; X-Request-ID on every answer
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outside CloseWhileDraining: counts its 503s as 503s
+    app.add_middleware(InternalErrors)  # a failure anything inside raised: logged once with its id, a 500 problem
+    app.add_middleware(AccessLog)  # a line for every answer, the 500s above included
     app.openapi = custom_openapi(app, bool(settings.api_keys))
     return app

@@ -42,7 +42,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from models.images import ImageError
 
@@ -256,7 +256,29 @@ def install_error_handlers(app: FastAPI) -> None:
             detail = f"{shown(request.method)} is not allowed on {shown(request.url.path)}"
         return problem_response(request, exc.status_code, detail, headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        log.exception("request %s %s failed (request_id %s)", request.method, request.url.path, request_id(request))
-        return problem_response(request, 500, f"internal error; quote request id {request_id(request)} when reporting it")
+
+class InternalErrors:
+    """A request that fails for a reason no handler above knows: its traceback logged once, at ERROR, with its
+    request id, and a 500 problem that quotes the id. Not an exception handler: Starlette re-raises after those, and
+    uvicorn logged the traceback a second time, without the id."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = [False]
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                started[0] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception:
+            rid = request_id(scope)
+            log.exception("request %s %s failed (request_id %s)", scope["method"], shown(scope["path"], 256), rid)
+            if not started[0]:  # else the answer is cut short: the server closes the connection
+                await send_problem(scope, send, 500, f"internal error; quote request id {rid} when reporting it")

@@ -135,6 +135,15 @@ def route_label(scope: Scope) -> str:
     return getattr(route, "path", None) or scope.get(ENDPOINT) or "unmatched"
 
 
+SERVED_METHODS = frozenset({"GET", "HEAD", "POST"})  # every route answers one of these; the rest are 405s or 404s
+
+
+def method_label(method: str) -> str:
+    """The request's method as a label value: one of the methods the routes serve, else "other" (a client sending
+    every method, or made-up ones, would otherwise add a label set each: unbounded series)."""
+    return method if method in SERVED_METHODS else "other"
+
+
 class MetricsMiddleware:
     """Counts and times every HTTP request by route template, method and status."""
 
@@ -159,6 +168,6 @@ class MetricsMiddleware:
         finally:
             if not started[0] and scope["state"].get("client_closed"):
                 status[0] = CLIENT_CLOSED
-            labels = (route_label(scope), scope["method"], str(status[0]))
+            labels = (route_label(scope), method_label(scope["method"]), str(status[0]))
             self.metrics.requests.labels(*labels).inc()
             self.metrics.latency.labels(*labels).observe(time.perf_counter() - start)

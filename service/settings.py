@@ -21,6 +21,7 @@ ENV_PREFIX = "VLSERVE_"
 OTHER_VARIABLES = frozenset({"CACHE", "PROFILE", "PACK_CPU_WEIGHTS", "DOCKER_CACHE", "IMAGE", "BASE", "WHEEL_CACHE",
                              "REHEARSAL_MODELS", "LOCUST_VENV", "API_KEY"})
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+LOG_FORMATS = ("text", "json")  # service.logs writes each
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 # Redis refuses an expiry past 2**63 - 1 ms since the epoch: SET EX above (2**63 - 1) // 1000 - now seconds fails with
@@ -126,7 +127,8 @@ class Settings(BaseSettings):
     # so that load balancers stop routing here before the listener closes; a second signal ends it early
     shutdown_drain_s: float = Field(5.0, ge=0, le=MAX_TIMEOUT_S)
     shutdown_timeout_s: float = Field(30.0, ge=0, le=MAX_TIMEOUT_S)  # after the drain, grace for in-flight requests
-    log_level: Literal[LOG_LEVELS] = "info"  # the server's log level (uvicorn's levels)
+    log_level: Literal[LOG_LEVELS] = "info"  # the server's log level (uvicorn's levels), vlserve's lines and uvicorn's
+    log_format: Literal[LOG_FORMATS] = "text"  # "text" (time, level, logger, message) or "json" (one object a line)
 
     @field_validator("model_dir", "detector_dir", "engine_cache_dir", mode="before")
     @classmethod
@@ -205,7 +207,7 @@ class Settings(BaseSettings):
                 raise ValueError(f"API key #{i + 1} contains whitespace")
         return keys
 
-    @field_validator("log_level", mode="before")
+    @field_validator("log_level", "log_format", mode="before")
     @classmethod
     def _lower_level(cls, value: Any) -> Any:
         return value.strip().lower() if isinstance(value, str) else value

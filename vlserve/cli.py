@@ -27,7 +27,7 @@ app = typer.Typer(
 @app.callback()
 def main(quiet: bool = typer.Option(False, "--quiet", "-q", help="only warnings and errors in the log")) -> None:
     """Log progress (evaluations, checkpoints) to stderr."""
-    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 app.add_typer(import_app, name="import")  # its help: import_cmd.app's, written once there

@@ -113,6 +113,8 @@ def serve(
                                                      "Server")] = None,
     log_level: Annotated[str | None, _opt("log level: critical, error, warning, info, debug or trace "
                                           + _default("log_level"), "Server")] = None,
+    log_format: Annotated[str | None, _opt("log lines: text (time, level, logger, message) or json (one object a "
+                                           "line) " + _default("log_format"), "Server")] = None,
 ) -> None:
     """Run the HTTP service: POST /vqa /refer /retrieve /nlvr2 /images, GET /healthz /readyz /metrics, docs at /docs.
 
@@ -175,8 +177,11 @@ def run_server(settings, log_level: str | None = None) -> int:
     import uvicorn
 
     from service.app import StartupError, create_app
+    from service.logs import configure as configure_logs
     from service.shutdown import DrainingServer
 
+    level = log_level or settings.log_level
+    logs = configure_logs(level, settings.log_format)  # before the app: its start-up lines are in the format too
     try:
         app = create_app(settings, load_in_background=True)
     except StartupError as exc:
@@ -184,7 +189,8 @@ def run_server(settings, log_level: str | None = None) -> int:
         return 2
     server = DrainingServer(uvicorn.Config(
         quiet_startup_failure(app), host=settings.host, port=settings.port, lifespan="on",
-        log_level=log_level or settings.log_level, timeout_graceful_shutdown=settings.shutdown_timeout_s,
+        log_config=logs, log_level=level, access_log=False,
+        timeout_graceful_shutdown=settings.shutdown_timeout_s,
         proxy_headers=False, server_header=False), app.state, settings.shutdown_drain_s)
     try:
         server.run()

@@ -1,0 +1,109 @@
+"""What an operator reads (service/logs.py, errors.InternalErrors): an access line for every answer with the request
+id a client quotes, one ERROR traceback per failed request, one level and one format (text or JSON lines) for
+vlserve's and uvicorn's lines, bounded metric labels."""
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from service.app import create_app
+from tests.service.conftest import free_port, metric, wait_until_ready
+
+TEXT_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (TRACE|DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
+
+
+def test_a_failed_request_is_logged_once_at_error_with_its_request_id(make_settings, image_png, caplog):
+    """Starlette re-raised after the exception handler answered: uvicorn logged the traceback a second time, at
+    ERROR, without the id (here the test client raised it)."""
+    with TestClient(create_app(make_settings()), raise_server_exceptions=True) as c:
+        pipeline = c.app.state.services.pipeline
+
+        async def broken(*args, **kwargs):
+            raise RuntimeError("a fault no handler knows")
+
+        pipeline.vqa = broken
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            r = c.post("/vqa", json={"image": base64.b64encode(image_png).decode(), "question": "what?"},
+                       headers={"X-Request-ID": "trace-me-42"})
+    assert r.status_code == 500 and r.headers["content-type"] == "application/problem+json"
+    assert r.json()["request_id"] == "trace-me-42" and "a fault no handler knows" not in r.text
+    errors = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "trace-me-42" in errors[0].getMessage() and errors[0].exc_info
+    access = [rec for rec in caplog.records if rec.name == "vlserve.access"]
+    assert [(rec.status, rec.request_id, rec.endpoint) for rec in access] == [(500, "trace-me-42", "/vqa")]
+
+
+def test_every_answer_has_an_access_line_with_its_request_id(make_settings, caplog):
+    with TestClient(create_app(make_settings(api_keys="k1"))) as c, caplog.at_level(logging.INFO):
+        caplog.clear()
+        sent = [c.get("/healthz"), c.post("/vqa", json={}, headers={"X-API-Key": "k1"}), c.post("/vqa", json={}),
+                c.request("FOO", "/vqa", headers={"X-API-Key": "k1"}),
+                c.get("/no%1B[31mwhere", headers={"X-API-Key": "k1"})]  # the path decodes to an ESC
+    lines = [rec for rec in caplog.records if rec.name == "vlserve.access"]
+    assert [rec.status for rec in lines] == [200, 422, 401, 405, 404]
+    assert [rec.request_id for rec in lines] == [r.headers["x-request-id"] for r in sent]
+    assert "\x1b" not in lines[-1].getMessage() and "\\x1b[31m" in lines[-1].getMessage()  # no colours forged
+    assert lines[3].method == "FOO" and lines[1].endpoint == "/vqa" and lines[-1].endpoint == "unmatched"
+
+
+def test_methods_the_routes_do_not_serve_share_one_label(make_settings):
+    """Each method a client made up was a label set of its own (19 series each): unbounded."""
+    with TestClient(create_app(make_settings())) as c:
+        for method in ("PUT", "DELETE", "PATCH", "OPTIONS", "FOO", "BAR1", "BAR2"):
+            assert c.request(method, "/vqa").status_code == 405
+        assert metric(c, "vlserve_requests_total", endpoint="/vqa", method="other", status="405") == 7
+        assert metric(c, "vlserve_requests_total", endpoint="/vqa", method="FOO", status="405") == 0
+        text = c.get("/metrics").text
+        assert 'method="BAR1"' not in text and 'method="PUT"' not in text
+        assert 'vlserve_requests_total{endpoint="/images",method="POST",status="429"} 0.0' in text  # from the start
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_the_server_writes_one_format_at_one_level(fmt, tiny_checkpoint, tiny_detector, monkeypatch):
+    """vlserve's and uvicorn's lines in the chosen format (JSON: every line an object; text: the level named), the
+    access lines with the ids the answers carried; at --log-level warning none of the INFO lines."""
+    for name in [n for n in os.environ if n.startswith("VLSERVE_")]:
+        monkeypatch.delenv(name)
+    for level in ("info", "warning"):
+        port = free_port()
+        cmd = [sys.executable, "-m", "vlserve.cli", "serve", "--model-dir", str(tiny_checkpoint), "--detector-dir",
+               str(tiny_detector.dir), "--port", str(port), "--threads", "1", "--log-level", level,
+               "--log-format", fmt, "--shutdown-drain-s", "0"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_until_ready(proc, base, proc.stdout.read)
+            ids = [httpx.get(f"{base}/healthz", headers={"X-Request-ID": f"probe-{i}"}).headers["x-request-id"]
+                   for i in range(3)]
+            ids.append(httpx.post(f"{base}/vqa", json={"question": "?"}).headers["x-request-id"])
+            proc.terminate()
+            out, _ = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        lines = [line for line in out.splitlines() if line.strip()]
+        if fmt == "json":
+            records = [json.loads(line) for line in lines]  # every line one object
+            access = [r for r in records if r["logger"] == "vlserve.access" and r["path"] != "/readyz"]
+            assert all({"time", "level", "logger", "message"} <= set(r) for r in records)
+            assert any(r["logger"].startswith("uvicorn") for r in records) == (level == "info")
+        else:
+            assert all(TEXT_LINE.match(line) for line in lines), lines  # time, level, logger: message
+            access = [{"request_id": line.rsplit("request_id=", 1)[1]} for line in lines
+                      if " vlserve.access: " in line and " GET /readyz " not in line]  # not wait_until_ready's
+            assert any(" INFO uvicorn.error: " in line for line in lines) == (level == "info")
+        if level == "info":
+            assert [r["request_id"] for r in access] == ids
+        else:
+            assert access == [] and not any('"level": "info"' in line or " INFO " in line for line in lines)
