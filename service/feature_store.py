@@ -42,6 +42,7 @@ KEY_PREFIX = "vlserve:feat"
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)  # Redis down, restarting or too slow
 _POOL_EXHAUSTED = "No connection available."  # BlockingConnectionPool: every connection busy for its timeout
 _POOL_LOG_S = 60.0  # a busy pool is logged at most once a minute (its count is in pool_waits)
+_OUTAGE_LOG_S = 30.0  # an outage is logged when it begins, every 30 s while it lasts, and when it ends
 
 
 class StoreConfigError(RuntimeError):
@@ -266,6 +267,7 @@ class RedisStore(FeatureStore):
         self.refreshed = 0  # entries whose TTL and recency a use refreshed
         self.restored = 0  # entries written back from a pod's copy after Redis had lost them
         self._down_until = 0.0  # time.monotonic() before which Redis is not tried
+        self._outage: tuple[float, float] | None = None  # (since, last warned) while Redis cannot be reached
         self._pool_logged = -_POOL_LOG_S
         self._fresh: OrderedDict[str, float] = OrderedDict()  # key -> when its TTL was last set, oldest first
         self._due: dict[str, RegionFeatures] = {}  # image id -> value, whose TTL the refresher sets next
@@ -303,6 +305,7 @@ class RedisStore(FeatureStore):
         except (RedisError, *_UNREACHABLE) as exc:
             self._failed("put", exc)
             return
+        self._reached()
         self._set_fresh(key)
 
     async def share(self, image_id: str, rf: RegionFeatures) -> None:
@@ -321,6 +324,7 @@ class RedisStore(FeatureStore):
             self._failed("put", exc)
             raise StoreUnavailableError(max(self._down_until - time.monotonic(), 1.0),
                                         f"{why} (Redis: {type(exc).__name__}: {exc})") from None
+        self._reached()
         self._set_fresh(key)
 
     def used(self, image_id: str, rf: RegionFeatures) -> None:
@@ -393,6 +397,7 @@ class RedisStore(FeatureStore):
                 raise (StoreUnavailableError(1.0, "the feature store is busy (all its connections in use)") if busy
                        else StoreUnavailableError(max(self._down_until - time.monotonic(), 1.0))) from None
             return [None] * len(image_ids)
+        self._reached()
         found: list[RegionFeatures | None] = []
         for image_id, key, value in zip(image_ids, keys, values):
             rf = None
@@ -420,6 +425,7 @@ class RedisStore(FeatureStore):
                     for image_id in ids:
                         pipe.expire(self.key(image_id), self.ttl_s)
                     kept = await pipe.execute()
+                self._reached()
                 lost = [image_id for image_id, ok in zip(ids, kept) if not ok]
                 if lost:
                     async with self._redis.pipeline(transaction=False) as pipe:
@@ -474,13 +480,26 @@ class RedisStore(FeatureStore):
             return True
         if isinstance(exc, _UNREACHABLE):
             was_up = self.available
-            self._down_until = time.monotonic() + self.backoff_s
-            if was_up:
-                log.warning("feature store redis: %s failed (%s: %s); serving without cache, retrying in %.1f s",
+            now = time.monotonic()
+            self._down_until = now + self.backoff_s
+            if self._outage is None:
+                self._outage = (now, now)
+                log.warning("feature store redis: %s failed (%s: %s); serving without cache, retrying every %.1f s",
                             op, type(exc).__name__, exc, self.backoff_s)
+            elif was_up and now - self._outage[1] >= _OUTAGE_LOG_S:
+                self._outage = (self._outage[0], now)
+                log.warning("feature store redis: still unreachable after %.0f s (%s: %s)", now - self._outage[0],
+                            type(exc).__name__, exc)
         else:  # e.g. a ResponseError (OOM under noeviction, READONLY replica): Redis is up, this call failed
             log.warning("feature store redis: %s failed (%s: %s)", op, type(exc).__name__, exc)
         return False
+
+
+    def _reached(self) -> None:
+        """A command Redis answered: the end of an outage, if one was logged."""
+        if self._outage is not None:
+            log.info("feature store redis: reachable again after %.1f s", time.monotonic() - self._outage[0])
+            self._outage = None
 
 
 class TieredStore(FeatureStore):

@@ -1,5 +1,6 @@
 """Feature stores: in-process LRU bounded in bytes; Redis hit/miss, TTL, corrupt values, fingerprints, outages."""
 import asyncio
+import logging
 import socket
 import time
 
@@ -186,6 +187,37 @@ def test_redis_down_is_a_fast_miss_and_the_store_recovers(restartable_redis):
     assert 1 <= errors_during <= 3, "the back-off skips Redis instead of failing every call"
     assert store.skipped >= 20 and store.available
     assert same(after, regions(2)), "the store recovered once Redis returned"
+
+
+def test_an_outage_is_logged_when_it_begins_while_it_lasts_and_when_it_ends(restartable_redis, caplog, monkeypatch):
+    """A warning when Redis goes away, reminders at most every _OUTAGE_LOG_S (a warning every back-off, once a second,
+    before), and an INFO line when it answers again (there was none: an operator could not tell it had come back)."""
+    import service.feature_store as feature_store
+
+    server = restartable_redis
+    monkeypatch.setattr(feature_store, "_OUTAGE_LOG_S", 0.5)
+
+    async def main():
+        store = RedisStore(server.url, "fp", ttl_s=300, backoff_s=0.1)
+        await store.put("a", regions(0))
+        server.stop()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.2:  # 12 back-offs, each ending in a failed lookup
+            await store.get("a")
+            await asyncio.sleep(0.02)
+        server.start()
+        await asyncio.sleep(0.15)
+        await store.put("a", regions(1))
+        await store.get("a")
+        await store.close()
+
+    with caplog.at_level(logging.INFO, logger=feature_store.log.name):
+        run(main())
+    lines = [(rec.levelno, rec.getMessage()) for rec in caplog.records if rec.name == feature_store.log.name]
+    assert lines[0][0] == logging.WARNING and "serving without cache, retrying every 0.1 s" in lines[0][1]
+    assert 1 <= sum("still unreachable after" in msg for _, msg in lines) <= 2, lines
+    assert lines[-1][0] == logging.INFO and "reachable again after" in lines[-1][1]
+    assert len(lines) <= 4
 
 
 def test_hung_redis_times_out_quickly_then_is_skipped(restartable_redis):
