@@ -47,9 +47,9 @@ def check_inputs(inputs: VLInputs, *, vocab_size: int, type_vocab_size: int, fea
     shapes that disagree (a batch of 1 broadcast against 2 gave plausible logits), the wrong feature width, dtypes,
     a text longer than the position table, a row without a real token, ids outside the tables, NaN, boxes that are
     not x1, y1, x2, y2 in [0, 1]. (A row without a real region is valid: an image the detector found nothing in.)
-    `choices`: input_ids (B, C, T)
-    (multiple choice); `pairs`: regions (B, 2, N, ...) (NLVR2). Values are checked on CPU tensors only (on a GPU each
-    check would synchronise the device) and never while the forward is traced for export."""
+    `choices`: input_ids (B, C, T) (multiple choice); `pairs`: regions (B, 2, N, ...) (NLVR2). Values are checked on
+    CPU tensors only (on a GPU each check would synchronise the device) and never while the forward is traced for
+    export."""
     if _tensors_traced():
         return
     for f in dataclasses.fields(inputs):
