@@ -22,7 +22,7 @@ from torchvision.ops import nms
 
 from models.detector import RegionDetector
 from models.detector.onnx import OnnxDetector
-from models.detector.preprocess import prepare_image
+from models.detector.preprocess import MIN_CANVAS_SIDE, prepare_image
 from models.region_features import RegionFeatures
 from models.repository import DEFAULT_OPSET
 
@@ -60,11 +60,13 @@ class PerClassNMS(torch.autograd.Function):
         return out
 
 
-def padding(size, divisible: int):
-    """Zeros to add after `size` for the canvas prepare_image makes (size rounded up to a multiple)."""
+def padding(size, divisible: int, least: int = 1):
+    """Zeros to add after `size` for the canvas prepare_image makes: size rounded up to a multiple, and at least
+    `least` (the detectron2 family's MIN_CANVAS_SIDE: a strip's resized side of 1-15 px ran on a canvas that small
+    in the graph, other regions than the torch detector's or an onnxruntime failure)."""
     if torch.is_tensor(size):
-        return (torch.ceil(size.float() / divisible) * divisible).long() - size
-    return -(-size // divisible) * divisible - size
+        return torch.clamp((torch.ceil(size.float() / divisible) * divisible).long(), min=least) - size
+    return max(least, -(-size // divisible) * divisible) - size
 
 
 class DetectorGraph(nn.Module):
@@ -92,7 +94,8 @@ class DetectorGraph(nn.Module):
     def forward(self, image: torch.Tensor):
         det, c = self.detector, self.detector.config
         h, w = image.shape[2], image.shape[3]  # 0-d tensors while tracing: the sizes stay dynamic in the graph
-        canvas = F.pad(image, (0, padding(w, c.size_divisible), 0, padding(h, c.size_divisible)))
+        least = MIN_CANVAS_SIDE if c.resize == "detectron2" else 1  # prepare_image's rule for each family
+        canvas = F.pad(image, (0, padding(w, c.size_divisible, least), 0, padding(h, c.size_divisible, least)))
         whole = None
         if c.image_feature:
             hw = torch._shape_as_tensor(image)[2:].float()
@@ -145,7 +148,9 @@ def canonical(rf: RegionFeatures) -> dict[str, np.ndarray]:
 
 
 def parity_images(seed: int = 0) -> list[np.ndarray]:
-    """Images of several sizes and aspect ratios with coloured rectangles, plus two blank ones."""
+    """Images of several sizes and aspect ratios with coloured rectangles, two strips of noise whose resized short
+    side is under the detectron2 family's smallest canvas (noise: flat colours along a strip make proposals that
+    are translated copies of each other, tied as a blank image's), plus two blank ones."""
     rng = np.random.default_rng(seed)
     images = []
     for h, w in ((200, 150), (64, 300), (33, 47), (480, 640), (120, 120)):
@@ -155,7 +160,8 @@ def parity_images(seed: int = 0) -> list[np.ndarray]:
             y, x = int(rng.integers(0, h - bh + 1)), int(rng.integers(0, w - bw + 1))
             image[y : y + bh, x : x + bw] = rng.integers(0, 255, 3)
         images.append(image)
-    return images + [np.full((80, 90, 3), 128, np.uint8), np.zeros((64, 64, 3), np.uint8)]
+    strips = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((4, 700), (700, 6))]
+    return images + strips + [np.full((80, 90, 3), 128, np.uint8), np.zeros((64, 64, 3), np.uint8)]
 
 
 def tie_prone(image: np.ndarray) -> bool:

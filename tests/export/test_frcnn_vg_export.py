@@ -52,6 +52,19 @@ def test_exported_adaptive_mode_equals_torch(tmp_path):
         np.testing.assert_allclose(got.obj_scores[:n], want.obj_scores[:n], atol=1e-3)
 
 
+@pytest.mark.parametrize("hw", [(1, 2000), (5, 700), (700, 5), (10, 700)])
+def test_strips_get_the_torch_detectors_regions(exported, hw):
+    """A strip resized to a short side under 16 px runs on a 16 px canvas in torch (MIN_CANVAS_SIDE); the graph padded
+    only to size_divisible: onnxruntime failed on a 1 px side (a 500 when served) and kept other regions below 16."""
+    detector = load_detector(exported[0].parent / "detector")[0]
+    strip = np.random.default_rng(sum(hw)).integers(0, 256, (*hw, 3), dtype=np.uint8)
+    (want,), (got,) = detector.extract([strip]), exported[1].extract([strip])
+    assert got.num_boxes == want.num_boxes == 36
+    np.testing.assert_array_equal(got.obj_ids, want.obj_ids)
+    np.testing.assert_allclose(got.boxes, want.boxes, atol=0.5)
+    np.testing.assert_allclose(got.features, want.features, atol=1e-3)
+
+
 def test_the_export_parity_report_passes_for_this_family(exported, tmp_path):
     """`vlserve export --detector` checks the exported graph on parity_images(): shapes of several sizes and two
     blank images, whose tied proposals any rounding may resolve (only their region count is compared)."""
