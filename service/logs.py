@@ -42,6 +42,16 @@ class JSONFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=True, default=str)
 
 
+class ServerName(logging.Filter):
+    """uvicorn writes its server lines ("Started server process", "Uvicorn running on") as the logger uvicorn.error:
+    shown as `uvicorn`, so that a line's logger never reads as an error it is not."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "uvicorn.error":
+            record.name = "uvicorn"
+        return True
+
+
 def log_config(level: str, fmt: str) -> dict[str, Any]:
     """A logging.config.dictConfig for the server (uvicorn's log_config): every logger writes through one stderr handler
     in `fmt`; uvicorn's own access lines are off (AccessLog writes them with the request id)."""
@@ -53,7 +63,9 @@ def log_config(level: str, fmt: str) -> dict[str, Any]:
     return {
         "version": 1, "disable_existing_loggers": False,
         "formatters": {"vlserve": formatter},
-        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "vlserve", "stream": "ext://sys.stderr"}},
+        "filters": {"server_name": {"()": ServerName}},
+        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "vlserve", "stream": "ext://sys.stderr",
+                                "filters": ["server_name"]}},
         "root": {"handlers": ["stderr"], "level": number},
         "loggers": {name: {"handlers": [], "level": number, "propagate": True}
                     for name in ("uvicorn", "uvicorn.error", "uvicorn.access")},

@@ -91,7 +91,9 @@ def test_vlserve_serve_binds_first_and_a_loading_failure_still_exits_2(tmp_path,
                       f"{tiny_detector.detector.config.max_regions} regions of "
                       f"{tiny_detector.detector.config.feature_dim} features take {need} bytes; set at least {need}"]
     assert "Traceback" not in out.stderr
-    assert out.stderr.index("Uvicorn running on") < out.stderr.index("error:"), "the port opened before loading"
+    lines = out.stderr.splitlines()
+    running = next(i for i, line in enumerate(lines) if "Uvicorn running on" in line)
+    assert running < lines.index(errors[0]), "the port opened before loading"
 
 
 def test_a_cache_bound_below_one_image_is_refused_and_the_minimum_serves(make_settings, tiny_detector, image_png):
