@@ -28,6 +28,12 @@ from .shared_work import SharedWork
 
 log = logging.getLogger(__name__)
 
+# Registered images whose priors wait for the background at once, at most: a pending computation holds the image's
+# regions, and under steady load the background (which runs only while no request waits) falls behind registrations
+# for as long as the load lasts. Past this the oldest waiting one is dropped (its prior is computed by the first
+# request that ranks the image), so memory stays bounded and the newest images, the likeliest to be asked for, wait.
+BACKGROUND_MAX_IMAGES = 32
+
 Item = dict[str, np.ndarray]
 # (bank token rows, image id, regions) -> the match scores of each row with the image
 ScoreRows = Callable[[Sequence[Item], str, RegionFeatures], Awaitable[np.ndarray]]
@@ -48,7 +54,10 @@ class BankPriors:
         self.max_images = max_images
         self._priors: OrderedDict[str, float] = OrderedDict()
         self._pending: dict[str, SharedWork[float]] = {}  # priors being computed, by image id
-        self._background: dict[str, asyncio.Task] = {}  # scheduled computations by image id (the reference keeps each alive)
+        self._background: dict[str, asyncio.Task] = {}  # scheduled computations by image id, oldest first (the reference
+        #                                                  keeps each alive)
+        self._running: str | None = None  # the image whose scheduled computation holds the slot
+        self.dropped = 0  # scheduled computations dropped for newer ones (BACKGROUND_MAX_IMAGES)
         self._slot: asyncio.Semaphore | None = None  # scheduled computations run one at a time (made in the loop)
         self.computed = 0  # priors computed (misses)
 
@@ -106,6 +115,12 @@ class BankPriors:
             return False
         if self._slot is None:
             self._slot = asyncio.Semaphore(1)
+        while len(self._background) >= BACKGROUND_MAX_IMAGES:  # the oldest still waiting for its turn makes room
+            oldest = next((i for i in self._background if i != self._running), None)
+            if oldest is None:
+                break
+            self._background.pop(oldest).cancel()
+            self.dropped += 1
         task = asyncio.get_running_loop().create_task(self._in_turn(image_id, rf, score_rows), name=f"bank-prior-{image_id}")
         self._background[image_id] = task
         task.add_done_callback(functools.partial(self._finished, image_id))
@@ -113,10 +128,15 @@ class BankPriors:
 
     async def _in_turn(self, image_id: str, rf: RegionFeatures, score_rows: ScoreRows) -> None:
         async with self._slot:
-            await self.prior(image_id, rf, score_rows)  # known by now if a request ranked the image meanwhile
+            self._running = image_id
+            try:
+                await self.prior(image_id, rf, score_rows)  # known by now if a request ranked the image meanwhile
+            finally:
+                self._running = None
 
     def _finished(self, image_id: str, task: asyncio.Task) -> None:
-        self._background.pop(image_id, None)
+        if self._background.get(image_id) is task:  # not a newer schedule of the image after this one was dropped
+            del self._background[image_id]
         if not task.cancelled() and task.exception() is not None:  # the next request that ranks the image retries
             log.warning("query-bank prior of a registered image failed: %s", task.exception())
 

@@ -204,3 +204,44 @@ def test_bank_captions_longer_than_the_models_positions_are_cut_to_them(tmp_path
         r = c.post("/retrieve", json={"text": "a red circle", "image_ids": ids})
         assert r.status_code == 200, r.text
         assert all("bank_score" in hit for hit in r.json()["results"])
+
+
+def test_a_backlog_of_registrations_waits_for_the_background_bounded():
+    """Under steady load the background falls behind registrations: each waiting computation held its image's
+    regions (718 of them after 9 minutes of a soak, past every cache bound). At most BACKGROUND_MAX_IMAGES wait; the
+    oldest waiting ones are dropped, the one computing is kept, and the newest get their priors."""
+    import asyncio
+
+    from models.query_bank import QueryBank
+    from models.region_features import RegionFeatures
+    from models.tokenizer import VLTokenizer
+    from service.query_bank import BACKGROUND_MAX_IMAGES, BankPriors
+
+    priors = BankPriors(QueryBank(tuple(BANK), TEMPERATURE), VLTokenizer.pretrained_minilm(), max_images=1000)
+    regions = RegionFeatures(boxes=np.zeros((1, 4), np.float32), features=np.zeros((1, 8), np.float16),
+                             obj_ids=np.zeros(1, int), obj_scores=np.zeros(1), attr_ids=np.zeros(1, int),
+                             attr_scores=np.zeros(1), image_hw=(10, 10), num_boxes=1)
+
+    async def main():
+        gate, scored = asyncio.Event(), []
+
+        async def score_rows(rows, image_id, rf):
+            await gate.wait()  # the encoder is busy with requests: the background waits
+            scored.append(image_id)
+            return np.zeros(len(rows))
+
+        ids = [f"{i:064x}" for i in range(100)]
+        for image_id in ids:
+            priors.schedule(image_id, regions, score_rows)
+            await asyncio.sleep(0)
+        waiting = len(priors._background)
+        first_kept = ids[0] in priors._background  # computing when the others came
+        gate.set()
+        await priors.settle()
+        return ids, waiting, first_kept, scored
+
+    ids, waiting, first_kept, scored = asyncio.run(main())
+    assert waiting == BACKGROUND_MAX_IMAGES and first_kept
+    assert priors.dropped == len(ids) - BACKGROUND_MAX_IMAGES
+    assert scored == [ids[0], *ids[len(ids) - BACKGROUND_MAX_IMAGES + 1:]]  # the one computing, then the newest
+    assert all(priors.known(i) for i in scored) and not priors._background
