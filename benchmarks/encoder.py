@@ -132,7 +132,7 @@ def make_inputs(batch: int) -> VLInputs:
         attention_mask=torch.ones_like(ids),
         token_type_ids=torch.zeros_like(ids),
         region_features=torch.randn(batch, REGIONS, VISUAL_DIM, generator=g),
-        region_boxes=torch.rand(batch, REGIONS, 4, generator=g),
+        region_boxes=torch.rand(batch, REGIONS, 4, generator=g).sort(-1).values,  # x1 <= y1 <= x2 <= y2
         region_mask=torch.ones(batch, REGIONS, dtype=torch.long),
     )
 

@@ -62,8 +62,8 @@ class PerClassNMS(torch.autograd.Function):
 
 def padding(size, divisible: int, least: int = 1):
     """Zeros to add after `size` for the canvas prepare_image makes: size rounded up to a multiple, and at least
-    `least` (the detectron2 family's MIN_CANVAS_SIDE: a strip's resized side of 1-15 px ran on a canvas that small
-    in the graph, other regions than the torch detector's or an onnxruntime failure)."""
+    `least` (the detectron2 family's MIN_CANVAS_SIDE: on a smaller canvas a strip's regions would not be the torch
+    detector's, and a 1 px side fails in onnxruntime)."""
     if torch.is_tensor(size):
         return torch.clamp((torch.ceil(size.float() / divisible) * divisible).long(), min=least) - size
     return max(least, -(-size // divisible) * divisible) - size

@@ -253,7 +253,7 @@ class HeadConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.kind, str) or self.kind not in HEAD_KINDS:
             raise ValueError(f"unknown head kind {self.kind!r}; choose one of {', '.join(HEAD_KINDS)}")
-        # each field of its type (num_labels=13.0 or "13" failed deep in torch), the counts not negative
+        # each field of its type (num_labels=13.0 or "13" would fail deep in torch), the counts not negative
         _check_fields(HeadConfig, dataclasses.asdict(self), f"head {self.kind}", f"head {self.kind}: ")
         for name in ("num_labels", "classifier_hidden"):
             if getattr(self, name) < 0:

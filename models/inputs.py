@@ -44,7 +44,8 @@ def _tensors_traced() -> bool:
 def check_inputs(inputs: VLInputs, *, vocab_size: int, type_vocab_size: int, feature_dim: int, text_positions: int,
                  weight_dtype: torch.dtype, choices: bool = False, pairs: bool = False) -> None:
     """A clear ValueError/TypeError naming the field for a batch the encoder would misread or fail on deep inside:
-    shapes that disagree (a batch of 1 broadcast against 2 gave plausible logits), the wrong feature width, dtypes,
+    shapes that disagree (a batch of 1 would broadcast against 2 into plausible logits), the wrong feature width,
+    dtypes,
     a text longer than the position table, a row without a real token, ids outside the tables, NaN, boxes that are
     not x1, y1, x2, y2 in [0, 1]. (A row without a real region is valid: an image the detector found nothing in.)
     `choices`: input_ids (B, C, T) (multiple choice); `pairs`: regions (B, 2, N, ...) (NLVR2). Values are checked on

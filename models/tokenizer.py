@@ -91,7 +91,7 @@ class VLTokenizer:
                     allowed = " or ".join("null" if kind is type(None) else kind.__name__ for kind in kinds)
                     raise ValueError(f"{cfg_path}: {key} must be {allowed}, not {json.dumps(cfg[key])}")
                 options[name] = cfg[key]
-        if options.get("max_length", 64) < 1:
+        if "max_length" in options and options["max_length"] < 1:
             raise ValueError(f"{cfg_path}: max_length must be >= 1, not {options['max_length']}")
         try:
             return cls(vocab, **options)

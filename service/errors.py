@@ -260,7 +260,7 @@ def install_error_handlers(app: FastAPI) -> None:
 class InternalErrors:
     """A request that fails for a reason no handler above knows: its traceback logged once, at ERROR, with its
     request id, and a 500 problem that quotes the id. Not an exception handler: Starlette re-raises after those, and
-    uvicorn logged the traceback a second time, without the id."""
+    uvicorn would log the traceback a second time, without the id."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

@@ -354,6 +354,8 @@ class RedisStore(FeatureStore):
                                        f"but the server speaks plain Redis: use redis://") from None
             log.warning("feature store %s unreachable at start-up (%s: %s); starting without it: inline images are "
                         "served, image_id requests answer 503 until it answers", where, type(exc).__name__, exc)
+            now = time.monotonic()
+            self._outage = (now, now)  # logged: the first failed command does not warn again; _reached says it ended
 
     async def ping(self) -> bool:
         """True when Redis answers now (ignores the back-off; for readiness details, not for requests)."""
@@ -384,6 +386,7 @@ class RedisStore(FeatureStore):
         try:
             values = [await self._redis.get(keys[0])] if len(keys) == 1 else await self._redis.mget(keys)
         except ResponseError as exc:
+            self._reached()  # Redis answered, with an error
             if not str(exc).startswith("WRONGTYPE"):
                 self._failed("get", exc)
                 if strict:
@@ -491,9 +494,9 @@ class RedisStore(FeatureStore):
                 log.warning("feature store redis: still unreachable after %.0f s (%s: %s)", now - self._outage[0],
                             type(exc).__name__, exc)
         else:  # e.g. a ResponseError (OOM under noeviction, READONLY replica): Redis is up, this call failed
+            self._reached()
             log.warning("feature store redis: %s failed (%s: %s)", op, type(exc).__name__, exc)
         return False
-
 
     def _reached(self) -> None:
         """A command Redis answered: the end of an outage, if one was logged."""

@@ -79,6 +79,15 @@ def configure(level: str, fmt: str) -> dict[str, Any]:
     return config
 
 
+def error_line(message: str, fmt: str) -> str:
+    """The line `vlserve serve` ends with when it cannot serve: `error: ...`, or in the JSON format an object at
+    level error (shown whatever the log level: it is the command's message, not a log record)."""
+    if fmt != "json":
+        return f"error: {message}"
+    record = logging.LogRecord("vlserve", logging.ERROR, "", 0, message, None, None)
+    return JSONFormatter().format(record)
+
+
 def _printable(text: str) -> str:
     """A client's string in a log line: control characters (CR, LF, ESC) escaped, so it cannot forge or colour lines."""
     return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")

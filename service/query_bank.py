@@ -116,7 +116,8 @@ class BankPriors:
         if self._slot is None:
             self._slot = asyncio.Semaphore(1)
         while len(self._background) >= BACKGROUND_MAX_IMAGES:  # the oldest still waiting for its turn makes room
-            oldest = next((i for i in self._background if i != self._running), None)
+            oldest = next((i for i, task in self._background.items()  # waiting: not computing, nor cancelled already
+                           if i != self._running and not task.done() and not task.cancelling()), None)
             if oldest is None:
                 break
             self._background.pop(oldest).cancel()

@@ -340,8 +340,8 @@ def test_itm_and_nlvr2_region_pooling_reads_real_regions_only(kind):
 @pytest.mark.parametrize("pool", ["regions", "regions_film"])
 @pytest.mark.parametrize("preset", [p for p in PRESETS if p != "lxmert"])  # LXMERT's cross-attention itself falls
 def test_an_image_without_regions_reads_none_of_its_padding(preset, pool):  # back to the padding (test_objectives)
-    """A row with every region masked (the detector found nothing) pools zero regions: the padding's states, which
-    depend on the rest of the batch (packed or not), were averaged into its answer (logits moved by up to 11)."""
+    """A row with every region masked (the detector found nothing) pools zero regions, not the mean of the padding's
+    states, which depend on the rest of the batch (packed or not)."""
     from models import HeadConfig, VLInputs, create_model
 
     torch.manual_seed(0)

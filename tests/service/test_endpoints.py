@@ -142,8 +142,8 @@ def test_retrieve_image_to_texts_ranks_captions(client, image_png):
 
 
 def test_captions_that_read_alike_score_alike_and_their_tie_keeps_the_requests_order(make_settings, image_png):
-    """Texts of the same word pieces are one row scored once: spread over batches of 4 they were scored apart and
-    rounding could rank a later copy above an earlier one."""
+    """Texts of the same word pieces are one row scored once: scored apart in batches of 4, rounding could rank a
+    later copy above an earlier one."""
     long = "a large red rectangle above two small blue circles left of a green triangle below one big square " * 2
     texts = ["a red rectangle", "two blue circles", "a green triangle", "nothing at all", long,
              "a red rectangle", "three squares", "A  Red rectangle", long + "again", "a red rectangle"]

@@ -190,8 +190,8 @@ def test_redis_down_is_a_fast_miss_and_the_store_recovers(restartable_redis):
 
 
 def test_an_outage_is_logged_when_it_begins_while_it_lasts_and_when_it_ends(restartable_redis, caplog, monkeypatch):
-    """A warning when Redis goes away, reminders at most every _OUTAGE_LOG_S (a warning every back-off, once a second,
-    before), and an INFO line when it answers again (there was none: an operator could not tell it had come back)."""
+    """A warning when Redis goes away, reminders at most every _OUTAGE_LOG_S (not one per back-off), and an INFO
+    line when it answers again, so an operator can tell that it came back."""
     import service.feature_store as feature_store
 
     server = restartable_redis

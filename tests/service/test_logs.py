@@ -22,8 +22,8 @@ TEXT_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (TRACE|DEBUG|INFO
 
 
 def test_a_failed_request_is_logged_once_at_error_with_its_request_id(make_settings, image_png, caplog):
-    """Starlette re-raised after the exception handler answered: uvicorn logged the traceback a second time, at
-    ERROR, without the id (here the test client raised it)."""
+    """One ERROR record with the id and traceback, and nothing re-raised to the server (uvicorn would log the
+    traceback a second time without the id; here the test client would raise it)."""
     with TestClient(create_app(make_settings()), raise_server_exceptions=True) as c:
         pipeline = c.app.state.services.pipeline
 
@@ -57,7 +57,7 @@ def test_every_answer_has_an_access_line_with_its_request_id(make_settings, capl
 
 
 def test_methods_the_routes_do_not_serve_share_one_label(make_settings):
-    """Each method a client made up was a label set of its own (19 series each): unbounded."""
+    """A label set per method a client makes up (19 series each) would be unbounded: they share `other`."""
     with TestClient(create_app(make_settings())) as c:
         for method in ("PUT", "DELETE", "PATCH", "OPTIONS", "FOO", "BAR1", "BAR2"):
             assert c.request(method, "/vqa").status_code == 405
@@ -107,3 +107,32 @@ def test_the_server_writes_one_format_at_one_level(fmt, tiny_checkpoint, tiny_de
             assert [r["request_id"] for r in access] == ids
         else:
             assert access == [] and not any('"level": "info"' in line or " INFO " in line for line in lines)
+
+
+def test_a_server_that_cannot_serve_ends_with_its_error_in_the_log_format(tiny_checkpoint, tiny_detector):
+    """In the JSON format the command's last line, the one saying why it cannot serve, is an object too."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLSERVE_")} | {
+        "VLSERVE_CACHE_MAX_BYTES": "1", "VLSERVE_LOG_FORMAT": "json"}
+    cmd = [sys.executable, "-m", "vlserve.cli", "serve", "--model-dir", str(tiny_checkpoint), "--detector-dir",
+           str(tiny_detector.dir), "--port", str(free_port()), "--threads", "1", "--log-level", "critical"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    records = [json.loads(line) for line in out.stderr.splitlines() if line.strip()]
+    assert [r["level"] for r in records] == ["error"]  # shown whatever the level: the command's own message
+    assert records[0]["message"].startswith("VLSERVE_CACHE_MAX_BYTES 1 cannot hold one image's regions")
+
+
+def test_quiet_serves_with_warnings_at_most(tiny_checkpoint, tiny_detector, monkeypatch):
+    import vlserve.commands.serve as serve_command
+    from typer.testing import CliRunner
+
+    from vlserve.cli import app as cli
+
+    for name in [n for n in os.environ if n.startswith("VLSERVE_")]:
+        monkeypatch.delenv(name)
+    levels = []
+    monkeypatch.setattr(serve_command, "run_server", lambda settings, log_level=None: levels.append(settings.log_level) or 0)
+    models = ["--model-dir", str(tiny_checkpoint), "--detector-dir", str(tiny_detector.dir)]
+    for args in (["-q", "serve", *models], ["-q", "serve", *models, "--log-level", "error"], ["serve", *models]):
+        assert CliRunner().invoke(cli, args).exit_code == 0
+    assert levels == ["warning", "error", "info"]

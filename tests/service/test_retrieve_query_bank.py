@@ -191,7 +191,7 @@ def test_the_bank_travels_through_export_and_onnxruntime_ranks_the_same(banked, 
 def test_bank_captions_longer_than_the_models_positions_are_cut_to_them(tmp_path, tiny_detector, make_checkpoint,
                                                                         make_settings, make_png):
     """A bank caption is cut to the text positions the model can place (12 here), not the tokenizer's 64: a longer
-    row indexed past the position table (a 500 on every text -> images ranking, and every prior failed)."""
+    row would index past the position table (a 500 on every text -> images ranking, every prior failing)."""
     texts = BANK[:4] + [" ".join(["red"] * 20)] * 4
     model_dir = make_checkpoint(tmp_path / "short", tiny_detector.fingerprint, max_position_embeddings=12,
                                 labels_extra={"retrieval_bank": {"texts": texts, "temperature": TEMPERATURE}})
@@ -207,9 +207,9 @@ def test_bank_captions_longer_than_the_models_positions_are_cut_to_them(tmp_path
 
 
 def test_a_backlog_of_registrations_waits_for_the_background_bounded():
-    """Under steady load the background falls behind registrations: each waiting computation held its image's
-    regions (718 of them after 9 minutes of a soak, past every cache bound). At most BACKGROUND_MAX_IMAGES wait; the
-    oldest waiting ones are dropped, the one computing is kept, and the newest get their priors."""
+    """Under steady load the background falls behind registrations, and each waiting computation holds its image's
+    regions. At most BACKGROUND_MAX_IMAGES wait; the oldest waiting ones are dropped, the one computing is kept, and
+    the newest get their priors."""
     import asyncio
 
     from models.query_bank import QueryBank

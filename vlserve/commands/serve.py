@@ -34,6 +34,7 @@ def _default(name: str) -> str:
 
 
 def serve(
+    ctx: typer.Context,
     model_dir: Annotated[Path | None, _opt("encoder checkpoint directory (env VLSERVE_MODEL_DIR); with no model or detector given, "
                                            "the --profile model set is used (built on first use)", "Models")] = None,
     detector_dir: Annotated[Path | None, _opt("detector directory (env VLSERVE_DETECTOR_DIR)", "Models")] = None,
@@ -127,7 +128,8 @@ def serve(
     (--shutdown-drain-s; a second signal ends it), then stop accepting connections, let in-flight requests finish
     (--shutdown-timeout-s), drain the batchers, close Redis.
     """
-    overrides = {name: value for name, value in locals().items() if value is not None and name != "profile"}
+    overrides = {name: value for name, value in locals().items()
+                 if value is not None and name not in ("profile", "ctx")}
     from pydantic import ValidationError
 
     from service.settings import load_settings, settings_error_message, unknown_variables
@@ -145,7 +147,16 @@ def serve(
     except ValidationError as exc:
         typer.echo(f"error: {settings_error_message(exc)}", err=True)
         raise typer.Exit(2) from None
+    if quiet_log(ctx, settings.log_level):  # `vlserve -q serve`: at most warnings, whatever the level
+        settings = settings.model_copy(update={"log_level": "warning"})
     raise typer.Exit(run_server(settings))
+
+
+def quiet_log(ctx: typer.Context, level: str) -> bool:
+    """Whether `vlserve --quiet` was given and `level` would log more than warnings."""
+    from service.settings import LOG_LEVELS
+
+    return bool(ctx.find_root().params.get("quiet")) and LOG_LEVELS.index(level) > LOG_LEVELS.index("warning")
 
 
 def zoo_model_dirs(profile: str = "demo") -> dict[str, Path]:
@@ -178,6 +189,7 @@ def run_server(settings, log_level: str | None = None) -> int:
 
     from service.app import StartupError, create_app
     from service.logs import configure as configure_logs
+    from service.logs import error_line
     from service.shutdown import DrainingServer
 
     level = log_level or settings.log_level
@@ -185,7 +197,7 @@ def run_server(settings, log_level: str | None = None) -> int:
     try:
         app = create_app(settings, load_in_background=True)
     except StartupError as exc:
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(error_line(str(exc), settings.log_format), err=True)
         return 2
     server = DrainingServer(uvicorn.Config(
         quiet_startup_failure(app), host=settings.host, port=settings.port, lifespan="on",
@@ -198,7 +210,8 @@ def run_server(settings, log_level: str | None = None) -> int:
         pass
     code = 0
     if app.state.startup_error or not server.started:  # loading failed after the port opened, or binding it
-        typer.echo(f"error: {app.state.startup_error or 'the service did not start (see the log above)'}", err=True)
+        why = app.state.startup_error or "the service did not start (see the log above)"
+        typer.echo(error_line(str(why), settings.log_format), err=True)
         code = 2
     if getattr(app.state, "inference_abandoned", False):  # stopped while the models were loading (DrainingServer.run)
         sys.stdout.flush()
