@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import logging
 import logging.config
-import time
 from datetime import datetime, timezone
 from typing import Any
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import request_id
-from .metrics import CLIENT_CLOSED, route_label
+from .metrics import ANSWERED
 from .settings import LOG_FORMATS
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # the fields an access line carries beside its message (JSON keys; `extra` of the record)
@@ -95,7 +94,8 @@ def _printable(text: str) -> str:
 
 class AccessLog:
     """An INFO line for every HTTP answer: client, method, path, status, duration and request id (a client that
-    left before its answer: status 499)."""
+    left before its answer: status 499). Outside metrics.MetricsMiddleware, whose count of the answer (route,
+    status, seconds) it writes; outside errors.InternalErrors, whose 500 that count already is."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -103,23 +103,13 @@ class AccessLog:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not access_log.isEnabledFor(logging.INFO):
             return await self.app(scope, receive, send)
-        start = time.perf_counter()
-        status = [0]
-
-        async def sending(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
         try:
-            await self.app(scope, receive, sending)
+            await self.app(scope, receive, send)
         finally:
-            if not status[0]:
-                status[0] = CLIENT_CLOSED if scope.get("state", {}).get("client_closed") else 500
+            endpoint, status, seconds = scope["state"][ANSWERED]
             client = scope.get("client")
             fields = {"request_id": request_id(scope), "client": f"{client[0]}:{client[1]}" if client else "-",
                       "method": _printable(scope["method"][:16]), "path": _printable(scope["path"][:256]),
-                      "endpoint": route_label(scope), "status": status[0],
-                      "duration_ms": round((time.perf_counter() - start) * 1000, 1)}
+                      "endpoint": endpoint, "status": status, "duration_ms": round(seconds * 1000, 1)}
             access_log.info("%s %s %s %d %.1f ms request_id=%s", fields["client"], fields["method"], fields["path"],
                             fields["status"], fields["duration_ms"], fields["request_id"], extra=fields)

@@ -122,6 +122,7 @@ ENDPOINT = "vlserve.endpoint"  # scope key: the route template of a request answ
 # The status a request is counted under when its client went away before its answer (nginx's "client closed
 # request"): nothing was sent, and the work it left was cancelled (security.BodyLimitMiddleware)
 CLIENT_CLOSED = 499
+ANSWERED = "answered"  # scope state key: (route label, status, seconds) as counted, for the access line (service.logs)
 
 
 def client_closed(scope: Scope) -> None:
@@ -168,6 +169,8 @@ class MetricsMiddleware:
         finally:
             if not started[0] and scope["state"].get("client_closed"):
                 status[0] = CLIENT_CLOSED
-            labels = (route_label(scope), method_label(scope["method"]), str(status[0]))
+            endpoint, seconds = route_label(scope), time.perf_counter() - start
+            scope["state"][ANSWERED] = (endpoint, status[0], seconds)
+            labels = (endpoint, method_label(scope["method"]), str(status[0]))
             self.metrics.requests.labels(*labels).inc()
-            self.metrics.latency.labels(*labels).observe(time.perf_counter() - start)
+            self.metrics.latency.labels(*labels).observe(seconds)

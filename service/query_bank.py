@@ -47,8 +47,9 @@ class BankPriors:
             raise ValueError(f"max_images must be >= 1, got {max_images}")
         self.bank = bank
         rows = []
+        limit = tokenizer.max_length if max_length is None else min(tokenizer.max_length, max_length)
         for text in bank.texts:  # one row per caption, each only as long as its own word pieces
-            encoded = tokenizer.encode([text], max_length=min(tokenizer.max_length, max_length or tokenizer.max_length))
+            encoded = tokenizer.encode([text], max_length=limit)
             rows.append({name: value[0] for name, value in encoded.items()})
         self.rows: list[Item] = sorted(rows, key=lambda row: len(row["input_ids"]))  # the prior is order-free
         self.max_images = max_images
