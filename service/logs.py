@@ -13,8 +13,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import request_id
 from .metrics import ANSWERED
-from .settings import LOG_FORMATS
-TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+from .settings import LOG_FORMATS, LOG_TEXT_FORMAT
+
 # the fields an access line carries beside its message (JSON keys; `extra` of the record)
 ACCESS_FIELDS = ("request_id", "client", "method", "path", "endpoint", "status", "duration_ms")
 TRACE = 5  # uvicorn's level below DEBUG
@@ -57,7 +57,7 @@ def log_config(level: str, fmt: str) -> dict[str, Any]:
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format {fmt!r}: choose one of {', '.join(LOG_FORMATS)}")
     logging.addLevelName(TRACE, "TRACE")
-    formatter = {"()": JSONFormatter} if fmt == "json" else {"format": TEXT_FORMAT}
+    formatter = {"()": JSONFormatter} if fmt == "json" else {"format": LOG_TEXT_FORMAT}
     number = level_number(level)
     return {
         "version": 1, "disable_existing_loggers": False,

@@ -22,6 +22,8 @@ OTHER_VARIABLES = frozenset({"CACHE", "PROFILE", "PACK_CPU_WEIGHTS", "DOCKER_CAC
                              "REHEARSAL_MODELS", "LOCUST_VENV", "API_KEY"})
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 LOG_FORMATS = ("text", "json")  # service.logs writes each
+# the text format's line, the service's and every other command's (vlserve.cli)
+LOG_TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 # Redis refuses an expiry past 2**63 - 1 ms since the epoch: SET EX above (2**63 - 1) // 1000 - now seconds fails with

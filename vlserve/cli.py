@@ -5,6 +5,7 @@ import logging
 
 import typer
 
+from service.settings import LOG_TEXT_FORMAT
 from vlserve import __version__
 from vlserve.commands.analyze import app as analyze_app
 from vlserve.commands.import_cmd import app as import_app
@@ -27,7 +28,7 @@ app = typer.Typer(
 @app.callback()
 def main(quiet: bool = typer.Option(False, "--quiet", "-q", help="only warnings and errors in the log")) -> None:
     """Log progress (evaluations, checkpoints) to stderr."""
-    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format=LOG_TEXT_FORMAT)
 
 
 app.add_typer(import_app, name="import")  # its help: import_cmd.app's, written once there
