@@ -45,7 +45,7 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 R = TypeVar("R")
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vlserve.batcher")
 
 # Items per background batch: small, because a request that arrives while one runs waits for it (8 rows of the demo
 # encoder run in about a quarter of a 32-row batch's time).

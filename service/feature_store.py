@@ -36,7 +36,7 @@ from .settings import redact_url
 if TYPE_CHECKING:
     from .settings import Settings
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vlserve.feature_store")
 
 KEY_PREFIX = "vlserve:feat"
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)  # Redis down, restarting or too slow

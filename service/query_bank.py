@@ -26,7 +26,7 @@ from models.tokenizer import VLTokenizer
 
 from .shared_work import SharedWork
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vlserve.query_bank")
 
 # Registered images whose priors wait for the background at once, at most: a pending computation holds the image's
 # regions, and under steady load the background (which runs only while no request waits) falls behind registrations

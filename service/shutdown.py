@@ -45,7 +45,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import SHUTTING_DOWN, send_problem
 
-log = logging.getLogger("vlserve.app")
+log = logging.getLogger("vlserve.shutdown")
 
 # From the end of the drain to uvicorn's shutdown (which closes the listener and every connection with no request in
 # flight): long enough for the event loop to accept the connections the kernel has already queued and to start

@@ -255,7 +255,7 @@ def test_an_unreachable_redis_at_start_up_is_one_warning(caplog):
         await store.check()
         await store.close()
 
-    with caplog.at_level(logging.WARNING, logger="service.feature_store"):
+    with caplog.at_level(logging.WARNING, logger="vlserve.feature_store"):
         run(main())
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "unreachable at start-up" in warnings[0] and "s3cretpw" not in warnings[0]
@@ -327,7 +327,7 @@ def test_a_value_larger_than_the_local_tier_is_logged_once_and_counted(caplog):
             await store.put(f"a{i}", regions(i))
         return store
 
-    with caplog.at_level(logging.DEBUG, logger="service.feature_store"):
+    with caplog.at_level(logging.DEBUG, logger="vlserve.feature_store"):
         store = run(main())
     assert store.stats()["too_large"] == 5
     assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
