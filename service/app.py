@@ -400,7 +400,8 @@ def package_version() -> str:
 # and what any route answers whatever its declarations: a wrong method (405), and the body's checks (security.py): a
 # Content-Length that is not a number (400), a body that stops arriving (408), too large (413), compressed or of a
 # type the route does not read (415)
-MIDDLEWARE_PROBLEMS = ("bad-request", "method-not-allowed", "request-timeout", "body-too-large", "unsupported-media-type")
+MIDDLEWARE_PROBLEMS = ("bad-request", "method-not-allowed", "request-timeout", "body-too-large", "unsupported-media-type",
+                       "head-too-large")
 # what a route reads its body as (security.BodyLimitMiddleware: another Content-Type is a 415); the v2 routes read
 # their JSON header by Inference-Header-Content-Length whatever the type
 BODY_TYPES: dict[str, tuple[str, ...]] = {path: JSON_TYPES for path in TASK_KINDS if not is_v2(path)}

@@ -4,13 +4,15 @@ exception: routes of the Open Inference Protocol (/v2/..., routes/v2.py) answer 
 | status | type                         | when                                                                  |
 |--------|------------------------------|-----------------------------------------------------------------------|
 | 400    | /problems/bad-request        | a body that cannot be parsed: not JSON (or not UTF-8), broken         |
-|        |                              | multipart (POST /images), or a Content-Length that is not a number    |
+|        |                              | multipart (POST /images), or a Content-Length that is not a number;   |
+|        |                              | a request that is not HTTP/1.1 (http_protocol)                        |
 | 401    | /problems/unauthorized       | API keys are configured and X-API-Key is missing or wrong             |
 | 404    | /problems/not-found          | no such route                                                         |
 | 404    | /problems/unknown-image      | an image_id the service has not seen (POST /images or send the image) |
 | 404    | /problems/no-head            | the model has no head for this endpoint                               |
 | 405    | /problems/method-not-allowed | wrong method for the route                                            |
-| 408    | /problems/request-timeout    | the body stopped arriving: no byte for body_timeout_s                 |
+| 408    | /problems/request-timeout    | the body stopped arriving: no byte for body_timeout_s; or the head    |
+|        |                              | (request line, headers) did not arrive within head_timeout_s          |
 | 415    | /problems/unsupported-media-type | a body that is not JSON by its Content-Type (multipart too for    |
 |        |                              | POST /images), or compressed (Content-Encoding)                       |
 | 413    | /problems/body-too-large     | request body over max_body_bytes                                      |
@@ -20,6 +22,7 @@ exception: routes of the Open Inference Protocol (/v2/..., routes/v2.py) answer 
 | 422    | /problems/invalid-image      | bytes that are not a supported image, truncated, or over max_pixels   |
 | 429    | /problems/queue-full         | the task's batch queue is full, or a new image would wait for the     |
 |        |                              | detector longer than detector_max_queue_wait_s; Retry-After: when     |
+| 431    | /problems/head-too-large     | request line and headers over max_head_bytes (http_protocol)          |
 | 503    | /problems/not-ready          | models still loading / warming up, or shutting down (also a request   |
 |        |                              | still running when shutdown_timeout_s runs out)                       |
 | 503    | /problems/store-unavailable  | the feature store (Redis) cannot be reached or is busy: an image_id   |
@@ -54,6 +57,7 @@ log = logging.getLogger("vlserve.errors")
 PROBLEM_JSON = "application/problem+json"
 _TYPES = {400: "bad-request", 401: "unauthorized", 404: "not-found", 405: "method-not-allowed", 408: "request-timeout",
           413: "body-too-large", 415: "unsupported-media-type", 422: "validation-error", 429: "queue-full",
+          431: "head-too-large",
           503: "not-ready", 500: "internal-error"}
 QUOTED_CHARS = 64  # the most of a client's string (a field or model name, a path) an answer quotes
 
@@ -111,8 +115,16 @@ def request_id(request_or_scope) -> str:
     state = scope.setdefault("state", {})
     if "request_id" not in state:
         sent = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
-        state["request_id"] = sent if 0 < len(sent) <= 64 and sent.isprintable() else uuid.uuid4().hex
+        # printable and no space: an id is one field of an access line, and a space would let it write others
+        state["request_id"] = sent if 0 < len(sent) <= 64 and sent.isprintable() and " " not in sent else uuid.uuid4().hex
     return state["request_id"]
+
+
+def sent_path(scope: Scope) -> str:
+    """The path as the client sent it, for a log line: percent-escapes kept (decoded, a %20 would be a space and a
+    %0A a new line, and a path could write what reads as more of the line: "/x 200 0.1 ms request_id=...")."""
+    raw = scope.get("raw_path")
+    return raw.decode("latin-1") if raw else scope["path"]
 
 
 def problem_body(status: int, detail: str, instance: str, rid: str, kind: str | None = None,
@@ -172,10 +184,13 @@ def _json_error(error: dict[str, Any]) -> str:
     return f"{reason} (at character {offset})" if offset is not None else str(reason)
 
 
-def _validation_detail(errors: list[dict[str, Any]]) -> str:
+def _validation_detail(errors: list[dict[str, Any]], total: int) -> str:
     parts = [f"{'.'.join(str(p) for p in e['loc'][1:] or e['loc']) or 'body'}: {e['msg']}" for e in errors[:5]]
-    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    more = f" (and {total - 5} more)" if total > 5 else ""
     return "; ".join(parts) + more
+
+
+MAX_LISTED_ERRORS = 20  # a 422's `errors` lists at most these; its detail counts them all
 
 
 RETRY_AFTER_MAX_S = 600  # the longest Retry-After answered: a client told to wait longer would rather go elsewhere
@@ -205,8 +220,9 @@ def install_error_handlers(app: FastAPI) -> None:
         unparsed = next((e for e in exc.errors() if e.get("type") == "json_invalid"), None)
         if unparsed is not None:  # FastAPI and pydantic's JSON parsers report a syntax error as a validation error
             return problem_response(request, 400, f"the body is not valid JSON: {_json_error(unparsed)}", "bad-request")
-        errors = _jsonable_errors(exc.errors())
-        return problem_response(request, 422, _validation_detail(errors), "validation-error",
+        everyone = exc.errors()
+        errors = _jsonable_errors(everyone[:MAX_LISTED_ERRORS])
+        return problem_response(request, 422, _validation_detail(errors, len(everyone)), "validation-error",
                                 "Invalid request", errors=errors)
 
     @app.exception_handler(InvalidInput)
@@ -279,6 +295,6 @@ class InternalErrors:
             await self.app(scope, receive, sending)
         except Exception:
             rid = request_id(scope)
-            log.exception("request %s %s failed (request_id %s)", scope["method"], shown(scope["path"], 256), rid)
+            log.exception("request %s %s failed (request_id %s)", scope["method"], shown(sent_path(scope), 256), rid)
             if not started[0]:  # else the answer is cut short: the server closes the connection
                 await send_problem(scope, send, 500, f"internal error; quote request id {rid} when reporting it")

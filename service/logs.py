@@ -11,7 +11,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .errors import request_id
+from .errors import request_id, sent_path
 from .metrics import ANSWERED
 from .settings import LOG_FORMATS, LOG_TEXT_FORMAT
 
@@ -109,7 +109,7 @@ class AccessLog:
             endpoint, status, seconds = scope["state"][ANSWERED]
             client = scope.get("client")
             fields = {"request_id": request_id(scope), "client": f"{client[0]}:{client[1]}" if client else "-",
-                      "method": _printable(scope["method"][:16]), "path": _printable(scope["path"][:256]),
+                      "method": _printable(scope["method"][:16]), "path": _printable(sent_path(scope)[:256]),
                       "endpoint": endpoint, "status": status, "duration_ms": round(seconds * 1000, 1)}
             access_log.info("%s %s %s %d %.1f ms request_id=%s", fields["client"], fields["method"], fields["path"],
                             fields["status"], fields["duration_ms"], fields["request_id"], extra=fields)

@@ -27,7 +27,7 @@ from models.tokenizer import VLTokenizer
 
 from .batcher import Batcher
 from .collate import pad_and_stack
-from .errors import InvalidInput, NoHeadError
+from .errors import InvalidInput, NoHeadError, shown
 from .explain import Explainer, explain_pairs
 from .query_bank import BankPriors
 from .regions import RegionService
@@ -271,7 +271,7 @@ class Pipeline:
 
     def check_top_k(self, top_k: int) -> None:
         if not 1 <= top_k <= self.limits.max_top_k:
-            raise InvalidInput(("top_k",), f"must be between 1 and {self.limits.max_top_k}, got {top_k}",
+            raise InvalidInput(("top_k",), f"must be between 1 and {self.limits.max_top_k}, got {shown(str(top_k))}",
                                self.limits.max_top_k)
 
     def check_candidates(self, loc: str, count: int) -> None:

@@ -15,6 +15,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, WithJsonSchema, model_validator
 
+from .settings import MAX_CANDIDATES
+
 IMAGE_ID_PATTERN = r"^[0-9a-f]{64}$"
 _WS = " \t\r\n"  # the whitespace base64 may carry (line-wrapped MIME base64); other characters are refused
 _DATA_URL = re.compile(r"^data:[\w/+.-]*(;[\w=.-]+)*;base64,", re.IGNORECASE | re.ASCII)
@@ -76,6 +78,9 @@ class RequestBody(BaseModel):
     given) but not sent as null; its schema shows no null default."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+    # more unknown fields than this are one error (naming a few), not one error each: a body of a million made-up keys
+    # would otherwise be a million errors to build and answer
+    max_unknown_listed: ClassVar[int] = 20
     # Rules across fields, in JSON-schema terms, added to the model's schema (the model validators enforce them).
     json_schema_rules: ClassVar[dict[str, Any]] = {}
 
@@ -87,6 +92,16 @@ class RequestBody(BaseModel):
                 del prop["default"]
         schema.update(cls.json_schema_rules)
         return schema
+
+    @model_validator(mode="before")
+    @classmethod
+    def _many_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and len(data) > len(cls.model_fields) + cls.max_unknown_listed:
+            unknown = [name for name in data if name not in cls.model_fields]
+            named = ", ".join(repr(name[:32]) for name in unknown[:3])
+            raise ValueError(f"{len(unknown)} unknown fields ({named}, ...); the fields are "
+                             f"{', '.join(cls.model_fields)}")
+        return data
 
 
 class ImageRef(RequestBody):
@@ -131,10 +146,10 @@ class RetrieveRequest(RequestBody):
     """Text -> images: `text` + `image_ids`. Image -> texts: `image` or `image_id` + `texts`."""
 
     text: Text = Field(None)
-    image_ids: list[ImageId] = Field(None, min_length=1, json_schema_extra={"x-setting": "max_candidates"})
+    image_ids: list[ImageId] = Field(None, min_length=1, max_length=MAX_CANDIDATES, json_schema_extra={"x-setting": "max_candidates"})
     image: Base64Image = Field(None)
     image_id: ImageId = Field(None)
-    texts: list[Text] = Field(None, min_length=1, json_schema_extra={"x-setting": "max_candidates"})
+    texts: list[Text] = Field(None, min_length=1, max_length=MAX_CANDIDATES, json_schema_extra={"x-setting": "max_candidates"})
     top_k: TopK = 5
     query_bank: bool = Field(True, description="text -> images: rank by the query-bank normalised score (bank_score) "
                              "where the model has a query bank; false ranks by the raw score")

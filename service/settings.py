@@ -21,6 +21,8 @@ ENV_PREFIX = "VLSERVE_"
 OTHER_VARIABLES = frozenset({"CACHE", "PROFILE", "PACK_CPU_WEIGHTS", "DOCKER_CACHE", "IMAGE", "BASE", "WHEEL_CACHE",
                              "REHEARSAL_MODELS", "LOCUST_VENV", "API_KEY"})
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+# The most max_candidates may be: the schema's own bound, so that a list of a million ids is one error, not a million
+MAX_CANDIDATES = 10_000
 LOG_FORMATS = ("text", "json")  # service.logs writes each
 # the text format's line, the service's and every other command's (vlserve.cli)
 LOG_TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -107,6 +109,11 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(10 * MiB, gt=0)  # larger request bodies get 413
     # a request body that sends no byte for this long gets 408
     body_timeout_s: float = Field(30.0, gt=0, le=MAX_TIMEOUT_S)
+    # a request's head (request line and headers) larger than this gets 431 and its connection closed
+    max_head_bytes: int = Field(64 * 1024, ge=1024, le=16 * MiB)
+    # a request's head not complete this long after its connection opened (on a kept-alive connection, after its
+    # first byte) gets 408; a connection that sent no byte of one is closed (service/http_protocol.py)
+    head_timeout_s: float = Field(10.0, gt=0, le=MAX_TIMEOUT_S)
     max_pixels: int = Field(40_000_000, gt=0)  # larger images are refused before decoding (decompression bombs)
     # memory of image decoding: pixels of images being decoded or waiting for their detector batch, summed over
     # concurrent requests (a request waits for room; one image larger than this decodes alone), at about 4 bytes
@@ -119,7 +126,7 @@ class Settings(BaseSettings):
     max_text_tokens: int = Field(64, ge=4)  # WordPiece budget of one text row ([CLS] text [MASK] [SEP] needs 4);
     # served as at most the checkpoint's text positions (app.text_token_limit)
     max_top_k: int = Field(100, ge=1)  # largest top_k a request may ask for
-    max_candidates: int = Field(100, ge=1)  # most image_ids / texts one retrieval request may rank
+    max_candidates: int = Field(100, ge=1, le=MAX_CANDIDATES)  # most image_ids / texts one retrieval request may rank
     # access
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)  # empty = no auth; env: comma-separated
     # server

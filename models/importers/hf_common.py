@@ -196,9 +196,10 @@ def unreadable_weights(path: Path, exc: Exception) -> HFImportError:
     if head.lstrip().startswith(b"<"):
         return HFImportError(f"{path}: not a {kind} file: it looks like an HTML page (a failed download; download "
                              "it again)")
-    found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+    # torch's two wordings: a class not allow-listed, and a callable of a blocked module (os.system and the like)
+    found = re.search(r"Unsupported global: GLOBAL (\S+)|unsupported GLOBAL (\S+) whose module", str(exc))
     if found:  # weights_only met a class: a pickled object, never unpickled here
-        return HFImportError(f"{path}: unreadable weights: the pickle holds {found.group(1)}, not only tensors "
+        return HFImportError(f"{path}: unreadable weights: the pickle holds {found.group(1) or found.group(2)}, not only tensors "
                              "(vlserve unpickles plain tensor dictionaries only)")
     first = re.split(r"(?<=\.)\s", (str(exc).strip().splitlines() or [""])[0])[0]
     if isinstance(exc, pickle.UnpicklingError):

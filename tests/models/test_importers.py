@@ -7,6 +7,7 @@ save_pretrained, imported through the CLI and loaded with load_checkpoint; its l
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -246,6 +247,20 @@ def pickled_object(src, tmp_path):
     return path
 
 
+class _RunsACommand:
+    """Unpickled, it would call os.system; weights_only refuses its module outright."""
+
+    def __reduce__(self):
+        return os.system, ("true",)
+
+
+def pickled_call(src, tmp_path):
+    path = bad(src, tmp_path)
+    (path / "model.safetensors").unlink()
+    torch.save({"weights": torch.zeros(2), "payload": _RunsACommand()}, path / "pytorch_model.bin")
+    return path
+
+
 def write_text(name: str, text: str | bytes):
     def make(src, tmp_path):
         path = bad(src, tmp_path)
@@ -364,7 +379,9 @@ ERRORS = {
     "ambiguous classifier": (corrupt_config(lambda c: c.pop("architectures")), "config.json: field 'architectures' is missing"),
     "missing tensor": (drop_tensor, "model.safetensors: source checkpoint lacks visual_bert.encoder.layer.1.attention.self.key.weight"),
     "corrupt weights": (write_text("model.safetensors", "garbage"), "model.safetensors: unreadable weights"),
-    "unsafe pickle": (pickled_object, "pytorch_model.bin: unreadable weights"),
+    "unsafe pickle": (pickled_object, "pytorch_model.bin: unreadable weights: the pickle holds pathlib.PosixPath"),
+    "pickle calling a command": (pickled_call, "pytorch_model.bin: unreadable weights: the pickle holds posix.system, "
+                                               "not only tensors"),
     "negative width": (corrupt_config(lambda c: c.update(hidden_size=-32)), "config.json: hidden_size=-32 must be at least 1"),
     "no attention heads": (corrupt_config(lambda c: c.update(num_attention_heads=0)), "config.json: num_heads=0 must be at least 1"),
     "dropout above 1": (corrupt_config(lambda c: c.update(hidden_dropout_prob=5)),

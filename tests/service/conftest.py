@@ -9,6 +9,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -43,6 +44,31 @@ def wait_until_ready(proc: subprocess.Popen, base: str, output, timeout_s: float
             pass
         assert time.monotonic() < deadline, "the service did not become ready"
         time.sleep(0.2)
+
+
+@contextmanager
+def served(log_dir: Path, checkpoint: Path, detector: TinyDetector, *options: str,
+           env: dict[str, str] | None = None) -> Iterator[str]:
+    """A real `vlserve serve` (uvicorn) of the checkpoint in a subprocess, with VLSERVE_ variables cleared (then
+    `env` added): its base URL once ready; killed after, and its log must hold no traceback."""
+    import os
+    import sys
+
+    port = free_port()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("VLSERVE_")}, **(env or {})}
+    cmd = [sys.executable, "-m", "vlserve.cli", "serve", "--model-dir", str(checkpoint), "--detector-dir",
+           str(detector.dir), "--port", str(port), "--threads", "1", *options]
+    log_path = log_dir / "serve.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_until_ready(proc, url, log_path.read_text)
+            yield url
+        finally:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in log_path.read_text(), log_path.read_text()[-3000:]
 
 
 class RedisServer:

@@ -114,6 +114,27 @@ def test_limit_problem_names_the_field_and_the_limit(client, problem):
     assert body["errors"][0]["loc"] == ["body", "texts"] and "3" in body["detail"]
 
 
+@pytest.mark.parametrize("path,body,listed,total", [
+    # every made-up field is not an error of its own: a million of them were a 45 MB answer that held the server
+    ("/vqa", {**{f"k{i}": 1 for i in range(5000)}, "image": IMG, "question": TEXT}, 1, 1),
+    # a list longer than max_candidates could ever be is one error, whatever its items
+    ("/retrieve", {"text": TEXT, "image_ids": list(range(20_000))}, 1, 1),
+    # more errors than an answer lists: the first 20, all of them counted in the detail
+    ("/retrieve", {"text": TEXT, "image_ids": [None] * 50}, 20, 50),
+])
+def test_a_request_of_many_errors_gets_a_short_answer(make_settings, problem, path, body, listed, total):
+    with TestClient(create_app(make_settings(max_candidates=100)), raise_server_exceptions=False) as c:
+        response = c.post(path, json=body)
+    answer = problem(response, 422, "validation-error")
+    assert len(answer["errors"]) == listed and len(response.content) < 8000
+    assert (f"(and {total - 5} more)" in answer["detail"]) == (total > 5)
+
+
+def test_a_huge_number_is_quoted_cut(client, problem):
+    answer = problem(client.post("/vqa", json={"image": IMG, "question": TEXT, "top_k": 10 ** 300}), 422)
+    assert answer["detail"].startswith("top_k: must be between 1 and 5, got 1000") and len(answer["detail"]) < 150
+
+
 @pytest.mark.parametrize("field,request_body,limit", [
     ("top_k", {"image": IMG, "question": "q", "top_k": 6}, 5),
     ("texts", {"image": IMG, "texts": ["a", "b", "c", "d"]}, 3),

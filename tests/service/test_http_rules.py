@@ -7,10 +7,7 @@ from __future__ import annotations
 import base64
 import gzip
 import json
-import os
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -20,29 +17,16 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.app import MIDDLEWARE_PROBLEMS, create_app
-from tests.service.conftest import assert_problem, free_port, wait_until_ready
+from tests.service.conftest import assert_problem, served
 
 BODY_TIMEOUT_S = 1.0
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, tiny_checkpoint, tiny_detector) -> Iterator[str]:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLSERVE_")}
-    cmd = [sys.executable, "-m", "vlserve.cli", "serve", "--model-dir", str(tiny_checkpoint), "--detector-dir",
-           str(tiny_detector.dir), "--port", str(port), "--threads", "1", "--log-level", "warning",
-           "--body-timeout-s", str(BODY_TIMEOUT_S)]
-    log_path = tmp_path_factory.mktemp("http") / "serve.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_until_ready(proc, url, log_path.read_text)
-            yield url
-        finally:
-            proc.kill()
-            proc.wait()
-    assert "Traceback" not in log_path.read_text(), log_path.read_text()[-3000:]
+    with served(tmp_path_factory.mktemp("http"), tiny_checkpoint, tiny_detector, "--log-level", "warning",
+                "--body-timeout-s", str(BODY_TIMEOUT_S)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

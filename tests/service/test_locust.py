@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.service.conftest import VQA_ANSWERS, free_port, wait_until_ready
+from tests.service.conftest import VQA_ANSWERS
+from tests.service.conftest import served as serve
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCUSTFILE = ROOT / "loadtests" / "locustfile.py"
@@ -120,22 +121,10 @@ def served(tmp_path_factory, tiny_detector, make_checkpoint):
     (tmp / "sitecustomize.py").write_text(SLOW_ENCODER)
     delay = tmp / "encoder-delay-s"
     delay.write_text("0")
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLSERVE_")}
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(tmp), env.get("PYTHONPATH")])),
-               SLOW_ENCODER_FILE=str(delay), VLSERVE_MAX_QUEUE="1")
-    cmd = [sys.executable, "-m", "vlserve.cli", "serve", "--model-dir", str(checkpoint), "--detector-dir",
-           str(tiny_detector.dir), "--port", str(port), "--threads", "1", "--log-level", "warning"]
-    log_path = tmp / "serve.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_ready(proc, base, log_path.read_text)
+    pythonpath = os.pathsep.join(filter(None, [str(tmp), os.environ.get("PYTHONPATH")]))
+    with serve(tmp, checkpoint, tiny_detector, "--log-level", "warning",
+               env={"PYTHONPATH": pythonpath, "SLOW_ENCODER_FILE": str(delay), "VLSERVE_MAX_QUEUE": "1"}) as base:
         yield base, delay
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def run_locust(base: str, out: Path, users: int, seconds: int, *options: str, **env: str):

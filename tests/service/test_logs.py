@@ -48,12 +48,17 @@ def test_every_answer_has_an_access_line_with_its_request_id(make_settings, capl
         caplog.clear()
         sent = [c.get("/healthz"), c.post("/vqa", json={}, headers={"X-API-Key": "k1"}), c.post("/vqa", json={}),
                 c.request("FOO", "/vqa", headers={"X-API-Key": "k1"}),
-                c.get("/no%1B[31mwhere", headers={"X-API-Key": "k1"})]  # the path decodes to an ESC
+                c.get("/no%1B[31mwhere", headers={"X-API-Key": "k1"}),  # the path decodes to an ESC
+                # a path and an id that would write the rest of a line: "... 200 0.1 ms request_id=forged"
+                c.get("/healthz%20200%200.1%20ms%20request_id=forged", headers={"X-API-Key": "k1",
+                                                                             "X-Request-ID": "a 500 0.1 ms"})]
     lines = [rec for rec in caplog.records if rec.name == "vlserve.access"]
-    assert [rec.status for rec in lines] == [200, 422, 401, 405, 404]
+    assert [rec.status for rec in lines] == [200, 422, 401, 405, 404, 404]
     assert [rec.request_id for rec in lines] == [r.headers["x-request-id"] for r in sent]
-    assert "\x1b" not in lines[-1].getMessage() and "\\x1b[31m" in lines[-1].getMessage()  # no colours forged
-    assert lines[3].method == "FOO" and lines[1].endpoint == "/vqa" and lines[-1].endpoint == "unmatched"
+    assert "\x1b" not in lines[4].getMessage() and "/no%1B[31mwhere" in lines[4].getMessage()  # no colours forged
+    assert "GET /healthz%20200%200.1%20ms%20request_id=forged 404" in lines[5].getMessage()
+    assert len(lines[5].request_id) == 32 and lines[5].getMessage().count("request_id=") == 2
+    assert lines[3].method == "FOO" and lines[1].endpoint == "/vqa" and lines[4].endpoint == "unmatched"
 
 
 def test_methods_the_routes_do_not_serve_share_one_label(make_settings):

@@ -19,7 +19,7 @@ from tests.service.conftest import while_the_encoder_is_held
 
 LIMITS = dict(max_body_bytes=64 * 1024, max_text_chars=40, max_text_tokens=64, max_top_k=5, max_candidates=3)
 EVERY = {"400": ["bad-request"], "405": ["method-not-allowed"], "408": ["request-timeout"], "413": ["body-too-large"],
-         "415": ["unsupported-media-type"]}  # answered by middleware on any route
+         "415": ["unsupported-media-type"], "431": ["head-too-large"]}  # answered before any route, on any
 TASK = {"200": None, **EVERY, "404": ["unknown-image", "no-head"], "422": ["validation-error", "invalid-image"],
         "429": ["queue-full"], "503": ["not-ready", "store-unavailable"]}
 # Every status each operation may answer, with the problem types of each error status.

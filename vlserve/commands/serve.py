@@ -93,6 +93,11 @@ def serve(
     max_body_bytes: Annotated[int | None, _opt("larger request bodies get 413 " + _default("max_body_bytes"), "Limits")] = None,
     body_timeout_s: Annotated[float | None, _opt("a request body that sends no byte for this long gets 408, s "
                                                  + _default("body_timeout_s"), "Limits")] = None,
+    max_head_bytes: Annotated[int | None, _opt("a request head (request line and headers) larger than this gets 431 "
+                                               + _default("max_head_bytes"), "Limits")] = None,
+    head_timeout_s: Annotated[float | None, _opt("a request head not complete this long after its connection opened "
+                                                 "gets 408 (a connection that sent nothing is closed), s "
+                                                 + _default("head_timeout_s"), "Limits")] = None,
     max_pixels: Annotated[int | None, _opt("larger images are refused before decoding " + _default("max_pixels"), "Limits")] = None,
     decode_max_pixels_in_flight: Annotated[int | None, _opt("pixels of images being decoded or waiting for the detector, "
                                                             "summed over requests (about 4 bytes each while decoding); "
@@ -189,6 +194,7 @@ def run_server(settings, log_level: str | None = None) -> int:
 
     from service.app import StartupError, create_app
     from service.logs import configure as configure_logs
+    from service.http_protocol import bounded_head_protocol
     from service.logs import error_line
     from service.shutdown import DrainingServer
 
@@ -203,7 +209,8 @@ def run_server(settings, log_level: str | None = None) -> int:
         quiet_startup_failure(app), host=settings.host, port=settings.port, lifespan="on",
         log_config=logs, log_level=level, access_log=False,
         timeout_graceful_shutdown=settings.shutdown_timeout_s,
-        proxy_headers=False, server_header=False), app.state, settings.shutdown_drain_s)
+        proxy_headers=False, server_header=False,
+        http=bounded_head_protocol(settings.max_head_bytes, settings.head_timeout_s)), app.state, settings.shutdown_drain_s)
     try:
         server.run()
     except SystemExit:  # uvicorn exits 3 when start-up or binding the port fails
