@@ -562,7 +562,7 @@ def first_vqa_only(args) -> None:
             seconds = take_turns({"reference": lambda: reference(image), "serving": lambda: serving.extract(image)},
                                  args.runs, warmup=1)
             parts = detector_parts(serving, image, args.runs)
-        del reference, serving
+        reference = serving = None  # freed before the service loads its own copies
         gc.collect()
         service = first_vqa(paths, args.threads, list(PHOTOS[:5]))
     cores = len(os.sched_getaffinity(0))

@@ -23,7 +23,6 @@ sys.path.insert(0, str(ROOT))
 
 from encoder import cpu_name, write_section  # noqa: E402
 
-from models import heads  # noqa: E402
 from models.checkpoint import load_checkpoint  # noqa: E402
 from models.query_bank import QueryBank  # noqa: E402
 from training.finetune import gemm_precision, run_data  # noqa: E402

@@ -266,6 +266,11 @@ def load_checkpoint(
     """Verify and load a checkpoint directory; optional expectations fail with a message naming the field."""
     path = Path(path)
     manifest = verify_manifest(path)
+    kind = manifest.get("kind")
+    if kind is not None:  # vlserve's other directories name their kind; a checkpoint's manifest names none
+        what = {"onnx-repository": "a model repository made by `vlserve export`; give the checkpoint directory it was "
+                                   "exported from", "detector": "a detector directory"}.get(kind, f"a directory of kind {kind!r}")
+        raise CheckpointError(f"{path} is not an encoder checkpoint but {what}")
     try:
         config = ModelConfig.from_dict(json.loads((path / CONFIG).read_text(encoding="utf-8")))
     except OSError as exc:  # a file the manifest does not list may be missing

@@ -290,9 +290,14 @@ class ITMHead(Head):
         return self.head.pool != "regions"
 
     def forward(self, enc: EncoderOutput, inputs: VLInputs) -> torch.Tensor:
+        return self.match(enc, inputs.region_mask)
+
+    def match(self, enc: EncoderOutput, region_mask: torch.Tensor) -> torch.Tensor:
+        """(B, 2) from the encoder's output and the regions' mask (B, N), all a match reads: so a two-stream
+        encoder's streams may be encoded apart and met for it (VLModel.match_streams)."""
         if self.head.pool == "regions":
-            return self.seq_relationship(with_attended_regions(self.region_query, enc, inputs.region_mask))  # (B, 2)
-        return self.seq_relationship(enc.pooled)  # (B, 2)
+            return self.seq_relationship(with_attended_regions(self.region_query, enc, region_mask))
+        return self.seq_relationship(enc.pooled)
 
 
 class MultipleChoiceHead(Head):

@@ -1,6 +1,7 @@
 """VLModel: one encoder preset plus any number of named task heads (one checkpoint serves every endpoint)."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .config import ModelConfig
@@ -8,7 +9,7 @@ from .heads import build_head
 from .inputs import VLInputs, check_inputs
 from .outputs import EncoderOutput, ModelOutput
 from .single_stream import SingleStreamEncoder
-from .two_stream import LxmertEncoder, VilbertEncoder
+from .two_stream import LxmertEncoder, StreamStates, VilbertEncoder
 
 ENCODERS = {
     "visualbert": SingleStreamEncoder,
@@ -53,6 +54,15 @@ class VLModel(nn.Module):
         if task_token >= 0:  # ViLBERT 12-in-1: the head's task token (HeadConfig.task_token)
             only["task_token"] = task_token
         return self.encoder(**inputs.encoder_kwargs(), output_attentions=output_attentions, **only)
+
+    def match_streams(self, task: str, text: StreamStates, image: StreamStates) -> torch.Tensor:
+        """An image-text matching head's logits (B, 2) from a two-stream encoder's streams, each encoded apart
+        (encode_text, encode_image): their cross layers, then the head. The image stream's last positions are its
+        regions (a whole-image token, where the encoder has one, comes first), and their mask is what the head pools
+        with."""
+        enc = self.encoder.fuse(text, image)
+        region_mask = image.mask[:, image.mask.shape[1] - enc.image.shape[1]:]  # (B, N)
+        return self.heads[task].match(enc, region_mask)
 
     def forward_head(self, task: str, enc: EncoderOutput, inputs: VLInputs):
         return self.heads[task](enc, inputs)

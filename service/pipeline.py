@@ -536,3 +536,6 @@ class Pipeline:
             text = {name: value[0] for name, value in encoded.items()}
             regions = region_arrays([rf, rf] if spec.kind == "nlvr2" else [rf], self.tag_words)
             batch_fn(runtime, spec.task)([{**text, **regions}])
+            if self.streams is not None and runtime.splits_streams(spec.task):  # /retrieve's path: streams apart
+                scratch = StreamCache(1 << 24, "warm-up", "warm-up")  # not the served cache: nothing of this stays
+                fused_batch_fn(runtime, spec.task, scratch)([scratch.pair(scratch.text_key(text), text, "warm-up", rf)])

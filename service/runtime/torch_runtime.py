@@ -115,7 +115,7 @@ class TorchRuntime(Runtime):
         return logits.float().cpu().numpy(), [a.float().cpu().numpy() for a in attention]
 
     def splits_streams(self, task: str) -> bool:
-        # the ITM head reads only the fused pooled vector, so it needs no inputs beyond the two streams; a head whose
+        # the ITM head reads the fused streams and the regions' mask alone (VLModel.match_streams); a head whose
         # inputs carry a task token (ViLBERT 12-in-1) runs whole, as the cached text states hold no task token
         return (hasattr(self.model.encoder, "fuse") and self.tasks.get(task) == "itm"
                 and self.model.config.heads[task].task_token < 0)
@@ -139,8 +139,7 @@ class TorchRuntime(Runtime):
         if len(texts) != len(images):
             raise ValueError(f"{len(texts)} text states for {len(images)} image states")
         with torch.inference_mode(), self._autocast():
-            enc = self.model.encoder.fuse(StreamStates.cat(texts), StreamStates.cat(images))
-            logits = self.model.forward_head(task, enc, None)  # ITM: the pooled vector alone
+            logits = self.model.match_streams(task, StreamStates.cat(texts), StreamStates.cat(images))
         return logits.float().cpu().numpy()
 
 

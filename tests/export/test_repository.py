@@ -16,9 +16,10 @@ from typer.testing import CliRunner
 from export.encoder import DYNAMO_MIN_OPSET, MIN_OPSET
 from export.repository import ExportError, ParityError, export_repository
 from models import create_model
-from models.checkpoint import MANIFEST, save_checkpoint, sha256_file
+from models.checkpoint import MANIFEST, CheckpointError, load_checkpoint, save_checkpoint, sha256_file
 from models.repository import RepositoryError, load_repository, supported_opset
 from models.tokenizer import VLTokenizer
+from tests.service.conftest import build_tiny_detector
 from vlserve.cli import app
 
 ANSWERS = ["red", "blue", "two"]
@@ -124,6 +125,19 @@ def test_an_opset_onnxruntime_cannot_run_is_one_error(copy, checkpoint, tmp_path
 def test_a_checkpoint_directory_is_not_a_repository(checkpoint):
     with pytest.raises(RepositoryError, match="not a model repository"):
         load_repository(checkpoint)
+
+
+def test_a_repository_is_not_a_checkpoint(repository, tmp_path):
+    """Where a command reads a checkpoint (eval, export, analyze), a repository is named for what it is; it was an
+    unreadable model.safetensors."""
+    with pytest.raises(CheckpointError, match="is not an encoder checkpoint but a model repository made by `vlserve "
+                                              "export`; give the checkpoint directory it was exported from"):
+        load_checkpoint(repository.path)
+    detector = build_tiny_detector(tmp_path / "detector").dir
+    result = CliRunner().invoke(app, ["eval", "encoder", str(repository.path), "--detector-dir", str(detector)])
+    assert result.exit_code == 2 and "not an encoder checkpoint but a model repository" in result.output
+    with pytest.raises(CheckpointError, match="is not an encoder checkpoint but a detector directory"):
+        load_checkpoint(detector)
 
 
 def test_parity_past_the_bound_fails_loudly_and_writes_nothing(checkpoint, tmp_path):

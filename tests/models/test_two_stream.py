@@ -46,13 +46,15 @@ def test_states_encoded_alone_and_fused_in_other_pairs_equal_the_full_forward(pr
                  .row(0, int(x.attention_mask[i].sum())) for i in range(3)]
         images = [enc.encode_image(x.region_features[i : i + 1], x.region_boxes[i : i + 1], x.region_mask[i : i + 1])
                   for i in range(3)]
-        fused = enc.fuse(StreamStates.cat([texts[t] for t, _ in pairs]), StreamStates.cat([images[i] for _, i in pairs]))
+        text_rows, image_rows = (StreamStates.cat([texts[t] for t, _ in pairs]),
+                                 StreamStates.cat([images[i] for _, i in pairs]))
+        fused = enc.fuse(text_rows, image_rows)
         t, i = (torch.tensor(side) for side in zip(*pairs))
         paired = x.replace(input_ids=x.input_ids[t], attention_mask=x.attention_mask[t], token_type_ids=x.token_type_ids[t],
                            region_features=x.region_features[i], region_boxes=x.region_boxes[i], region_mask=x.region_mask[i],
                            tag_ids=None, phrase_index=None)
         full = model(paired, "itm")
-        logits = model.forward_head("itm", fused, None)
+        logits = model.match_streams("itm", text_rows, image_rows)
     torch.testing.assert_close(fused.pooled, full.encoder.pooled, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits, full.logits, atol=1e-5, rtol=1e-5)
 

@@ -17,7 +17,7 @@ from service.app import create_app
 from service.pipeline import batch_fn, fused_batch_fn, region_arrays
 from service.runtime.torch_runtime import TorchRuntime
 from service.stream_cache import StreamCache
-from tests.service.conftest import random_regions
+from tests.service.conftest import VQA_ANSWERS, random_regions
 
 TEXTS = ["a red rectangle", "two blue circles on the left", "nothing"]
 
@@ -85,19 +85,21 @@ def tokens(tokenizer: VLTokenizer, text: str) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module", params=["lxmert", "vilbert"])
 def runtime(request, tmp_path_factory, tokenizer) -> TorchRuntime:
     torch.manual_seed(0)
-    model = create_model(request.param, "tiny", heads={"itm": {"kind": "itm"}, "vqa": {"kind": "vqa", "num_labels": 3}})
+    model = create_model(request.param, "tiny", heads={"itm": {"kind": "itm"}, "vqa": {"kind": "vqa", "num_labels": 3},
+                                                      "itm_regions": {"kind": "itm", "pool": "regions"}})
     path = save_checkpoint(model, tmp_path_factory.mktemp(request.param), tokenizer)
     return TorchRuntime(load_checkpoint(path), threads=1)
 
 
 def test_only_the_itm_head_of_a_two_stream_model_splits(runtime):
-    assert runtime.splits_streams("itm") and not runtime.splits_streams("vqa")
+    assert runtime.splits_streams("itm") and runtime.splits_streams("itm_regions") and not runtime.splits_streams("vqa")
 
 
+@pytest.mark.parametrize("task", ["itm", "itm_regions"])  # the pooled vector; that and the regions attended to
 @pytest.mark.parametrize("direction", ["text_to_images", "image_to_texts"])
-def test_cached_fusion_equals_the_full_forward_and_a_second_query_hits(runtime, tokenizer, direction):
+def test_cached_fusion_equals_the_full_forward_and_a_second_query_hits(runtime, tokenizer, direction, task):
     cache = StreamCache(1 << 20, "model", "detector")
-    fused, full = fused_batch_fn(runtime, "itm", cache), batch_fn(runtime, "itm")
+    fused, full = fused_batch_fn(runtime, task, cache), batch_fn(runtime, task)
     images = {f"{i:064x}": random_regions(i, n_real) for i, n_real in enumerate((8, 3, 5, 0))}  # one image without regions
     rows = [tokens(tokenizer, t) for t in TEXTS]
 
@@ -131,10 +133,12 @@ def metric(client, name: str, side: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+@pytest.mark.parametrize("pool", ["pooled", "regions"])
 @pytest.mark.parametrize("preset", ["lxmert", "vilbert"])
-def test_retrieve_with_cached_streams_answers_as_the_full_forward(preset, tmp_path, tiny_detector, make_settings,
+def test_retrieve_with_cached_streams_answers_as_the_full_forward(preset, pool, tmp_path, tiny_detector, make_settings,
                                                                   make_checkpoint, make_png):
-    checkpoint = make_checkpoint(tmp_path / preset, tiny_detector.fingerprint, preset=preset)
+    heads = {"vqa": {"kind": "vqa", "num_labels": len(VQA_ANSWERS)}, "itm": {"kind": "itm", "pool": pool}}
+    checkpoint = make_checkpoint(tmp_path / preset, tiny_detector.fingerprint, preset=preset, heads=heads)
     pngs = [make_png(seed) for seed in (71, 72, 73)]
     queries = [{"text": "a red rectangle"}, {"text": "a blue square at the top"}]
     answers = {}
@@ -166,3 +170,14 @@ def test_single_stream_presets_keep_the_full_forward(make_settings, image_png):
         r = c.post("/retrieve", json={"image": b64(image_png), "texts": TEXTS})
         assert r.status_code == 200, r.text
         assert "vlserve_stream_cache" not in c.get("/metrics").text
+
+
+def test_start_up_warms_the_split_streams_too(tmp_path, tiny_detector, make_settings, make_checkpoint, monkeypatch):
+    """/retrieve's first request is not the first to meet the streams apart: a path that cannot run fails start-up
+    (not ready, its error said), not every request after it with a 500."""
+    checkpoint = make_checkpoint(tmp_path / "lxmert", tiny_detector.fingerprint, preset="lxmert")
+    calls = []
+    fuse = TorchRuntime.fuse
+    monkeypatch.setattr(TorchRuntime, "fuse", lambda self, *a: calls.append(a[0]) or fuse(self, *a))
+    with TestClient(create_app(make_settings(model_dir=checkpoint))) as c:
+        assert c.get("/readyz").status_code == 200 and calls == ["itm"]

@@ -31,9 +31,9 @@ EVERY_TASK = {"vqa": 1.0, "refer": 1.0, "itm": 1.0, "nlvr2": 1.0, "multiple_choi
 
 
 def test_finetuning_on_cuda_follows_the_cpu_run_and_saves_a_checkpoint_the_cpu_scores_the_same(task_data, tmp_path):  # noqa: F811
-    detector, data = task_data
+    detector, tables = task_data
     # no dropout: the two devices draw their masks from different generators
-    runs = {d: train(tiny(tmp_path / d, detector, steps=80, dropout=0.0, tasks=EVERY_TASK, device=d), data=data,
+    runs = {d: train(tiny(tmp_path / d, detector, steps=80, dropout=0.0, tasks=EVERY_TASK, device=d), data=tables,
                      progress=False) for d in ("cpu", "cuda")}
     cpu, gpu = runs["cpu"], runs["cuda"]
     assert gpu["device"].startswith("cuda (") and cpu["device"] == "cpu"
@@ -43,26 +43,26 @@ def test_finetuning_on_cuda_follows_the_cpu_run_and_saves_a_checkpoint_the_cpu_s
     assert sum(gpu["losses"][-20:]) < 0.9 * sum(gpu["losses"][:20])  # it learns
     ckpt = load_checkpoint(tmp_path / "cuda")
     assert {p.device.type for p in ckpt.model.parameters()} == {"cpu"}
-    rescored = evaluate_tasks(ckpt.model, data, ckpt.tokenizer)
+    rescored = evaluate_tasks(ckpt.model, tables, ckpt.tokenizer)
     for name, value in gpu["final"].items():  # the GPU's evaluation, repeated on the CPU from the saved weights
         assert rescored[name] == pytest.approx(value, abs=0.02), name
-    on_gpu = evaluate_tasks(ckpt.model.to("cuda"), data, ckpt.tokenizer)
+    on_gpu = evaluate_tasks(ckpt.model.to("cuda"), tables, ckpt.tokenizer)
     assert on_gpu == pytest.approx(rescored, abs=0.02)
 
 
 def test_resume_on_cuda_reproduces_the_loss_curve_and_a_gpu_state_resumes_on_the_cpu(task_data, tmp_path):  # noqa: F811
-    detector, data = task_data
-    straight = train(tiny(tmp_path / "a", detector, steps=12, tasks=EVERY_TASK, device="cuda"), data=data, progress=False)
+    detector, tables = task_data
+    straight = train(tiny(tmp_path / "a", detector, steps=12, tasks=EVERY_TASK, device="cuda"), data=tables, progress=False)
     cfg = tiny(tmp_path / "b", detector, steps=12, tasks=EVERY_TASK, device="cuda")
-    assert train(cfg, data=data, progress=False, stop_after=5)["interrupted_at"] == 5
-    resumed = train(cfg, data=data, progress=False)  # dropout 0.1: the GPU generator's state is resumed too
+    assert train(cfg, data=tables, progress=False, stop_after=5)["interrupted_at"] == 5
+    resumed = train(cfg, data=tables, progress=False)  # dropout 0.1: the GPU generator's state is resumed too
     assert resumed["losses"] == pytest.approx(straight["losses"], abs=1e-4)
     # a state written on the GPU goes on on the CPU (no dropout, so the generators do not matter)
-    whole = train(tiny(tmp_path / "c", detector, steps=12, dropout=0.0, tasks=EVERY_TASK, device="cuda"), data=data,
+    whole = train(tiny(tmp_path / "c", detector, steps=12, dropout=0.0, tasks=EVERY_TASK, device="cuda"), data=tables,
                   progress=False)
-    train(tiny(tmp_path / "d", detector, steps=12, dropout=0.0, tasks=EVERY_TASK, device="cuda"), data=data,
+    train(tiny(tmp_path / "d", detector, steps=12, dropout=0.0, tasks=EVERY_TASK, device="cuda"), data=tables,
           progress=False, stop_after=5)
-    moved = train(tiny(tmp_path / "d", detector, steps=12, dropout=0.0, tasks=EVERY_TASK, device="cpu"), data=data,
+    moved = train(tiny(tmp_path / "d", detector, steps=12, dropout=0.0, tasks=EVERY_TASK, device="cpu"), data=tables,
                   progress=False)
     assert moved["device"] == "cpu"
     assert moved["losses"] == pytest.approx(whole["losses"], rel=1e-3, abs=1e-4)
@@ -72,8 +72,8 @@ def test_resume_on_cuda_reproduces_the_loss_curve_and_a_gpu_state_resumes_on_the
 @pytest.mark.skipif(not torch.cuda.is_available() or not torch.cuda.is_bf16_supported(),
                     reason="needs a CUDA GPU with bfloat16 arithmetic")
 def test_bf16_autocast_on_cuda_trains_and_evaluates_in_bf16(task_data, tmp_path):  # noqa: F811
-    detector, data = task_data
-    result = train(tiny(tmp_path / "bf16", detector, steps=60, bf16=True, device="cuda"), data=data, progress=False)
+    detector, tables = task_data
+    result = train(tiny(tmp_path / "bf16", detector, steps=60, bf16=True, device="cuda"), data=tables, progress=False)
     assert result["train_precision"] == "bf16" and result["eval_precision"] == "bf16"
     assert all(math.isfinite(x) for x in result["losses"])
     assert sum(result["losses"][-10:]) < sum(result["losses"][:10])
@@ -121,11 +121,11 @@ def test_regions_extracted_on_cuda_are_the_cpus(task_data, tmp_path, monkeypatch
 
 
 def test_eval_encoder_on_cuda_scores_as_on_the_cpu(task_data, tmp_path, monkeypatch):  # noqa: F811
-    detector, data = task_data
-    train(tiny(tmp_path / "enc", detector, steps=30, tasks=EVERY_TASK), data=data, progress=False)
+    detector, tables = task_data
+    train(tiny(tmp_path / "enc", detector, steps=30, tasks=EVERY_TASK), data=tables, progress=False)
     import training.vl_data as vl_data
 
-    monkeypatch.setattr(vl_data, "prepare_eval_data", lambda *a, **k: data)  # the fixture's regions, not a new split
+    monkeypatch.setattr(vl_data, "prepare_eval_data", lambda *a, **k: tables)  # the fixture's regions, not a new split
     results = {}
     for device in ("cpu", "cuda"):
         result = CliRunner().invoke(app, ["eval", "encoder", str(tmp_path / "enc"), "--detector-dir", str(detector),

@@ -44,9 +44,11 @@ def serve(
     runtime: Annotated[str | None, _opt("inference backend: torch, onnxruntime or tensorrt " + _default("runtime"), "Models")] = None,
     device: Annotated[str | None, _opt("cpu, cuda or cuda:N " + _default("device"), "Models")] = None,
     threads: Annotated[int | None, _opt("intra-op threads of the runtime " + _default("threads"), "Models")] = None,
-    precision: Annotated[str | None, _opt("torch runtime arithmetic: fp32, bf16 (GEMMs and attention in bfloat16, "
-                                          "float32 LayerNorm and residuals), or auto = bf16 where the CPU/GPU has "
-                                          "native bfloat16 " + _default("precision"), "Models")] = None,
+    precision: Annotated[str | None, _opt("torch's arithmetic, for the torch runtime's encoder and a bottom-up-"
+                                          "attention detector's res5 (an exported repository's encoder runs its "
+                                          "graphs' precision): fp32, bf16 (GEMMs and attention in bfloat16, float32 "
+                                          "LayerNorm and residuals), or auto = bf16 where the CPU/GPU has native "
+                                          "bfloat16 " + _default("precision"), "Models")] = None,
     detector_settle: Annotated[bool | None, _opt("bottom-up-attention detector with bf16 res5: recompute in fp32 the "
                                                  "proposals whose part in the choice lies within bf16's error, so the "
                                                  "regions are fp32's; off: faster, a region or two may differ "
