@@ -231,6 +231,8 @@ def verify_manifest(path: str | Path, what: str = "checkpoint") -> dict[str, Any
 
 def _verify_manifest(path: Path, what: str) -> dict[str, Any]:
     if not path.is_dir():
+        if path.exists():  # a file of the directory given for the directory, as `--model-dir DIR/model.safetensors`
+            raise CheckpointError(f"{path} is a file; give the {what} directory that holds it")
         raise CheckpointError(f"{what} directory not found: {path}")
     mpath = path / MANIFEST
     if not mpath.is_file():

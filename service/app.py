@@ -334,6 +334,10 @@ async def load_services(app: FastAPI, stack: AsyncExitStack, inference: Inferenc
         max_pixels_in_flight=settings.decode_max_pixels_in_flight, reduced_decoding=settings.decode_reduced)
     config = model_config(loaded.checkpoint)
     specs = task_specs(runtime.tasks, config.heads, loaded.checkpoint.labels)
+    if not specs:  # ready, it would answer 404 to every task route
+        heads = ", ".join(f"{task} ({kind})" for task, kind in runtime.tasks.items()) or "none"
+        raise StartupError(f"{settings.model_dir or 'the model'} has no head an endpoint serves (its heads: {heads}); "
+                           "/vqa reads a vqa head, /refer a refer head, /retrieve an itm head, /nlvr2 an nlvr2 head")
     model = model_info(loaded, runtime.name, runtime.precision)
     streams = stream_cache(settings, runtime, specs, model)
     encoder_batching = BatcherConfig(settings.max_batch_size, settings.max_wait_ms, settings.max_queue,

@@ -38,8 +38,11 @@ def load_detector(path: str | Path, device: str = "cpu") -> tuple[RegionDetector
     """Verify and load a detector directory -> (detector in eval mode, fingerprint)."""
     path = Path(path)
     manifest = verify_manifest(path, "detector")
-    if manifest.get("kind") != KIND:
-        raise CheckpointError(f"{path}: not a detector directory (manifest kind {manifest.get('kind')!r})")
+    kind = manifest.get("kind")
+    if kind != KIND:
+        what = ("an encoder checkpoint (its manifest names no kind; are the encoder's and the detector's directories "
+                "swapped?)" if kind is None else f"a directory of kind {kind!r}")
+        raise CheckpointError(f"{path} is not a detector directory but {what}")
     try:
         cfg = DetectorConfig.from_dict(json.loads((path / CONFIG).read_text(encoding="utf-8")))
     except OSError as exc:  # a file the manifest does not list may be missing

@@ -369,11 +369,13 @@ def pretraining_heads(source: HFSource, word_embeddings: str, p: str = "") -> tu
 
 
 def answer_labels(source: HFSource, count: int) -> list[str]:
-    """Answer names from config.json's id2label when it covers every answer, else "0", "1", ..."""
+    """Answer names from config.json's id2label when it covers every answer, else "0", "1", ... (also where it holds
+    only the placeholders "LABEL_0", "LABEL_1", ... that transformers writes for a head it was given no names for)."""
     id2label = source.config.get("id2label")
     if isinstance(id2label, dict) and len(id2label) == count:
         names = [id2label.get(str(i)) for i in range(count)]
-        if all(isinstance(name, str) for name in names):  # a null or missing label would be served as "None"
+        # a null or missing label would be served as "None"
+        if all(isinstance(name, str) for name in names) and names != [f"LABEL_{i}" for i in range(count)]:
             return names
     return [str(i) for i in range(count)]
 
@@ -384,6 +386,10 @@ def read_answers(path: str | Path) -> list[str]:
     answer -> index object (trainval_ans2label.json) whose indices are 0..N-1, or a `.txt` file of one answer a line
     (Pythia's answers_vqa.txt, which transformers' VisualBERT demo reads)."""
     path = Path(path)
+    if path.suffix.lower() in (".pkl", ".pickle"):  # LXMERT's and others' trainval_label2ans.pkl
+        raise HFImportError(f"{path}: a pickled answer table, which vlserve does not unpickle; give its JSON twin "
+                            "(the same data's trainval_label2ans.json), or write it as a JSON list yourself if you "
+                            "trust the file")
     try:
         text = path.read_text(encoding="utf-8-sig")  # skips a byte-order mark, as Windows editors write
         if path.suffix.lower() == ".txt":
@@ -392,7 +398,8 @@ def read_answers(path: str | Path) -> list[str]:
     except RecursionError:
         raise HFImportError(f"{path}: unreadable answer table (JSON nested too deeply)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HFImportError(f"{path}: unreadable answer table ({exc})") from None
+        raise HFImportError(f"{path}: unreadable answer table ({exc}); a table is JSON (a list of answers, or an "
+                            "answer -> index object) or a .txt file of one answer a line") from None
     if isinstance(table, list) and all(isinstance(a, dict) and isinstance(a.get("ans"), str) for a in table):
         table = [a["ans"] for a in table]
     if isinstance(table, list) and table and all(isinstance(a, str) for a in table):

@@ -70,7 +70,9 @@ def classifier_head(source: HFSource, architecture: str | None) -> tuple[str, He
     task = _CLASSIFIER_TASK[architecture]
     rows = source.rows("cls.weight")
     if task == "vqa":
-        return task, HeadConfig(kind="vqa", num_labels=rows, pool="answer_slot", classifier="linear")
+        # trained with a softmax over the answers (KL divergence of its log-softmax to the soft scores: VisualBERT's
+        # and transformers' VisualBertForQuestionAnswering), so it scores with one: vqa_loss "ce"
+        return task, HeadConfig(kind="vqa", num_labels=rows, pool="answer_slot", classifier="linear", vqa_loss="ce")
     if rows != _FIXED_OUTPUTS[task]:
         raise HFImportError(
             f"{source.weights_path}: cls.weight has {rows} outputs; vlserve's {task} head has {_FIXED_OUTPUTS[task]}"

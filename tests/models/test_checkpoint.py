@@ -190,6 +190,9 @@ def test_a_checkpoint_with_a_removed_head_pool_names_it(saved, pool):
 def test_not_a_directory(tmp_path):
     with pytest.raises(CheckpointError, match="checkpoint directory not found"):
         load_checkpoint(tmp_path / "nowhere")
+    (tmp_path / "model.safetensors").write_bytes(b"")  # a checkpoint's file given for its directory
+    with pytest.raises(CheckpointError, match="model.safetensors is a file; give the checkpoint directory that holds it"):
+        load_checkpoint(tmp_path / "model.safetensors")
 
 
 class Killed(BaseException):

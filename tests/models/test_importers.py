@@ -92,12 +92,20 @@ def test_visualbert_vqa_parity(tmp_path, make_batch):
     hf = visualbert("VisualBertForQuestionAnswering", num_labels=7, id2label={i: f"ans{i}" for i in range(7)})
     ckpt = imported("hf-visualbert", save_hf(hf, tmp_path / "hf"), tmp_path / "ours")
     assert ckpt.model.config.heads["vqa"].pool == "answer_slot"
+    # trained through a softmax over the answers (transformers' loss: KL divergence of its log-softmax to the soft
+    # scores, checked below), so a softmax scores it
+    assert ckpt.model.config.heads["vqa"].score == "softmax"
     assert ckpt.labels["heads"]["vqa"] == [f"ans{i}" for i in range(7)]
     assert manifest_import(tmp_path / "ours")["ignored_keys"] == []
     with torch.no_grad():
         for seed in SEEDS:
             x = make_batch(ckpt.model.config.encoder, batch=3, seed=seed)
             assert max_diff(ckpt.model(x, "vqa").logits, hf(**visualbert_kwargs(x)).logits) < ATOL
+        soft = torch.rand(3, 7)
+        soft /= soft.sum(-1, keepdim=True)
+        trained = hf(**visualbert_kwargs(x), labels=soft).loss
+        as_softmax = nn.functional.kl_div(ckpt.model(x, "vqa").logits.log_softmax(-1), soft, reduction="batchmean")
+        assert abs(trained.item() - as_softmax.item()) < ATOL
 
 
 def test_visualbert_nlvr2_parity(tmp_path, make_batch):
@@ -543,6 +551,26 @@ def test_id2label_with_nulls_is_numbered(tmp_path):
     assert ckpt.labels["heads"]["vqa"] == ["0", "1", "2"]
 
 
+def test_a_checkpoint_no_endpoint_serves_imports_with_a_warning(tmp_path):
+    """VisualBERT's VCR format (multiple choice) imports, for fine-tuning or export, and says `serve` refuses it."""
+    result = cli("hf-visualbert", save_hf(visualbert("VisualBertForMultipleChoice"), tmp_path / "hf"), tmp_path / "mc")
+    assert result.exit_code == 0 and "warning: no head of this checkpoint answers an endpoint (/vqa, /refer, " \
+                                     "/retrieve, /nlvr2), so `vlserve serve` refuses it" in result.stderr
+    served = cli("hf-visualbert", save_hf(visualbert("VisualBertForQuestionAnswering", num_labels=3), tmp_path / "q"),
+                 tmp_path / "vqa")
+    assert served.exit_code == 0 and "answers an endpoint" not in served.stderr
+
+
+def test_placeholder_id2label_is_numbered_and_warns(tmp_path):
+    """transformers writes id2label {"0": "LABEL_0", ...} for a head it was given no names for, as the hub's
+    VisualBERT VQA config holds: served, /vqa answered "LABEL_1733" and the import said nothing."""
+    src = save_hf(visualbert("VisualBertForQuestionAnswering", num_labels=5), tmp_path / "hf")
+    assert json.loads((src / "config.json").read_text())["id2label"]["3"] == "LABEL_3"
+    result = cli("hf-visualbert", src, tmp_path / "ours")
+    assert result.exit_code == 0 and "warning: the 5 VQA answers are numbered" in result.stderr
+    assert load_checkpoint(tmp_path / "ours").labels["heads"]["vqa"] == ["0", "1", "2", "3", "4"]
+
+
 def _table(tmp_path: Path, names: list[str]) -> Path:
     (tmp_path / "table.json").write_text(json.dumps(names))
     return tmp_path / "table.json"
@@ -571,13 +599,17 @@ ANSWER_ERRORS = {
     "text": ("yes\nno\n", "answers.txt: 2 answers, but the checkpoint's vqa head has 3 outputs"),
     "empty text": ("", "answers.txt: no answers (one answer a line expected)"),
     "json nested too deeply": (DEEP_JSON, "answers.json: unreadable answer table (JSON nested too deeply)"),
+    "csv": ("yes,0\nno,1\nred,2\n", "answers.csv: unreadable answer table (Expecting value: line 1 column 1 (char 0)); "
+                                    "a table is JSON (a list of answers, or an answer -> index object) or a .txt file"),
+    "pickle": ("\x80\x04...", "answers.pkl: a pickled answer table, which vlserve does not unpickle"),
 }
 
 
 @pytest.mark.parametrize("case", list(ANSWER_ERRORS))
 def test_bad_answers_exit_2(case, good_src, tmp_path):
     table, message = ANSWER_ERRORS[case]
-    path = tmp_path / ("answers.txt" if case.endswith("text") else "answers.json")
+    suffix = {"csv": ".csv", "pickle": ".pkl"}.get(case, ".txt" if case.endswith("text") else ".json")
+    path = tmp_path / f"answers{suffix}"
     path.write_text(table if isinstance(table, str) else json.dumps(table))
     result = cli("hf-visualbert", good_src, tmp_path / "out", "--answers", path)
     assert result.exit_code == 2, result.output
@@ -590,6 +622,13 @@ def test_answers_with_a_byte_order_mark(good_src, tmp_path):
     (tmp_path / "answers.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(["yes", "no", "red"]).encode())
     ckpt = imported("hf-visualbert", good_src, tmp_path / "out", "--answers", tmp_path / "answers.json")
     assert ckpt.labels["heads"]["vqa"] == ["yes", "no", "red"]
+
+
+def test_a_vlserve_directory_as_the_source_says_it_needs_no_import(good_src, tmp_path):
+    imported("hf-visualbert", good_src, tmp_path / "ours")
+    result = cli("hf-visualbert", tmp_path / "ours", tmp_path / "again")
+    assert result.exit_code == 2 and f"{tmp_path / 'ours'} is a vlserve checkpoint directory already: it needs no " \
+                                     "import" in result.stderr
 
 
 def test_answers_without_an_answer_head_exit_2(tmp_path):

@@ -108,6 +108,23 @@ def test_a_cache_bound_below_one_image_is_refused_and_the_minimum_serves(make_se
         assert r.status_code == 200, r.text
 
 
+def test_swapped_model_and_detector_directories_are_named_so(make_settings, tiny_checkpoint, tiny_detector):
+    with pytest.raises(StartupError, match="is not (an encoder checkpoint but a detector directory|a detector directory "
+                                           "but an encoder checkpoint .*swapped)"):
+        with TestClient(create_app(make_settings(model_dir=tiny_detector.dir, detector_dir=tiny_checkpoint))):
+            pass
+
+
+def test_a_model_no_endpoint_serves_is_refused(make_settings, make_checkpoint, tiny_detector, tmp_path):
+    """A checkpoint of only unserved heads (VisualBERT's VCR multiple choice, a bare encoder) was ready, serving
+    nothing: every task route a 404."""
+    checkpoint = make_checkpoint(tmp_path / "mc", tiny_detector.fingerprint, heads={"vcr": {"kind": "multiple_choice"}})
+    with pytest.raises(StartupError, match=r"has no head an endpoint serves \(its heads: vcr \(multiple_choice\)\); "
+                                           "/vqa reads a vqa head"):
+        with TestClient(create_app(make_settings(model_dir=checkpoint))):
+            pass
+
+
 def test_with_redis_a_local_tier_below_one_image_is_refused_and_0_means_none(make_settings, tiny_detector, redis_url):
     with pytest.raises(StartupError, match="or 0 for no in-process tier in front of Redis"):
         with TestClient(create_app(make_settings(redis_url=redis_url, cache_max_bytes=100))):

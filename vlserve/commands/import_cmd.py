@@ -47,6 +47,7 @@ def _convert(convert: Callable[[Path, Path], Path], src: Path, out: Path, force:
     from safetensors import SafetensorError
 
     _check_out(out, src, reads, force)
+    _check_not_ours(src)
     target = out.resolve()
     base = target.parent  # the staging directory sits beside OUT, or in its nearest parent there is
     while not os.path.lexists(base):
@@ -133,6 +134,18 @@ def _move_into(staging: Path, out: Path, force: bool) -> None:
         raise
 
 
+def _check_not_ours(src: Path) -> None:
+    """A directory vlserve wrote (an import's OUT, a trained checkpoint, a detector, an exported repository) given as
+    SRC: said as such (an importer would find fields of the published format missing)."""
+    try:
+        manifest = json.loads((src / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if isinstance(manifest, dict) and "format_version" in manifest and "files" in manifest:
+        kind = manifest.get("kind") or "checkpoint"
+        fail(f"{src} is a vlserve {kind} directory already: it needs no import (serve it, or `vlserve info {src}`)")
+
+
 def _run(convert: Callable[[Path, Path], Path], src: Path, out: Path, force: bool,
          reads: tuple[Path | None, ...] = (), why_unused: Callable[[list[str]], list[str]] | None = None) -> None:
     """Run one checkpoint importer and say what it wrote. why_unused: the reasons for the source tensors it leaves
@@ -147,8 +160,19 @@ def _run(convert: Callable[[Path, Path], Path], src: Path, out: Path, force: boo
                    f"(listed in manifest.json): {shown}", err=True)
     heads = json.loads((path / "config.json").read_text())["heads"]
     _warn_about_answers(path, heads, record)
+    _warn_if_unserved(heads)
     typer.echo(f"wrote {printable(str(path))} ({record['architecture'] or 'unknown architecture'}; heads: "
                f"{', '.join(heads) or 'none'})")
+
+
+def _warn_if_unserved(heads: dict) -> None:
+    """A checkpoint of only heads no endpoint answers (VisualBERT's VCR multiple choice, a bare encoder) imports, for
+    fine-tuning or export, but `vlserve serve` refuses it: say so now."""
+    from service.pipeline import ENDPOINT_OF
+
+    if not any(head.get("kind") in ENDPOINT_OF for head in heads.values()):
+        typer.echo(f"warning: no head of this checkpoint answers an endpoint ({', '.join(ENDPOINT_OF.values())}), "
+                   "so `vlserve serve` refuses it", err=True)
 
 
 def _warn_about_answers(path: Path, heads: dict, record: dict) -> None:
