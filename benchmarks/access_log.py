@@ -1,9 +1,14 @@
-"""What the access log costs: the same model served at log level warning (no access lines), and at info with an
-access line per answer in the text and the JSON format (service/logs.py), each server's stderr written to a file as
-a container runtime's log would be. The three servers run at once and take turns under the same closed-loop /vqa
-load as benchmarks/service.py (warm feature store); each cell is the median of --repeats rounds.
+"""What the server's work per request costs, the same model served several ways at once, taking turns under the
+same closed-loop /vqa load as benchmarks/service.py (warm feature store); each cell is the median of --repeats rounds.
 
-    python benchmarks/access_log.py [--model-dir ZOO/encoder --detector-dir ZOO/detector] [--clients 8 32]
+- `--compare access-log` (default): at log level warning (no access lines), and at info with an access line per
+  answer in the text and the JSON format (service/logs.py), each server's stderr written to a file as a container
+  runtime's log would be.
+- `--compare head-bounds`: the bounds on a request's head (service/http_protocol.py) against uvicorn's own
+  httptools protocol, which has none (the server started with that protocol in their place).
+
+    python benchmarks/access_log.py [--compare access-log|head-bounds] [--model-dir ZOO/encoder
+        --detector-dir ZOO/detector] [--clients 8 32]
 """
 from __future__ import annotations
 
@@ -24,21 +29,35 @@ from benchmarks.encoder import cpu_name  # noqa: E402
 from benchmarks.service import CONTENDERS as SERVICE_CONTENDERS  # noqa: E402
 from benchmarks.service import free_port, images, load, median_cell, register  # noqa: E402
 
-HEADING = "## Service: what the access log costs"
 DEMO = Path(os.environ.get("VLSERVE_CACHE", Path.home() / ".cache" / "vlserve")) / "zoo" / "demo"
 # benchmarks/service.py's vlserve contender, and no query-bank work on registration (a server waiting for its turn
 # stays idle)
 SERVING = [*SERVICE_CONTENDERS["vlserve"], "--no-query-bank-on-register"]
-CONTENDERS = {  # name -> serve options
-    "warning (no access lines)": ["--log-level", "warning"],
-    "info, text lines": ["--log-level", "info", "--log-format", "text"],
-    "info, JSON lines": ["--log-level", "info", "--log-format", "json"],
+# `vlserve serve` with uvicorn's httptools protocol in place of the bounded one
+UVICORN_PROTOCOL = ("import uvicorn.protocols.http.httptools_impl as plain, service.http_protocol as bounded; "
+                    "bounded.bounded_head_protocol = lambda *bounds: plain.HttpToolsProtocol; "
+                    "from vlserve.cli import app; app()")
+# comparison -> (heading, what the servers are, {name: (serve options, started with uvicorn's protocol)}); the first
+# contender is the baseline
+COMPARISONS = {
+    "access-log": ("## Service: what the access log costs", "The same model served three ways at once", {
+        "warning (no access lines)": (["--log-level", "warning"], False),
+        "info, text lines": (["--log-level", "info", "--log-format", "text"], False),
+        "info, JSON lines": (["--log-level", "info", "--log-format", "json"], False),
+    }),
+    "head-bounds": ("## Service: what the bounds on a request's head cost", "The same model served two ways at once, "
+                    "at log level warning, one with uvicorn's httptools protocol in place of service/http_protocol.py's "
+                    "(head size and time bounds)", {
+        "uvicorn's protocol (no head bounds)": (["--log-level", "warning"], True),
+        "bounded heads (served)": (["--log-level", "warning"], False),
+    }),
 }
 
 
-def start(options: list[str], model_dir: Path, detector_dir: Path, threads: int, log: Path):
+def start(options: list[str], plain: bool, model_dir: Path, detector_dir: Path, threads: int, log: Path):
     port = free_port()
-    cmd = [sys.executable, "-m", "vlserve.cli", "serve", "--model-dir", str(model_dir), "--detector-dir",
+    launcher = ["-c", UVICORN_PROTOCOL] if plain else ["-m", "vlserve.cli"]
+    cmd = [sys.executable, *launcher, "serve", "--model-dir", str(model_dir), "--detector-dir",
            str(detector_dir), "--port", str(port), "--threads", str(threads), "--max-queue", "1024",
            *SERVING, *options]
     with log.open("w") as err:
@@ -49,27 +68,28 @@ def start(options: list[str], model_dir: Path, detector_dir: Path, threads: int,
 
 async def measure(args) -> tuple[dict[str, list[dict]], dict[str, int]]:
     pictures = images(args.images)
+    contenders = COMPARISONS[args.compare][2]
     with tempfile.TemporaryDirectory() as tmp:
-        logs = {name: Path(tmp) / f"{i}.log" for i, name in enumerate(CONTENDERS)}
-        servers = {name: start(options, args.model_dir, args.detector_dir, args.threads, logs[name])
-                   for name, options in CONTENDERS.items()}
+        logs = {name: Path(tmp) / f"{i}.log" for i, name in enumerate(contenders)}
+        servers = {name: start(options, plain, args.model_dir, args.detector_dir, args.threads, logs[name])
+                   for name, (options, plain) in contenders.items()}
         try:
             for name, (proc, url) in servers.items():
                 await ready(proc, url, logs[name])
                 await register(url, pictures)
-            runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in args.clients} for name in CONTENDERS}
+            runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in args.clients} for name in contenders}
             for _ in range(args.repeats):  # rounds; the contenders take turns within each
                 for clients in args.clients:
                     for name, (_, url) in servers.items():
                         runs[name][clients].append(await load(url, pictures, clients, args.seconds, args.warmup))
             lines = {name: sum(1 for line in logs[name].read_text().splitlines() if "vlserve.access" in line)
-                     for name in CONTENDERS}
+                     for name in contenders}
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
             for proc, _ in servers.values():
                 proc.wait(30)
-    return {name: [median_cell(runs[name][c]) for c in args.clients] for name in CONTENDERS}, lines
+    return {name: [median_cell(runs[name][c]) for c in args.clients] for name in contenders}, lines
 
 
 async def ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 180) -> None:
@@ -90,28 +110,33 @@ async def ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 
 
 
 def section(rows: dict[str, list[dict]], lines: dict[str, int], args) -> str:
-    command = " ".join(["python benchmarks/access_log.py", "--clients", *map(str, args.clients), "--seconds",
-                        str(args.seconds), "--repeats", str(args.repeats)])
-    base = rows["warning (no access lines)"]
-    table = ["| log | clients | req/s | vs warning | p50 ms | p99 ms | not 200 | access lines |",
+    heading, servers, contenders = COMPARISONS[args.compare]
+    command = " ".join(["python benchmarks/access_log.py", *(["--compare", args.compare] if args.compare != "access-log"
+                                                             else []),
+                        "--clients", *map(str, args.clients), "--seconds", str(args.seconds), "--repeats",
+                        str(args.repeats)])
+    first = next(iter(contenders))
+    table = [f"| server | clients | req/s | vs {first} | p50 ms | p99 ms | not 200 | access lines |",
              "|---|---|---|---|---|---|---|---|"]
     for name, cells in rows.items():
-        for cell, ref in zip(cells, base):
+        for cell, ref in zip(cells, rows[first]):
             table.append(f"| {name} | {cell['clients']} | {cell['throughput']:.0f} | {cell['throughput'] / ref['throughput']:.3f}x"
                          f" | {cell['p50']:.1f} | {cell['p99']:.1f} | {cell['errors']} | {lines[name] if cell is cells[0] else ''} |")
     return "\n".join([
-        HEADING, "",
+        heading, "",
         f"Command: `{command}` ({datetime.date.today()}, {cpu_name()}, {os.cpu_count()} cores, {args.threads} torch "
-        f"threads a server; model {args.model_dir}). The same model served three ways at once (no query-bank work on "
-        f"registration, so a server waiting for its turn is idle), each server's stderr a file; closed-loop /vqa clients on a warm feature store (benchmarks/service.py's load), the servers taking "
-        f"turns, the median of {args.repeats} rounds of {args.seconds} s after {args.warmup} s of warm-up. "
-        f"`access lines`: the lines each server wrote over the whole run.", "",
+        f"threads a server; model {args.model_dir}). {servers} (no query-bank work on registration, so a server "
+        f"waiting for its turn is idle), each server's stderr a file; closed-loop /vqa clients on a warm feature store "
+        f"(benchmarks/service.py's load), the servers taking turns, the median of {args.repeats} rounds of "
+        f"{args.seconds} s after {args.warmup} s of warm-up. `access lines`: the lines each server wrote over the whole "
+        "run.", "",
         *table, "",
     ])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--compare", choices=list(COMPARISONS), default="access-log")
     parser.add_argument("--model-dir", type=Path, default=DEMO / "encoder")
     parser.add_argument("--detector-dir", type=Path, default=DEMO / "detector")
     parser.add_argument("--clients", type=int, nargs="+", default=[8, 32])
@@ -129,7 +154,7 @@ def main() -> None:
     body = section(rows, lines, args)
     print(body)
     if not args.no_write:
-        write_section(ROOT / "docs" / "BENCHMARKS.md", HEADING, body)
+        write_section(ROOT / "docs" / "BENCHMARKS.md", COMPARISONS[args.compare][0], body)
 
 
 if __name__ == "__main__":
