@@ -1,14 +1,15 @@
 """The HTTP/1.1 connection: uvicorn's httptools protocol with the bounds on a request's head (its request line and
 headers) that uvicorn lacks, and its own refusals in the service's problem+json.
 
-- Size: httptools buffers a header of any length before it hands it over (a 200 MiB header was read whole and
-  answered 200); a head over `max_head_bytes` is answered 431 and the connection closed, having buffered at most
-  that plus one read.
+- Size: httptools buffers a header of any length before it hands it over; a head over `max_head_bytes` is answered
+  431 and the connection closed, having buffered at most that plus two reads.
 - Time: a connection may hold a half-sent head for ever (a byte every few seconds keeps it open; so does a
   connection that sends nothing: uvicorn times out only idle kept-alive ones), and enough of them use up the
   process' file descriptors, after which no client is served. A head must arrive within `head_timeout_s` of the
   connection's opening or of its first byte: a partial one is answered 408, a connection that sent nothing closed.
-- uvicorn answers a request it cannot parse with a text/plain 400; here it is a problem+json 400 like every other.
+  So must the rest of a body the answer did not wait for (an early 413 or 415), or the connection is closed.
+- uvicorn answers a request it cannot parse (its head, or the framing of its body) with a text/plain 400; here it
+  is a problem+json 400 like every other.
 
 The body has its own bounds (security.BodyLimitMiddleware: max_body_bytes, body_timeout_s).
 """
@@ -28,81 +29,126 @@ access_log = logging.getLogger("vlserve.access")
 
 
 class BoundedHeadProtocol(HttpToolsProtocol):
-    """uvicorn's protocol with the bounds of the module doc; `bounded_head_protocol` sets them."""
+    """uvicorn's protocol with the bounds of the module doc; `bounded_head_protocol` gives them (the settings')."""
 
-    max_head_bytes = 65536
-    head_timeout_s = 10.0
+    max_head_bytes: int
+    head_timeout_s: float
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._in_head = False  # a request's head has begun and is not complete
-        self._head_bytes = 0  # the bytes read since it began
-        self._heads_done = 0
+        self._in_message = False  # a request has begun and its body is not all read
+        self._head_bytes = 0  # the bytes read since its head began (a lower bound: see data_received)
+        self._heads_done = self._messages_done = 0
+        self._refused = False  # answered or closed here: the parser's further callbacks do nothing
         self._head_timer: asyncio.TimerHandle | None = None
-        self._start_head_timer()
+        self._start_head_timer()  # the first head, from the connection's opening
 
     def _start_head_timer(self) -> None:
         if self._head_timer is None:
             self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_too_slow)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._stop_head_timer()
-        super().connection_lost(exc)
 
     def _stop_head_timer(self) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
 
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        # bytes that begin a head (uvicorn's idle timer of a kept-alive connection stops at them), or the rest of a
+        # body the answer did not wait for (an early 413 or 415): either must come within head_timeout_s
+        if not self._in_message or self.cycle is not None and self.cycle.response_complete:
+            self._start_head_timer()
+        heads, messages = self._heads_done, self._messages_done
+        super().data_received(data)
+        if self._refused or not self._in_head or self.transport.is_closing():
+            return
+        # A head still arriving. Where no request ended and no head completed in this read, every byte of it is this
+        # head's; where one did, this head began within the read at an offset unknown here, so the read is not counted
+        # (the count stays a lower bound, by at most one read; a complete head is measured exactly in
+        # on_headers_complete).
+        if (self._heads_done, self._messages_done) == (heads, messages):
+            self._head_bytes += len(data)
+        if self._head_bytes > self.max_head_bytes:
+            self._head_too_large()
+
     def on_message_begin(self) -> None:
+        if self._refused:
+            return
         super().on_message_begin()
-        self._in_head, self._head_bytes = True, 0
+        self._in_head = self._in_message = True
+        self._head_bytes = 0
         self._start_head_timer()  # a pipelined head, read while an earlier request runs
 
     def on_headers_complete(self) -> None:
+        if self._refused:
+            return
         self._in_head = False
         self._heads_done += 1
         self._stop_head_timer()
+        if len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers) > self.max_head_bytes:
+            self._head_too_large()  # a head that came whole within a read: never handed to the app
+            return
         super().on_headers_complete()
 
-    def data_received(self, data: bytes) -> None:
-        if self.cycle is None or self.cycle.response_complete:  # no request running: these bytes begin a head
-            self._start_head_timer()  # (on a kept-alive connection, uvicorn's idle timer stops at its first byte)
-        done = self._heads_done
-        super().data_received(data)
-        if not self._in_head or self.transport.is_closing():
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._refused:
             return
-        # the bytes of a head still arriving; when one completed in this read and another began, that one's bytes in
-        # this read are not counted (at most one read's worth)
-        if self._heads_done == done:
-            self._head_bytes += len(data)
-        if self._head_bytes > self.max_head_bytes:
-            self._refuse(431, f"the request's head (request line and headers) is over the limit of "
-                              f"{self.max_head_bytes} bytes (max_head_bytes)", "head-too-large")
+        self._in_message = False
+        self._messages_done += 1
+        self._stop_head_timer()  # the rest of an answered body came; the next head's clock starts at its first byte
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._in_head and not self.transport.is_closing():  # a pipelined head has begun: its clock, not idleness
+            self._unset_keepalive_if_required()
+            self._start_head_timer()
+
+    def _head_too_large(self) -> None:
+        self._refuse(431, f"the request's head (request line and headers) is over the limit of {self.max_head_bytes} "
+                          "bytes (max_head_bytes)", "head-too-large")
 
     def _head_too_slow(self) -> None:
         self._head_timer = None
-        if self.transport.is_closing():
+        if self._refused or self.transport.is_closing():
             return
         if self.cycle is not None and not self.cycle.response_complete:  # a pipelined head behind a running request
-            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_too_slow)
+            self._start_head_timer()
             return
         if not self._in_head:
+            self._refused = True
             self.transport.close()  # no request began: nothing to answer
             return
         self._refuse(408, f"the request's head did not arrive within {self.head_timeout_s:g} s (head_timeout_s)")
 
     def send_400_response(self, msg: str) -> None:  # httptools could not parse the request
-        self._refuse(400, "not a valid HTTP/1.1 request")
+        self._refuse(400, "not a valid HTTP request")
 
     def _refuse(self, status: int, detail: str, kind: str | None = None) -> None:
-        """Answer `status` as problem+json and close the connection; one whose answer to an earlier request is still
-        being written is only closed after it."""
+        """Answer `status` as problem+json and close the connection. A request whose answer is being written keeps it:
+        where the refusal is of a later (pipelined) request, the connection closes after that answer; where it is of
+        this request's own body (its framing), the connection closes now, answered only if the app had not begun to."""
+        self._refused = True
         self._stop_head_timer()
-        if self.cycle is not None and not self.cycle.response_complete:
-            self.cycle.keep_alive = False
-            self.transport.pause_reading()
-            return
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if not cycle.more_body:  # a later request: after this answer, no other
+                cycle.keep_alive = False
+                self.flow.pause_reading()
+                return
+            if cycle.response_started:
+                self.transport.close()  # the app's answer cannot be finished
+                return
         rid = uuid.uuid4().hex
         body = json.dumps(problem_body(status, detail, "", rid, kind, HTTPStatus(status).phrase)).encode()
         head = [STATUS_LINE[status]]
@@ -111,7 +157,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         head += [b"content-type: ", PROBLEM_JSON.encode(), b"\r\ncontent-length: ", str(len(body)).encode(),
                  b"\r\nconnection: close\r\nx-request-id: ", rid.encode(), b"\r\n\r\n"]
         self.transport.write(b"".join(head) + body)
-        self.transport.close()
+        self.transport.close()  # an app still reading the body is told the client left (connection_lost)
         client = f"{self.client[0]}:{self.client[1]}" if self.client else "-"
         fields = {"request_id": rid, "client": client, "method": "-", "path": "-", "endpoint": None,
                   "status": status, "duration_ms": None}

@@ -74,6 +74,52 @@ def test_a_head_arriving_in_many_reads_is_counted_whole(base):
         problem_of(answer_of(sock), 431, "head-too-large")
 
 
+def test_a_whole_head_over_the_limit_in_one_read_is_431(base):
+    """The head complete within one read (the common case): measured when it completes, never handed to the app."""
+    with connect(base) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (MAX_HEAD_BYTES + 100) + b"\r\n\r\n")
+        problem_of(answer_of(sock), 431, "head-too-large")
+
+
+def test_a_pipelined_request_after_a_long_body_is_served(base):
+    """A read that holds the end of one request's body and the start of the next head: that body is not counted as
+    the head's (which made a false 431 and dropped the second request)."""
+    body = json.dumps({"image_id": "ab" * 32, "question": "x" * (2 * MAX_HEAD_BYTES)}).encode()
+    head = (f"POST /vqa HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "\r\n").encode()
+    with connect(base) as sock:
+        sock.sendall(head + body[:100])  # each a read of its own
+        time.sleep(0.3)
+        sock.sendall(body[100:] + b"GET /healthz HTTP/1.1\r\nHo")
+        time.sleep(0.3)
+        sock.sendall(b"st: x\r\n\r\n")
+        assert one_response(sock).startswith(b"HTTP/1.1 422"), "the question is over max_text_chars"
+        assert one_response(sock).startswith(b"HTTP/1.1 200")
+
+
+def test_a_body_whose_framing_breaks_is_a_problem_400_at_once(base):
+    with connect(base) as sock:
+        t0 = time.monotonic()
+        sock.sendall(b"POST /vqa HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\nzz\r\n")
+        problem_of(answer_of(sock), 400, "bad-request")
+        assert time.monotonic() - t0 < 5, "not left to the body timeout"
+
+
+def test_the_rest_of_an_answered_body_must_come_within_the_head_timeout(base):
+    """A body the answer did not wait for (415 here) cannot hold the connection by trickling in."""
+    with connect(base) as sock:
+        sock.sendall(b"POST /vqa HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: 100000\r\n"
+                     b"\r\n" + b"y" * 10)
+        assert one_response(sock).startswith(b"HTTP/1.1 415")
+        t0 = time.monotonic()
+        with pytest.raises(OSError):
+            while time.monotonic() - t0 < 4 * HEAD_TIMEOUT_S:
+                sock.sendall(b"y")
+                time.sleep(0.1)
+        assert time.monotonic() - t0 < HEAD_TIMEOUT_S + 2
+
+
 def test_a_head_within_the_limit_is_served(base):
     r = httpx.get(f"{base}/healthz", headers={"X-Filler": "c" * (MAX_HEAD_BYTES - 500)})
     assert r.status_code == 200
