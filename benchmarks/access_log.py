@@ -46,8 +46,8 @@ COMPARISONS = {
         "info, JSON lines": (["--log-level", "info", "--log-format", "json"], False),
     }),
     "head-bounds": ("## Service: what the bounds on a request's head cost", "The same model served two ways at once, "
-                    "at log level warning, one with uvicorn's httptools protocol in place of service/http_protocol.py's "
-                    "(head size and time bounds)", {
+                    "at log level warning: with service/http_protocol.py's bounds on the head's size and time, and with "
+                    "uvicorn's own httptools protocol in their place", {
         "uvicorn's protocol (no head bounds)": (["--log-level", "warning"], True),
         "bounded heads (served)": (["--log-level", "warning"], False),
     }),

@@ -107,7 +107,7 @@ def write_section(path: Path, heading: str, body: str) -> None:
         text = text.rstrip("\n") + "\n\n" + body
     else:
         end = text.find("\n## ", start + len(heading))
-        text = text[:start] + body + (text[end + 1 :] if end >= 0 else "")
+        text = text[:start] + (body.rstrip("\n") + "\n\n" + text[end + 1 :] if end >= 0 else body)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
 

@@ -30,6 +30,9 @@ from .vl_model import VLModel
 
 CONFIG, WEIGHTS, LABELS, MANIFEST = "config.json", "model.safetensors", "labels.json", "manifest.json"
 CODE_VERSION = "0.1.0"  # vlserve version that wrote the checkpoint
+# the manifest "kind" of vlserve's other directories (a checkpoint's manifest names none)
+REPOSITORY_KIND = "onnx-repository"  # a model repository (models/repository.py)
+DETECTOR_KIND = "detector"  # a detector directory (models/detector/io.py)
 
 
 class CheckpointError(ValueError):
@@ -270,8 +273,8 @@ def load_checkpoint(
     manifest = verify_manifest(path)
     kind = manifest.get("kind")
     if kind is not None:  # vlserve's other directories name their kind; a checkpoint's manifest names none
-        what = {"onnx-repository": "a model repository made by `vlserve export`; give the checkpoint directory it was "
-                                   "exported from", "detector": "a detector directory"}.get(kind, f"a directory of kind {kind!r}")
+        what = {REPOSITORY_KIND: "a model repository made by `vlserve export`; give the checkpoint directory it was "
+                                 "exported from", DETECTOR_KIND: "a detector directory"}.get(kind, f"a directory of kind {kind!r}")
         raise CheckpointError(f"{path} is not an encoder checkpoint but {what}")
     try:
         config = ModelConfig.from_dict(json.loads((path / CONFIG).read_text(encoding="utf-8")))

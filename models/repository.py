@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import CONFIG, LABELS, MANIFEST, CheckpointError, _check_labels, unreadable, verify_manifest
+from .checkpoint import CONFIG, LABELS, MANIFEST, REPOSITORY_KIND, CheckpointError, _check_labels, unreadable, verify_manifest
 from .config import ModelConfig
 from .tokenizer import VLTokenizer
 
-KIND = "onnx-repository"  # manifest "kind" of a model repository
+KIND = REPOSITORY_KIND  # manifest "kind" of a model repository
 PARITY = "parity.json"
 GRAPHS = "graphs"
 ENGINES = "engines"

@@ -44,7 +44,7 @@ from .feature_store import StoreConfigError, create_store, entry_bytes
 from .logs import AccessLog
 from .metrics import Metrics, MetricsMiddleware
 from .query_bank import BankPriors
-from .pipeline import Limits, Pipeline, TaskSpec, batch_fn, fused_batch_fn, task_specs
+from .pipeline import ENDPOINT_OF, Limits, Pipeline, TaskSpec, batch_fn, fused_batch_fn, task_specs
 from .regions import RegionService
 from .routes import ROUTERS
 from .routes.common import Services, problems
@@ -336,8 +336,9 @@ async def load_services(app: FastAPI, stack: AsyncExitStack, inference: Inferenc
     specs = task_specs(runtime.tasks, config.heads, loaded.checkpoint.labels)
     if not specs:  # ready, it would answer 404 to every task route
         heads = ", ".join(f"{task} ({kind})" for task, kind in runtime.tasks.items()) or "none"
+        reads = ", ".join(f"{endpoint} reads a {kind} head" for kind, endpoint in ENDPOINT_OF.items())
         raise StartupError(f"{settings.model_dir or 'the model'} has no head an endpoint serves (its heads: {heads}); "
-                           "/vqa reads a vqa head, /refer a refer head, /retrieve an itm head, /nlvr2 an nlvr2 head")
+                           f"{reads}")
     model = model_info(loaded, runtime.name, runtime.precision)
     streams = stream_cache(settings, runtime, specs, model)
     encoder_batching = BatcherConfig(settings.max_batch_size, settings.max_wait_ms, settings.max_queue,
@@ -400,10 +401,10 @@ def package_version() -> str:
         return "0+unknown"
 
 
-# What the middleware answers before any route runs (security.py), on every route: its problem types.
-# and what any route answers whatever its declarations: a wrong method (405), and the body's checks (security.py): a
-# Content-Length that is not a number (400), a body that stops arriving (408), too large (413), compressed or of a
-# type the route does not read (415)
+# The problem types any route may answer whatever its declarations: a wrong method (405); the body's checks
+# (security.py): a Content-Length that is not a number (400), a body that stops arriving (408), too large (413),
+# compressed or of a type the route does not read (415); and the HTTP protocol's, before any middleware
+# (http_protocol.py): a request it cannot parse (400), a head that does not arrive in time (408) or is too large (431)
 MIDDLEWARE_PROBLEMS = ("bad-request", "method-not-allowed", "request-timeout", "body-too-large", "unsupported-media-type",
                        "head-too-large")
 # what a route reads its body as (security.BodyLimitMiddleware: another Content-Type is a 415); the v2 routes read

@@ -5,7 +5,7 @@ exception: routes of the Open Inference Protocol (/v2/..., routes/v2.py) answer 
 |--------|------------------------------|-----------------------------------------------------------------------|
 | 400    | /problems/bad-request        | a body that cannot be parsed: not JSON (or not UTF-8), broken         |
 |        |                              | multipart (POST /images), or a Content-Length that is not a number;   |
-|        |                              | a request that is not HTTP/1.1 (http_protocol)                        |
+|        |                              | a request the HTTP parser cannot parse (http_protocol)                |
 | 401    | /problems/unauthorized       | API keys are configured and X-API-Key is missing or wrong             |
 | 404    | /problems/not-found          | no such route                                                         |
 | 404    | /problems/unknown-image      | an image_id the service has not seen (POST /images or send the image) |
@@ -60,6 +60,7 @@ _TYPES = {400: "bad-request", 401: "unauthorized", 404: "not-found", 405: "metho
           431: "head-too-large",
           503: "not-ready", 500: "internal-error"}
 QUOTED_CHARS = 64  # the most of a client's string (a field or model name, a path) an answer quotes
+MAX_LISTED_ERRORS = 20  # a 422's `errors` lists at most these; its detail counts them all
 
 
 def shown(text: str, limit: int = QUOTED_CHARS) -> str:
@@ -189,8 +190,6 @@ def _validation_detail(errors: list[dict[str, Any]], total: int) -> str:
     more = f" (and {total - 5} more)" if total > 5 else ""
     return "; ".join(parts) + more
 
-
-MAX_LISTED_ERRORS = 20  # a 422's `errors` lists at most these; its detail counts them all
 
 
 RETRY_AFTER_MAX_S = 600  # the longest Retry-After answered: a client told to wait longer would rather go elsewhere

@@ -14,7 +14,9 @@ import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, WithJsonSchema, model_validator
+from pydantic_core import PydanticCustomError
 
+from .errors import MAX_LISTED_ERRORS, shown
 from .settings import MAX_CANDIDATES
 
 IMAGE_ID_PATTERN = r"^[0-9a-f]{64}$"
@@ -78,9 +80,6 @@ class RequestBody(BaseModel):
     given) but not sent as null; its schema shows no null default."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    # more unknown fields than this are one error (naming a few), not one error each: a body of a million made-up keys
-    # would otherwise be a million errors to build and answer
-    max_unknown_listed: ClassVar[int] = 20
     # Rules across fields, in JSON-schema terms, added to the model's schema (the model validators enforce them).
     json_schema_rules: ClassVar[dict[str, Any]] = {}
 
@@ -96,11 +95,15 @@ class RequestBody(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _many_unknown_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict) and len(data) > len(cls.model_fields) + cls.max_unknown_listed:
+        """More unknown fields than a 422 lists are one error naming a few, not one error each: a body of a million
+        made-up keys would be a million errors to build and answer."""
+        if isinstance(data, dict) and len(data) > MAX_LISTED_ERRORS:
             unknown = [name for name in data if name not in cls.model_fields]
-            named = ", ".join(repr(name[:32]) for name in unknown[:3])
-            raise ValueError(f"{len(unknown)} unknown fields ({named}, ...); the fields are "
-                             f"{', '.join(cls.model_fields)}")
+            if len(unknown) > MAX_LISTED_ERRORS:
+                raise PydanticCustomError(
+                    "extra_forbidden", "{count} unknown fields ({named}, ...); the fields are {fields}",
+                    {"count": len(unknown), "named": ", ".join(repr(shown(str(name))) for name in unknown[:3]),
+                     "fields": ", ".join(cls.model_fields)})
         return data
 
 

@@ -7,12 +7,12 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
-from ..checkpoint import (CONFIG, LABELS, WEIGHTS, CheckpointError, load_state_strict, load_weights, save_weights, unreadable,
+from ..checkpoint import (CONFIG, DETECTOR_KIND, LABELS, WEIGHTS, CheckpointError, load_state_strict, load_weights, save_weights, unreadable,
                           verify_manifest, write_manifest)
 from .config import DetectorConfig
 from .model import RegionDetector
 
-KIND = "detector"  # manifest.json's kind of a detector directory
+KIND = DETECTOR_KIND  # manifest.json's kind of a detector directory
 
 
 def fingerprint_of(manifest: dict) -> str:

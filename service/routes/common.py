@@ -20,13 +20,13 @@ R = TypeVar("R", bound=TaskResponse)
 # docs/API.md's error table say the same; the OpenAPI schema lists, per route and status, the types it may answer.
 PROBLEM_TYPES: dict[str, tuple[int, str]] = {
     "bad-request": (400, "the body cannot be parsed: not JSON (or not UTF-8), a broken multipart body, or a "
-                         "Content-Length that is not a number; or the request is not valid HTTP/1.1"),
+                         "Content-Length that is not a number; or a request the HTTP parser cannot parse"),
     "unauthorized": (401, "API keys are configured and X-API-Key is missing or wrong"),
     "unknown-image": (404, "an image_id the feature store does not hold: POST /images or send the image"),
     "no-head": (404, "the model has no head for this endpoint"),
     "method-not-allowed": (405, "the route does not answer this method (Allow lists those it does)"),
     "request-timeout": (408, "no byte of the body arrived for body_timeout_s, or the head (request line and "
-                             "headers) did not within head_timeout_s"),
+                             "headers) did not arrive within head_timeout_s"),
     "body-too-large": (413, "the body is over max_body_bytes"),
     "head-too-large": (431, "the request line and headers are over max_head_bytes"),
     "unsupported-media-type": (415, "a compressed body (Content-Encoding), or a Content-Type the route does not read: "

@@ -117,6 +117,8 @@ def test_limit_problem_names_the_field_and_the_limit(client, problem):
 @pytest.mark.parametrize("path,body,listed,total", [
     # every made-up field is not an error of its own: a million of them were a 45 MB answer that held the server
     ("/vqa", {**{f"k{i}": 1 for i in range(5000)}, "image": IMG, "question": TEXT}, 1, 1),
+    ("/vqa", {**{f"k{i}": 1 for i in range(21)}, "image": IMG, "question": TEXT}, 1, 1),  # past what a 422 lists
+    ("/vqa", {**{f"k{i}": 1 for i in range(20)}, "image": IMG, "question": TEXT}, 20, 20),  # each listed
     # a list longer than max_candidates could ever be is one error, whatever its items
     ("/retrieve", {"text": TEXT, "image_ids": list(range(20_000))}, 1, 1),
     # more errors than an answer lists: the first 20, all of them counted in the detail
@@ -127,6 +129,8 @@ def test_a_request_of_many_errors_gets_a_short_answer(make_settings, problem, pa
         response = c.post(path, json=body)
     answer = problem(response, 422, "validation-error")
     assert len(answer["errors"]) == listed and len(response.content) < 8000
+    if "image_ids" not in body:  # unknown fields, one error each or one for them all: the same type
+        assert {e["type"] for e in answer["errors"]} == {"extra_forbidden"}
     assert (f"(and {total - 5} more)" in answer["detail"]) == (total > 5)
 
 

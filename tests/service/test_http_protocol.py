@@ -117,7 +117,7 @@ def test_the_rest_of_an_answered_body_must_come_within_the_head_timeout(base):
             while time.monotonic() - t0 < 4 * HEAD_TIMEOUT_S:
                 sock.sendall(b"y")
                 time.sleep(0.1)
-        assert time.monotonic() - t0 < HEAD_TIMEOUT_S + 2
+        assert time.monotonic() - t0 < HEAD_TIMEOUT_S + 5
 
 
 def test_a_head_within_the_limit_is_served(base):
@@ -138,14 +138,14 @@ def test_a_head_dribbled_past_the_timeout_is_408(base):
         answer = answer_of(sock)
         waited = time.monotonic() - t0
     problem_of(answer, 408, "request-timeout")
-    assert 0.9 * HEAD_TIMEOUT_S <= waited < HEAD_TIMEOUT_S + 2  # asyncio may run a timer a tick early
+    assert 0.9 * HEAD_TIMEOUT_S <= waited < HEAD_TIMEOUT_S + 5  # asyncio may run a timer a tick early
 
 
 def test_a_connection_that_sends_nothing_is_closed(base):
     with connect(base) as sock:
         t0 = time.monotonic()
         assert answer_of(sock) == b""  # nothing was asked, so nothing is answered
-        assert 0.9 * HEAD_TIMEOUT_S <= time.monotonic() - t0 < HEAD_TIMEOUT_S + 2
+        assert 0.9 * HEAD_TIMEOUT_S <= time.monotonic() - t0 < HEAD_TIMEOUT_S + 5
 
 
 def test_a_kept_alive_connection_bounds_its_next_head_from_its_first_byte(base):

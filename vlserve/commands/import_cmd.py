@@ -168,9 +168,9 @@ def _run(convert: Callable[[Path, Path], Path], src: Path, out: Path, force: boo
 def _warn_if_unserved(heads: dict) -> None:
     """A checkpoint of only heads no endpoint answers (VisualBERT's VCR multiple choice, a bare encoder) imports, for
     fine-tuning or export, but `vlserve serve` refuses it: say so now."""
-    from service.pipeline import ENDPOINT_OF
+    from service.pipeline import ENDPOINT_OF, SERVED_KINDS
 
-    if not any(head.get("kind") in ENDPOINT_OF for head in heads.values()):
+    if not any(head.get("kind") in SERVED_KINDS for head in heads.values()):
         typer.echo(f"warning: no head of this checkpoint answers an endpoint ({', '.join(ENDPOINT_OF.values())}), "
                    "so `vlserve serve` refuses it", err=True)
 
