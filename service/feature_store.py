@@ -18,6 +18,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -40,9 +41,19 @@ log = logging.getLogger("vlserve.feature_store")
 
 KEY_PREFIX = "vlserve:feat"
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)  # Redis down, restarting or too slow
+# Redis's refusals that are its passing state, not this client's settings: at start-up a warning, as an unreachable
+# Redis is (a disk it cannot persist to, memory full, a dataset loading, a script running, a failover)
+PASSING_REFUSALS = frozenset({"MISCONF", "OOM", "LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN"})
 _POOL_EXHAUSTED = "No connection available."  # BlockingConnectionPool: every connection busy for its timeout
 _POOL_LOG_S = 60.0  # a busy pool is logged at most once a minute (its count is in pool_waits)
 _OUTAGE_LOG_S = 30.0  # an outage is logged when it begins, every 30 s while it lasts, and when it ends
+
+
+def _without_password(url: str, exc: Exception) -> str:
+    """A hint where Redis asks for a password that the URL does not give."""
+    text = str(exc)
+    asks = text.startswith(("NOAUTH", "HELLO must be called")) or "authentication required" in text.lower()
+    return "; the URL gives no password (redis://:PASSWORD@HOST:PORT/DB)" if asks and not urlparse(url).password else ""
 
 
 class StoreConfigError(RuntimeError):
@@ -346,16 +357,25 @@ class RedisStore(FeatureStore):
         where = redact_url(self.url)
         try:
             await self._redis.ping()
-        except (AuthenticationError, ResponseError) as exc:  # AuthenticationError is a ConnectionError: first
-            raise StoreConfigError(f"the feature store at {where} (VLSERVE_REDIS_URL) refuses this client: {exc}") from None
+        except ResponseError as exc:
+            if str(exc).split(" ", 1)[0] in PASSING_REFUSALS:  # the server's state, not this client's settings
+                return self._unreachable_at_start(where, exc)
+            raise StoreConfigError(f"the feature store at {where} (VLSERVE_REDIS_URL) refuses this client: "
+                                   f"{exc}{_without_password(self.url, exc)}") from None
+        except AuthenticationError as exc:  # a ConnectionError: before the unreachable ones
+            raise StoreConfigError(f"the feature store at {where} (VLSERVE_REDIS_URL) refuses this client: "
+                                   f"{exc}{_without_password(self.url, exc)}") from None
         except (RedisError, *_UNREACHABLE) as exc:
             if self.url.startswith("rediss://") and await self._speaks_plain_redis():
                 raise StoreConfigError(f"the feature store at {where} (VLSERVE_REDIS_URL) asks for TLS (rediss://) "
                                        f"but the server speaks plain Redis: use redis://") from None
-            log.warning("feature store %s unreachable at start-up (%s: %s); starting without it: inline images are "
-                        "served, image_id requests answer 503 until it answers", where, type(exc).__name__, exc)
-            now = time.monotonic()
-            self._outage = (now, now)  # logged: the first failed command does not warn again; _reached says it ended
+            self._unreachable_at_start(where, exc)
+
+    def _unreachable_at_start(self, where: str, exc: Exception) -> None:
+        log.warning("feature store %s unreachable at start-up (%s: %s); starting without it: inline images are "
+                    "served, image_id requests answer 503 until it answers", where, type(exc).__name__, exc)
+        now = time.monotonic()
+        self._outage = (now, now)  # logged: the first failed command does not warn again; _reached says it ended
 
     async def ping(self) -> bool:
         """True when Redis answers now (ignores the back-off; for readiness details, not for requests)."""

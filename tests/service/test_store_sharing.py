@@ -4,8 +4,11 @@ import asyncio
 import logging
 import os
 import socket
+import subprocess
+import time
 
 import pytest
+import redis
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 from typer.testing import CliRunner
@@ -247,6 +250,67 @@ def test_a_redis_refusing_this_client_for_good_stops_start_up(redis_server, url,
 
     message = run(main())
     assert words in message and "s3cretpw" not in message and "VLSERVE_REDIS_URL" in message
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    """A redis-server of the test's own, started with the given options: its port."""
+    procs = []
+
+    def start(*options: str) -> int:
+        port = free_port()
+        procs.append(subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir",
+                                       str(tmp_path), "--appendonly", "no", *options],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        client = redis.Redis(port=port, password=dict(zip(options[::2], options[1::2])).get("--requirepass"))
+        for _ in range(100):
+            try:
+                client.ping()
+                return port
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_redis_that_cannot_persist_at_start_up_is_a_warning_not_a_refusal(own_redis, tmp_path, caplog):
+    """MISCONF (its disk full or unwritable: every write and PING refused) is the server's passing state; a pod that
+    restarted meanwhile stopped at start-up, exit 2, while the pods already running served on."""
+    port = own_redis("--save", "3600 1", "--dbfilename", "dump.rdb")
+    (tmp_path / "dump.rdb").mkdir()  # the snapshot cannot be written
+    client = redis.Redis(port=port)
+    client.bgsave()
+    while client.info("persistence")["rdb_bgsave_in_progress"]:
+        time.sleep(0.05)
+    with pytest.raises(redis.ResponseError, match="MISCONF"):
+        client.ping()
+
+    async def main():
+        store = RedisStore(f"redis://127.0.0.1:{port}/0", "fp", 300)
+        await store.check()
+        await store.close()
+
+    with caplog.at_level(logging.WARNING, logger="vlserve.feature_store"):
+        run(main())
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "unreachable at start-up" in warnings[0] and "MISCONF" in warnings[0]
+
+
+def test_a_password_the_url_lacks_is_said(own_redis):
+    port = own_redis("--requirepass", "s3cretpw")
+
+    async def main():
+        store = RedisStore(f"redis://127.0.0.1:{port}/0", "fp", 300)
+        with pytest.raises(StoreConfigError) as refused:
+            await store.check()
+        await store.close()
+        return str(refused.value)
+
+    assert "refuses this client" in (message := run(main())) and "the URL gives no password" in message
 
 
 def test_an_unreachable_redis_at_start_up_is_one_warning(caplog):
