@@ -233,23 +233,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_up_check(url: str) -> str | None:
+    """RedisStore.check at start-up: the StoreConfigError's message when it refuses, else None."""
+    async def main():
+        store = RedisStore(url, "fp", 300)
+        try:
+            await store.check()
+        except StoreConfigError as exc:
+            return str(exc)
+        finally:
+            await store.close()
+        return None
+
+    return run(main())
+
+
 @pytest.mark.parametrize("url, words", [
     ("redis://nobody:s3cretpw@127.0.0.1:{port}/0", "refuses this client"),
     ("redis://127.0.0.1:{port}/99", "DB index is out of range"),
     ("rediss://:s3cretpw@127.0.0.1:{port}/0", "speaks plain Redis"),
 ], ids=["password", "db", "tls"])
 def test_a_redis_refusing_this_client_for_good_stops_start_up(redis_server, url, words):
-    url = url.format(port=redis_server.port)
-
-    async def main():
-        store = RedisStore(url, "fp", 300)
-        with pytest.raises(StoreConfigError) as refused:
-            await store.check()
-        await store.close()
-        return str(refused.value)
-
-    message = run(main())
-    assert words in message and "s3cretpw" not in message and "VLSERVE_REDIS_URL" in message
+    message = start_up_check(url.format(port=redis_server.port))
+    assert message is not None and words in message and "s3cretpw" not in message and "VLSERVE_REDIS_URL" in message
 
 
 @pytest.fixture
@@ -289,38 +295,20 @@ def test_a_redis_that_cannot_persist_at_start_up_is_a_warning_not_a_refusal(own_
     with pytest.raises(redis.ResponseError, match="MISCONF"):
         client.ping()
 
-    async def main():
-        store = RedisStore(f"redis://127.0.0.1:{port}/0", "fp", 300)
-        await store.check()
-        await store.close()
-
     with caplog.at_level(logging.WARNING, logger="vlserve.feature_store"):
-        run(main())
+        assert start_up_check(f"redis://127.0.0.1:{port}/0") is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "unreachable at start-up" in warnings[0] and "MISCONF" in warnings[0]
 
 
 def test_a_password_the_url_lacks_is_said(own_redis):
-    port = own_redis("--requirepass", "s3cretpw")
-
-    async def main():
-        store = RedisStore(f"redis://127.0.0.1:{port}/0", "fp", 300)
-        with pytest.raises(StoreConfigError) as refused:
-            await store.check()
-        await store.close()
-        return str(refused.value)
-
-    assert "refuses this client" in (message := run(main())) and "the URL gives no password" in message
+    message = start_up_check(f"redis://127.0.0.1:{own_redis('--requirepass', 's3cretpw')}/0")
+    assert message is not None and "refuses this client" in message and "the URL gives no password" in message
 
 
 def test_an_unreachable_redis_at_start_up_is_one_warning(caplog):
-    async def main():
-        store = RedisStore(f"redis://:s3cretpw@127.0.0.1:{free_port()}/0", "fp", 300)
-        await store.check()
-        await store.close()
-
     with caplog.at_level(logging.WARNING, logger="vlserve.feature_store"):
-        run(main())
+        assert start_up_check(f"redis://:s3cretpw@127.0.0.1:{free_port()}/0") is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "unreachable at start-up" in warnings[0] and "s3cretpw" not in warnings[0]
 
