@@ -95,28 +95,37 @@ def build_shapes(config: ShapesConfig = ShapesConfig(), root: Path | None = None
     # concurrent builder of the same config just loses the race.
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    jobs = []
-    for split, size in config.splits:
-        (tmp / split / "images").mkdir(parents=True)
-        jobs += [(config, split, tmp / split, s, min(s + CHUNK, size)) for s in range(0, size, CHUNK)]
-    collected = {split: ([], []) for split, _ in config.splits}
-    bar = tqdm(total=sum(size for _, size in config.splits), desc="shapes world", unit="scene", disable=not progress)
-    # spawn, not fork: the parent may hold torch threads that a forked child would inherit mid-state.
-    with (multiprocessing.get_context("spawn").Pool(workers) if workers > 1 else _Inline()) as pool:
-        for split, annotations, pairs in pool.imap(generate_chunk, jobs):
-            collected[split][0].extend(annotations)
-            collected[split][1].extend(pairs)
-            bar.update(len(annotations))
-    bar.close()
-    for split, (annotations, pairs) in collected.items():
-        _write_json(tmp / split / "annotations.json", annotations)
-        _write_json(tmp / split / "nlvr2.json", pairs)
-    _write_json(tmp / "config.json", {"format": FORMAT_VERSION, **asdict(config)})
+    try:
+        _generate(config, tmp, workers, progress)
+    except BaseException:  # a full disk, Ctrl-C: the scenes written so far would hold that space for good
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         tmp.rename(final)
     except OSError:  # another process finished the same set first; theirs is identical
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _generate(config: ShapesConfig, tmp: Path, workers: int, progress: bool) -> None:
+    """Every split of config written into tmp, config.json last."""
+    jobs = []
+    for split, size in config.splits:
+        (tmp / split / "images").mkdir(parents=True)
+        jobs += [(config, split, tmp / split, s, min(s + CHUNK, size)) for s in range(0, size, CHUNK)]
+    collected = {split: ([], []) for split, _ in config.splits}
+    # spawn, not fork: the parent may hold torch threads that a forked child would inherit mid-state. The bar ends its
+    # line however the pool ends, so that an error said after it starts a line of its own.
+    with (tqdm(total=sum(size for _, size in config.splits), desc="shapes world", unit="scene", disable=not progress)
+          as bar, multiprocessing.get_context("spawn").Pool(workers) if workers > 1 else _Inline() as pool):
+        for split, annotations, pairs in pool.imap(generate_chunk, jobs):
+            collected[split][0].extend(annotations)
+            collected[split][1].extend(pairs)
+            bar.update(len(annotations))
+    for split, (annotations, pairs) in collected.items():
+        _write_json(tmp / split / "annotations.json", annotations)
+        _write_json(tmp / split / "nlvr2.json", pairs)
+    _write_json(tmp / "config.json", {"format": FORMAT_VERSION, **asdict(config)})
 
 
 class _Inline:

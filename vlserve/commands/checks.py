@@ -28,6 +28,12 @@ def fail(message: str) -> NoReturn:
     raise typer.Exit(2)
 
 
+def os_error(exc: OSError) -> str:
+    """An OSError in words: its reason and the file it was about ("No space left on device: /cache/x.png")."""
+    reason = exc.strerror or str(exc)
+    return f"{reason}: {exc.filename}" if exc.filename else reason
+
+
 def check_writable_dir(path: Path, label: str) -> None:
     """Exit 2 unless `path` is a directory this process can write in, or one it can create (`label` names it)."""
     path = Path(path).absolute()

@@ -171,7 +171,7 @@ def zoo_model_dirs(profile: str = "demo") -> dict[str, Path]:
     (vlserve.commands.zoo.BUILD_MINUTES: how long that takes)."""
     from training.zoo import PROFILES, build_zoo, is_built, zoo_dir
 
-    from .checks import check_cache_root
+    from .checks import check_cache_root, fail, os_error
 
     if profile not in PROFILES:
         typer.echo(f"error: unknown profile {profile!r} (--profile, VLSERVE_PROFILE); choose one of {', '.join(PROFILES)}", err=True)
@@ -185,7 +185,10 @@ def zoo_model_dirs(profile: str = "demo") -> dict[str, Path]:
         check_cache_root()
         typer.echo(f"no model given: building the {profile} model set into {path} (first run only; "
                    f"`vlserve zoo build --profile {profile}` does the same)", err=True)
-        build_zoo(profile)
+        try:
+            build_zoo(profile)
+        except OSError as exc:  # the cache's disk full, say (the writability check passes on a full disk)
+            fail(f"cannot build the {profile} model set into {path}: {os_error(exc)}")
     return {"model_dir": path / "encoder", "detector_dir": path / "detector"}
 
 

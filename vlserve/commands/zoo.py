@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from training.run_config import RunConfig, config_command
-from vlserve.commands.checks import check_cache_root, check_writable_dir, fail
+from vlserve.commands.checks import check_cache_root, check_writable_dir, fail, os_error
 
 app = typer.Typer(help="Build the model sets the service runs on.", no_args_is_help=True)
 
@@ -55,4 +55,6 @@ def build(
         path = build_zoo(profile, root, force=force, threads=threads, device=device)
     except (TrainingError, PretrainConfigError) as exc:  # diverged, or a train_state.pt of another recipe's run
         fail(str(exc))
+    except OSError as exc:  # the cache's disk full, say (the writability check passes on a full disk)
+        fail(f"cannot build the {profile} model set into {model_set}: {os_error(exc)}")
     typer.echo(str(path))
