@@ -45,6 +45,7 @@ _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)  # Redis down,
 # Redis is (a disk it cannot persist to, memory full, a dataset loading, a script running, a failover)
 PASSING_REFUSALS = frozenset({"MISCONF", "OOM", "LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN"})
 _POOL_EXHAUSTED = "No connection available."  # BlockingConnectionPool: every connection busy for its timeout
+_MAX_CLIENTS = "max number of clients reached"  # Redis at its maxclients refusing a new connection (redis-py's words)
 _POOL_LOG_S = 60.0  # a busy pool is logged at most once a minute (its count is in pool_waits)
 _OUTAGE_LOG_S = 30.0  # an outage is logged when it begins, every 30 s while it lasts, and when it ends
 
@@ -280,6 +281,7 @@ class RedisStore(FeatureStore):
         self._down_until = 0.0  # time.monotonic() before which Redis is not tried
         self._outage: tuple[float, float] | None = None  # (since, last warned) while Redis cannot be reached
         self._pool_logged = -_POOL_LOG_S
+        self._refusals: dict[str, tuple[float, int]] = {}  # kind of refusal -> (last logged, how many since)
         self._fresh: OrderedDict[str, float] = OrderedDict()  # key -> when its TTL was last set, oldest first
         self._due: dict[str, RegionFeatures] = {}  # image id -> value, whose TTL the refresher sets next
         self._refresher: asyncio.Task | None = None
@@ -493,13 +495,20 @@ class RedisStore(FeatureStore):
     def _failed(self, op: str, exc: BaseException) -> bool:
         """Count and log a failed command; True when it only found no free connection (busy, not down)."""
         self.errors += 1
-        if isinstance(exc, RedisConnectionError) and str(exc) == _POOL_EXHAUSTED:  # busy, not down: no back-off
-            self.pool_waits += 1
+        if isinstance(exc, RedisConnectionError) and str(exc) in (_POOL_EXHAUSTED, _MAX_CLIENTS):  # busy, not down:
+            self.pool_waits += 1  # no back-off
             now = time.monotonic()
             if now - self._pool_logged >= _POOL_LOG_S:
                 self._pool_logged = now
-                log.warning("feature store redis: %s found no free connection in %d for its timeout (logged at most "
-                            "once a minute; counted in pool_waits)", op, self._redis.connection_pool.max_connections)
+                if str(exc) == _POOL_EXHAUSTED:
+                    log.warning("feature store redis: %s found no free connection in %d for its timeout (logged at "
+                                "most once a minute; counted in pool_waits)", op,
+                                self._redis.connection_pool.max_connections)
+                else:
+                    log.warning("feature store redis: %s could not open a connection: Redis has its maxclients "
+                                "connected (every pod opens up to VLSERVE_REDIS_MAX_CONNECTIONS, %d here; logged at "
+                                "most once a minute; counted in pool_waits)", op,
+                                self._redis.connection_pool.max_connections)
             return True
         if isinstance(exc, _UNREACHABLE):
             was_up = self.available
@@ -513,9 +522,17 @@ class RedisStore(FeatureStore):
                 self._outage = (self._outage[0], now)
                 log.warning("feature store redis: still unreachable after %.0f s (%s: %s)", now - self._outage[0],
                             type(exc).__name__, exc)
-        else:  # e.g. a ResponseError (OOM under noeviction, READONLY replica): Redis is up, this call failed
-            self._reached()
-            log.warning("feature store redis: %s failed (%s: %s)", op, type(exc).__name__, exc)
+        else:  # e.g. a ResponseError (OOM under noeviction, READONLY replica): Redis is up, this call failed; each
+            self._reached()  # kind said when it begins and every _OUTAGE_LOG_S while it lasts, with how many there were
+            kind, now = f"{type(exc).__name__} {str(exc).split(' ', 1)[0]}", time.monotonic()
+            logged, since = self._refusals.get(kind, (-_OUTAGE_LOG_S, 0))
+            if now - logged < _OUTAGE_LOG_S:
+                self._refusals[kind] = (logged, since + 1)
+            else:
+                self._refusals[kind] = (now, 0)
+                more = f"; {since} more in the last {now - logged:.0f} s" if since else ""
+                log.warning("feature store redis: %s failed (%s: %s)%s (logged at most every %.0f s)", op,
+                            type(exc).__name__, exc, more, _OUTAGE_LOG_S)
         return False
 
     def _reached(self) -> None:

@@ -268,10 +268,12 @@ def own_redis(tmp_path):
         procs.append(subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir",
                                        str(tmp_path), "--appendonly", "no", *options],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        client = redis.Redis(port=port, password=dict(zip(options[::2], options[1::2])).get("--requirepass"))
         for _ in range(100):
             try:
-                client.ping()
+                with redis.Redis(port=port, single_connection_client=True, socket_timeout=1) as client:
+                    client.ping()
+                return port
+            except (redis.AuthenticationError, redis.ResponseError):  # it answers: with a refusal (--requirepass)
                 return port
             except redis.ConnectionError:
                 time.sleep(0.05)
@@ -304,6 +306,59 @@ def test_a_redis_that_cannot_persist_at_start_up_is_a_warning_not_a_refusal(own_
 def test_a_password_the_url_lacks_is_said(own_redis):
     message = start_up_check(f"redis://127.0.0.1:{own_redis('--requirepass', 's3cretpw')}/0")
     assert message is not None and "refuses this client" in message and "the URL gives no password" in message
+
+
+def test_a_redis_at_its_maxclients_is_busy_not_down(own_redis, caplog):
+    """Redis refusing a connection for its maxclients (pods x VLSERVE_REDIS_MAX_CONNECTIONS over a small plan's
+    limit) is a busy store: the lookup that found no connection answers 503 busy, and the next one is tried at once
+    rather than after a second's back-off as for a Redis that is down."""
+    port = own_redis("--maxclients", "1")
+    held = redis.Redis(port=port, single_connection_client=True)
+    for _ in range(50):  # the one connection Redis allows, once the start-up check's has closed
+        try:
+            held.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+
+    async def main():
+        store = RedisStore(f"redis://127.0.0.1:{port}/0", "fp", 300)
+        with pytest.raises(StoreUnavailableError, match="busy") as refused:
+            await store.get("a" * 64, strict=True)
+        available = store.available
+        held.close()
+        await asyncio.sleep(0.2)  # Redis notices the closed connection
+        found = await store.get("a" * 64, strict=True)
+        await store.close()
+        return refused.value, available, found, store.stats()
+
+    with caplog.at_level(logging.WARNING, logger="vlserve.feature_store"):
+        refused, available, found, stats = run(main())
+    assert available and found is None and stats["pool_waits"] == 1 and refused.retry_after_s == 1.0
+    assert [r.getMessage() for r in caplog.records if "maxclients" in r.getMessage()]
+
+
+def test_redis_refusing_writes_is_logged_once_a_while_not_per_write(redis_server, redis_url, caplog):
+    """Out of memory under noeviction, every registration's write and share failed with a warning each: 408 lines for
+    300 registrations. The first is said, then one a while with how many followed."""
+    async def main():
+        store = RedisStore(redis_url, "fp", 300)
+        with redis_server.client() as client:
+            client.config_set("maxmemory-policy", "noeviction")
+            client.config_set("maxmemory", 1)
+            try:
+                for i in range(20):
+                    await store.put(f"{i:064x}", regions(i))
+            finally:
+                client.config_set("maxmemory", "64mb")
+                client.config_set("maxmemory-policy", "allkeys-lru")
+        await store.close()
+        return store.stats()
+
+    with caplog.at_level(logging.WARNING, logger="vlserve.feature_store"):
+        stats = run(main())
+    refused = [r.getMessage() for r in caplog.records if "OutOfMemoryError" in r.getMessage()]
+    assert stats["errors"] == 20 and len(refused) == 1 and "logged at most every 30 s" in refused[0]
 
 
 def test_an_unreachable_redis_at_start_up_is_one_warning(caplog):
