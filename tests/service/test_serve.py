@@ -253,3 +253,23 @@ def test_api_keys_of_separators_only_exit_2_rather_than_serve_an_open_service(cl
     result = serve("--model-dir", tiny_checkpoint, "--detector-dir", tiny_detector.dir)
     assert result.exit_code == 2 and "VLSERVE_API_KEYS" in result.output and "holds no key" in result.output
     assert not started and "Traceback" not in result.output
+
+
+def test_serve_raises_its_open_files_limit_to_the_hard_one(caplog):
+    """Every connection is a file descriptor; where they ran out at a soft limit of 64 (1024 is common) the event
+    loop closed new connections without a word, with a hard limit of 20,000 unused."""
+    import logging
+    import resource
+
+    from vlserve.commands.serve import raise_open_files_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+    try:
+        with caplog.at_level(logging.INFO, logger="vlserve.app"):
+            raise_open_files_limit()
+        raised = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert raised == (hard if hard != resource.RLIM_INFINITY else 1 << 20) > 64
+    assert "soft limit raised from 64" in caplog.text

@@ -1,6 +1,7 @@
 """`vlserve serve`: run the HTTP service with uvicorn; every option overrides one VLSERVE_* setting."""
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -192,19 +193,39 @@ def zoo_model_dirs(profile: str = "demo") -> dict[str, Path]:
     return {"model_dir": path / "encoder", "detector_dir": path / "detector"}
 
 
+OPEN_FILES_CEILING = 1 << 20  # the soft limit asked for where the hard one is unlimited
+
+
+def raise_open_files_limit() -> None:
+    """Every connection is a file descriptor, and where they run out the event loop closes new connections without
+    a word: the soft limit (often 1024) is raised to the hard one, as servers do, and said."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = OPEN_FILES_CEILING if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError):  # a container that forbids it: the limit stays
+            return
+        logging.getLogger("vlserve.app").info("open files: soft limit raised from %d to %d (the hard limit)", soft,
+                                              wanted)
+
+
 def run_server(settings, log_level: str | None = None) -> int:
     """Serve until SIGTERM / Ctrl-C (the port answers at once, the models load behind it); 0 after a clean
     shutdown, 2 when start-up or loading failed (message on stderr). log_level: settings.log_level's override."""
     import uvicorn
 
     from service.app import StartupError, create_app
-    from service.logs import configure as configure_logs
     from service.http_protocol import bounded_head_protocol
+    from service.logs import configure as configure_logs
     from service.logs import error_line
     from service.shutdown import DrainingServer
 
     level = log_level or settings.log_level
     logs = configure_logs(level, settings.log_format)  # before the app: its start-up lines are in the format too
+    raise_open_files_limit()
     try:
         app = create_app(settings, load_in_background=True)
     except StartupError as exc:
