@@ -1,7 +1,8 @@
-"""Shared test fixtures: random tiny batches (with real padding) and correct labels for every head kind."""
+"""Shared test fixtures: random tiny batches (with real padding) and correct labels for every head kind; a small disk."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,3 +157,25 @@ def make_batch() -> Callable[..., VLInputs]:
 @pytest.fixture
 def make_labels() -> Callable[..., object]:
     return build_labels
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """small_disk(size) -> a directory on a tmpfs of that size (as mount's size=, e.g. "1m"): a disk that fills.
+    Unmounted after the test."""
+    import subprocess
+
+    mounted = []
+
+    def mount(size: str) -> Path:
+        where = tmp_path / f"disk{len(mounted)}"
+        where.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"mounting a small tmpfs needs root (CAP_SYS_ADMIN): {done.stderr.decode().strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=True)

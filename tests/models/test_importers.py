@@ -561,6 +561,16 @@ def test_a_checkpoint_no_endpoint_serves_imports_with_a_warning(tmp_path):
     assert served.exit_code == 0 and "answers an endpoint" not in served.stderr
 
 
+def test_an_import_that_fills_its_disk_names_out_not_its_staging(good_src, small_disk):
+    """A disk that holds the weights but not the vocabulary after them: the error named the file in the checkpoint
+    writer's staging directory (DISK/.out.XXXX/.new.saving-YYYY/vocab.txt)."""
+    disk = small_disk(f"{(good_src / 'model.safetensors').stat().st_size // 1024 + 100}k")
+    result = cli("hf-visualbert", good_src, disk / "out")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    assert "No space left on device" in result.stderr and f"{disk / 'out' / 'vocab.txt'}" in result.stderr
+    assert ".saving-" not in result.stderr and not any(disk.iterdir())
+
+
 def test_placeholder_id2label_is_numbered_and_warns(tmp_path):
     """transformers writes id2label {"0": "LABEL_0", ...} for a head it was given no names for, as the hub's
     VisualBERT VQA config holds: served, /vqa answered "LABEL_1733" and the import said nothing."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -71,10 +72,20 @@ def _convert(convert: Callable[[Path, Path], Path], src: Path, out: Path, force:
     try:
         unwinding(stage)  # SIGTERM unwinds through stage's finally, as Ctrl-C does
     except (CheckpointError, OSError) as exc:
-        fail(str(exc).replace(str(staged), str(out)))  # name a file as it would have been in OUT
+        fail(_as_in_out(exc, staged, out))
     except SafetensorError as exc:  # safetensors' writer reports a failed write (a full disk) this way
         fail(f"{out}: writing the weights failed ({exc})")
     return out
+
+
+def _as_in_out(exc: Exception, staged: Path, out: Path) -> str:
+    """An import's error as its user reads it: a file of the staging directory (and of the checkpoint writer's own
+    staging inside it) named as it would be in OUT; a full disk, which names no file, said of OUT."""
+    if isinstance(exc, OSError) and exc.filename is None and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"{out}: cannot write the checkpoint ({exc.strerror})"
+    # staging/new, or the checkpoint writer's staging beside it (staging/.new.saving-XXXX): OUT
+    pattern = re.escape(str(staged.parent)) + rf"/(?:{re.escape(staged.name)}|\.{re.escape(staged.name)}\.saving-[^/\s'\"]+)"
+    return re.sub(pattern, lambda _: str(out), str(exc))
 
 
 def _check_out(out: Path, src: Path, reads: tuple[Path | None, ...], force: bool) -> None:
