@@ -192,7 +192,10 @@ def _export_graph(model, task: str, graphs: Path, work: Path, opset: int, export
         failures.append(_check(task, "int8", report["int8"], None, bounds.int8_min_agreement))
         extra["int8_agreement_change_points"] = round(100 * (report["int8"].agreement - report["fp32"].agreement), 3)
         served = int8
-    shutil.copyfile(served, graphs / f"{task}.onnx")
+    final = graphs / f"{task}.onnx"
+    os.replace(served, final)  # moved, not copied: a repository's graphs need no room twice over
+    if full_precision == served:
+        full_precision = final
     variant = "int8" if quantize else ("optimized" if optimize else "fp32")
     entry = {"file": f"{GRAPHS}/{task}.onnx", "variant": variant, "precision": "int8" if quantize else "fp32"}
     if fp16:
@@ -469,6 +472,8 @@ def export_repository(
                     bounds)
             except ExportError:
                 raise
+            except OSError as exc:  # writing a graph (a full disk), no fault of the graph's
+                raise ExportError(f"{out}: cannot write the repository ({exc.strerror or exc})") from exc
             except Exception as exc:  # the exporter's or onnxruntime's own failure: one line, not a traceback
                 raise ExportError(f"graph {task!r}: {_first_line(exc)}") from exc
             failures += failed

@@ -275,6 +275,16 @@ def test_a_symbolic_link_out_is_refused_before_any_work(models, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "target"] and not list((tmp_path / "target").iterdir())
 
 
+def test_an_export_that_fills_its_disk_is_one_line_naming_out_and_leaves_nothing(models, small_disk):
+    """A full disk was blamed on the graph ("graph 'vqa': OSError: ...") and named the staging directory."""
+    disk = small_disk("96k")
+    result = runner.invoke(app, ["export", str(models[0]), "--out", str(disk / "repo"), "--examples", "4"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert result.stderr.splitlines()[-1] == f"error: {disk / 'repo'}: cannot write the repository (No space left on " \
+                                             "device)"  # after the progress lines
+    assert not list(disk.iterdir())
+
+
 def test_a_missing_detector_directory_is_named_as_one(models, tmp_path):
     result = runner.invoke(app, ["export", str(models[0]), "--out", str(tmp_path / "out"), "--examples", "4",
                                  "--detector", str(tmp_path / "nowhere")])
