@@ -1,5 +1,6 @@
 """`vlserve extract`: folders of images to feature files, bad files reported and skipped, resume, TSV output."""
 import json
+import shutil
 import os
 import threading
 
@@ -65,6 +66,30 @@ def test_resume_skips_what_is_done(detector_dir, folder, tmp_path):
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary == {**summary, "written": 1, "already_done": 1, "failed": 0}
+
+
+def test_a_disk_that_fills_is_one_line_and_the_records_written_resume(detector_dir, tmp_path, small_disk):
+    """A full disk said "[Errno 28] No space left on device", naming no file."""
+    many = tmp_path / "many"
+    many.mkdir()
+    rng = np.random.default_rng(1)
+    for i in range(40):
+        Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(many / f"{i:02d}.png")
+    out = small_disk("64k") / "feats.vlfeat"
+    full = run(many, "--detector", detector_dir, "--out", out, "--batch-size", "4")
+    assert full.exit_code == 2 and full.stderr.splitlines()[-1] == (
+        f"error: {out}: cannot write the features (No space left on device); the records written are kept: run "
+        "again to resume"), full.output
+    with FeatureFile(out) as f:
+        kept = len(f)
+    assert 0 < kept < 40
+    moved = tmp_path / "feats.vlfeat"
+    shutil.copyfile(out, moved)  # room again
+    resumed = run(many, "--detector", detector_dir, "--out", moved, "--batch-size", "4")
+    assert resumed.exit_code == 0, resumed.output
+    assert json.loads(resumed.stdout.strip().splitlines()[-1])["already_done"] == kept
+    with FeatureFile(moved) as f:
+        assert len(f) == 40
 
 
 def test_tsv_output_matches_the_feature_file(detector_dir, folder, tmp_path):
@@ -429,7 +454,8 @@ def test_an_error_during_the_run_starts_its_own_line(detector_dir, folder, tmp_p
     monkeypatch.setattr(FeatureFileWriter, "append", disk_full)
     result = run(folder, "--detector", detector_dir, "--out", tmp_path / "f.vlfeat")
     assert result.exit_code == 2
-    assert result.stderr.splitlines()[-1] == "error: [Errno 28] No space left on device"
+    assert result.stderr.splitlines()[-1] == (f"error: {tmp_path / 'f.vlfeat'}: cannot write the features (No space "
+                                              "left on device); the records written are kept: run again to resume")
 
 
 def test_a_sources_file_that_is_not_ours_is_refused_and_left_as_it_is(detector_dir, folder, tmp_path):

@@ -1,6 +1,7 @@
 """`vlserve extract IMAGES... --detector DIR --out PATH`: region features for folders of images."""
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 from typing import Annotated
@@ -49,7 +50,9 @@ def extract(
         report = extract_folder(det, fingerprint, images, out, fmt=fmt, batch_size=batch_size, ids=ids)
     except (CheckpointError, FeatureFormatError, OSError, ValueError) as exc:  # OSError: the output file (another
         # run writing it among them), the disk
-        say(f"error: {exc}")
+        full = isinstance(exc, OSError) and exc.filename is None and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        say(f"error: {out}: cannot write the features ({exc.strerror}); the records written are kept: run again "
+            "to resume" if full else f"error: {exc}")
         raise typer.Exit(2) from None
     for path, reason in report.failed:
         say(f"skipped {path}: {reason}")
