@@ -192,10 +192,10 @@ def _export_graph(model, task: str, graphs: Path, work: Path, opset: int, export
         failures.append(_check(task, "int8", report["int8"], None, bounds.int8_min_agreement))
         extra["int8_agreement_change_points"] = round(100 * (report["int8"].agreement - report["fp32"].agreement), 3)
         served = int8
-    final = graphs / f"{task}.onnx"
-    os.replace(served, final)  # moved, not copied: a repository's graphs need no room twice over
-    if full_precision == served:
-        full_precision = final
+    try:  # the same bytes under a second name, no room needed twice (the work graph may be read again: engines)
+        os.link(served, graphs / f"{task}.onnx")
+    except OSError:  # a file system without hard links
+        shutil.copyfile(served, graphs / f"{task}.onnx")
     variant = "int8" if quantize else ("optimized" if optimize else "fp32")
     entry = {"file": f"{GRAPHS}/{task}.onnx", "variant": variant, "precision": "int8" if quantize else "fp32"}
     if fp16:
