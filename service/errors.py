@@ -191,7 +191,6 @@ def _validation_detail(errors: list[dict[str, Any]], total: int) -> str:
     return "; ".join(parts) + more
 
 
-
 RETRY_AFTER_MAX_S = 600  # the longest Retry-After answered: a client told to wait longer would rather go elsewhere
 
 

@@ -359,12 +359,9 @@ class RedisStore(FeatureStore):
         where = redact_url(self.url)
         try:
             await self._redis.ping()
-        except ResponseError as exc:
-            if str(exc).split(" ", 1)[0] in PASSING_REFUSALS:  # the server's state, not this client's settings
-                return self._unreachable_at_start(where, exc)
-            raise StoreConfigError(f"the feature store at {where} (VLSERVE_REDIS_URL) refuses this client: "
-                                   f"{exc}{_without_password(self.url, exc)}") from None
-        except AuthenticationError as exc:  # a ConnectionError: before the unreachable ones
+        except (AuthenticationError, ResponseError) as exc:  # AuthenticationError is a ConnectionError: first
+            if isinstance(exc, ResponseError) and str(exc).split(" ", 1)[0] in PASSING_REFUSALS:
+                return self._unreachable_at_start(where, exc)  # the server's state, not this client's settings
             raise StoreConfigError(f"the feature store at {where} (VLSERVE_REDIS_URL) refuses this client: "
                                    f"{exc}{_without_password(self.url, exc)}") from None
         except (RedisError, *_UNREACHABLE) as exc:
@@ -500,15 +497,11 @@ class RedisStore(FeatureStore):
             now = time.monotonic()
             if now - self._pool_logged >= _POOL_LOG_S:
                 self._pool_logged = now
-                if str(exc) == _POOL_EXHAUSTED:
-                    log.warning("feature store redis: %s found no free connection in %d for its timeout (logged at "
-                                "most once a minute; counted in pool_waits)", op,
-                                self._redis.connection_pool.max_connections)
-                else:
-                    log.warning("feature store redis: %s could not open a connection: Redis has its maxclients "
-                                "connected (every pod opens up to VLSERVE_REDIS_MAX_CONNECTIONS, %d here; logged at "
-                                "most once a minute; counted in pool_waits)", op,
-                                self._redis.connection_pool.max_connections)
+                pool = self._redis.connection_pool.max_connections
+                why = (f"found no free connection in {pool} for its timeout" if str(exc) == _POOL_EXHAUSTED else
+                       "could not open a connection: Redis has its maxclients connected (every pod opens up to "
+                       f"VLSERVE_REDIS_MAX_CONNECTIONS, {pool} here)")
+                log.warning("feature store redis: %s %s (logged at most once a minute; counted in pool_waits)", op, why)
             return True
         if isinstance(exc, _UNREACHABLE):
             was_up = self.available

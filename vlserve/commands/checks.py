@@ -2,6 +2,7 @@
 and how a line that quotes file names prints whatever their encoding."""
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -26,6 +27,11 @@ def printable(text: str) -> str:
 def fail(message: str) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
+
+
+def disk_full(exc: BaseException) -> bool:
+    """A write refused for want of room (the disk, or a quota), which names no file."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def os_error(exc: OSError) -> str:

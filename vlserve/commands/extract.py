@@ -1,7 +1,6 @@
 """`vlserve extract IMAGES... --detector DIR --out PATH`: region features for folders of images."""
 from __future__ import annotations
 
-import errno
 import json
 from pathlib import Path
 from typing import Annotated
@@ -9,7 +8,7 @@ from typing import Annotated
 import typer
 
 from training.run_config import MAX_THREADS
-from vlserve.commands.checks import printable
+from vlserve.commands.checks import disk_full, printable
 
 
 def extract(
@@ -50,7 +49,7 @@ def extract(
         report = extract_folder(det, fingerprint, images, out, fmt=fmt, batch_size=batch_size, ids=ids)
     except (CheckpointError, FeatureFormatError, OSError, ValueError) as exc:  # OSError: the output file (another
         # run writing it among them), the disk
-        full = isinstance(exc, OSError) and exc.filename is None and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        full = disk_full(exc) and exc.filename is None
         say(f"error: {out}: cannot write the features ({exc.strerror}); the records written are kept: run again "
             "to resume" if full else f"error: {exc}")
         raise typer.Exit(2) from None

@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from vlserve.commands.checks import fail, printable
+from vlserve.commands.checks import disk_full, fail, printable
 from vlserve.commands.termination import unwinding
 
 app = typer.Typer(
@@ -81,7 +81,7 @@ def _convert(convert: Callable[[Path, Path], Path], src: Path, out: Path, force:
 def _as_in_out(exc: Exception, staged: Path, out: Path) -> str:
     """An import's error as its user reads it: a file of the staging directory (and of the checkpoint writer's own
     staging inside it) named as it would be in OUT; a full disk, which names no file, said of OUT."""
-    if isinstance(exc, OSError) and exc.filename is None and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    if disk_full(exc) and exc.filename is None:
         return f"{out}: cannot write the checkpoint ({exc.strerror})"
     # staging/new, or the checkpoint writer's staging beside it (staging/.new.saving-XXXX): OUT
     pattern = re.escape(str(staged.parent)) + rf"/(?:{re.escape(staged.name)}|\.{re.escape(staged.name)}\.saving-[^/\s'\"]+)"

@@ -208,8 +208,7 @@ def raise_open_files_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
         except (ValueError, OSError):  # a container that forbids it: the limit stays
             return
-        logging.getLogger("vlserve.app").info("open files: soft limit raised from %d to %d (the hard limit)", soft,
-                                              wanted)
+        logging.getLogger("vlserve.app").info("open files: soft limit raised from %d to %d", soft, wanted)
 
 
 def run_server(settings, log_level: str | None = None) -> int:
