@@ -140,8 +140,13 @@ def load_models(settings: Settings) -> Loaded:
         from .runtime.onnx_runtime import exported_detector  # the repository's detector graph replaces torch's
 
         detector = exported_detector(checkpoint, detector.config, settings)
+        bf16_detector = False
     else:
-        fingerprint = detector_for_serving(detector, settings, fingerprint)
+        served = detector_for_serving(detector, settings, fingerprint)
+        bf16_detector, fingerprint = served != fingerprint, served
+    if settings.precision == "bf16" and settings.runtime != "torch" and not bf16_detector:
+        log.warning("precision bf16 changes nothing here: the %s runtime runs the exported graphs in the precision "
+                    "they were exported in, and this detector has no bfloat16 path", settings.runtime)
     return Loaded(detector, fingerprint, checkpoint)
 
 
@@ -406,7 +411,7 @@ def package_version() -> str:
 # compressed or of a type the route does not read (415); and the HTTP protocol's, before any middleware
 # (http_protocol.py): a request it cannot parse (400), a head that does not arrive in time (408) or is too large (431)
 MIDDLEWARE_PROBLEMS = ("bad-request", "method-not-allowed", "request-timeout", "body-too-large", "unsupported-media-type",
-                       "head-too-large")
+                       "head-too-large", "queue-full", "not-implemented")
 # what a route reads its body as (security.BodyLimitMiddleware: another Content-Type is a 415); the v2 routes read
 # their JSON header by Inference-Header-Content-Length whatever the type
 BODY_TYPES: dict[str, tuple[str, ...]] = {path: JSON_TYPES for path in TASK_KINDS if not is_v2(path)}
@@ -462,6 +467,10 @@ def custom_openapi(app: FastAPI, api_keys: bool):
                         content[PROBLEM_JSON] = problem
                 if api_keys and path not in PUBLIC_PATHS:
                     operation["security"] = [{"APIKey": []}]
+        # the service's URL is where this schema was fetched from (OpenAPI 3.1 4.8.5: a relative server URL is
+        # relative to the document): without it, "/" is meant, and behind a proxy's path prefix (/vlserve/) the
+        # requests /docs' "Try it out" and generated clients send would miss the prefix
+        schema["servers"] = [{"url": ".", "description": "where this schema is served"}]
         if api_keys:
             schema.setdefault("components", {})["securitySchemes"] = {
                 "APIKey": {"type": "apiKey", "in": "header", "name": "X-API-Key"}}
@@ -493,7 +502,8 @@ def create_app(settings: Settings, load_in_background: bool = False) -> FastAPI:
         app.include_router(router)
     # outermost last: metrics see every answer, keys are checked before the body is read
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s,
-                       body_types=BODY_TYPES, endpoints={**{path: path for path in BODY_TYPES}, **ROUTES})
+                       body_types=BODY_TYPES, endpoints={**{path: path for path in BODY_TYPES}, **ROUTES},
+                       max_bytes_in_flight=settings.max_body_bytes_in_flight)
     app.add_middleware(AdmissionMiddleware, state=app.state)  # after the key check, before the body is read
     app.add_middleware(APIKeyMiddleware, keys=settings.api_keys)
     app.add_middleware(CloseWhileDraining, state=app.state)

@@ -27,6 +27,7 @@ exception: routes of the Open Inference Protocol (/v2/..., routes/v2.py) answer 
 |        |                              | still running when shutdown_timeout_s runs out)                       |
 | 503    | /problems/store-unavailable  | the feature store (Redis) cannot be reached or is busy: an image_id   |
 |        |                              | request, or POST /images whose image it could not take                |
+| 501    | /problems/not-implemented    | a Transfer-Encoding other than chunked (http_protocol)                |
 | 500    | /problems/internal-error     | a bug; the detail is generic and the log has the request id           |
 
 The OpenAPI schema lists, for each route and status, the problem types it may answer (routes/common.py
@@ -39,6 +40,7 @@ import logging
 import math
 import uuid
 from http import HTTPStatus
+from urllib.parse import quote
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -57,7 +59,7 @@ log = logging.getLogger("vlserve.errors")
 PROBLEM_JSON = "application/problem+json"
 _TYPES = {400: "bad-request", 401: "unauthorized", 404: "not-found", 405: "method-not-allowed", 408: "request-timeout",
           413: "body-too-large", 415: "unsupported-media-type", 422: "validation-error", 429: "queue-full",
-          431: "head-too-large",
+          431: "head-too-large", 501: "not-implemented",
           503: "not-ready", 500: "internal-error"}
 QUOTED_CHARS = 64  # the most of a client's string (a field or model name, a path) an answer quotes
 MAX_LISTED_ERRORS = 20  # a 422's `errors` lists at most these; its detail counts them all
@@ -116,8 +118,10 @@ def request_id(request_or_scope) -> str:
     state = scope.setdefault("state", {})
     if "request_id" not in state:
         sent = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
-        # printable and no space: an id is one field of an access line, and a space would let it write others
-        state["request_id"] = sent if 0 < len(sent) <= 64 and sent.isprintable() and " " not in sent else uuid.uuid4().hex
+        # visible ASCII: an id is one field of an access line, and a space would let it write others; and the header
+        # is bytes (read here as latin-1) while the body and the log are UTF-8, which agree on ASCII only
+        sane = 0 < len(sent) <= 64 and sent.isascii() and sent.isprintable() and " " not in sent
+        state["request_id"] = sent if sane else uuid.uuid4().hex
     return state["request_id"]
 
 
@@ -126,6 +130,13 @@ def sent_path(scope: Scope) -> str:
     %0A a new line, and a path could write what reads as more of the line: "/x 200 0.1 ms request_id=...")."""
     raw = scope.get("raw_path")
     return raw.decode("latin-1") if raw else scope["path"]
+
+
+def instance_of(scope: Scope) -> str:
+    """A problem's `instance`: the path as sent, as a URI reference (RFC 9457 3.1.5; the decoded path may hold spaces,
+    quotes or any character), cut as a quoted string is."""
+    raw = scope.get("raw_path") or scope["path"].encode("utf-8", "surrogateescape")
+    return shown(quote(raw, safe="/:@!$&'()*+,;=-._~%"), 256)  # escapes as sent kept; any other byte escaped
 
 
 def problem_body(status: int, detail: str, instance: str, rid: str, kind: str | None = None,
@@ -151,7 +162,7 @@ async def send_problem(scope: Scope, send: Send, status: int, detail: str, kind:
     rid = request_id(scope)
     v2 = is_v2(scope["path"])
     body = json.dumps({"error": detail} if v2 else
-                      problem_body(status, detail, shown(scope["path"], 256), rid, kind, title)).encode()
+                      problem_body(status, detail, instance_of(scope), rid, kind, title)).encode()
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json" if v2 else PROBLEM_JSON.encode()),
         (b"content-length", str(len(body)).encode()), (b"x-request-id", rid.encode("latin-1", "replace")),
@@ -165,7 +176,7 @@ def problem_response(request: Request, status: int, detail: str, kind: str | Non
     rid = request_id(request)
     if is_v2(request.url.path):  # e.g. 405 on a v2 route: the Open Inference Protocol's error body
         return JSONAnswer({"error": detail}, status_code=status, headers={**(headers or {}), "X-Request-ID": rid})
-    body = problem_body(status, detail, shown(request.url.path, 256), rid, kind, title, errors, extensions)
+    body = problem_body(status, detail, instance_of(request.scope), rid, kind, title, errors, extensions)
     return JSONAnswer(body, status_code=status, media_type=PROBLEM_JSON, headers={**(headers or {}), "X-Request-ID": rid})
 
 

@@ -1,5 +1,5 @@
 """HTTP behaviour every route shares, as pure ASGI middleware: HEAD answered as GET without its body (RFC 9110
-9.3.2: uptime checks and load balancers probe with HEAD), and the request id on every answer (X-Request-ID: the
+9.3.2: uptime checks and load balancers probe with HEAD; a 405's Allow says so), and the request id on every answer (X-Request-ID: the
 client's when it sent a sane one, else the service's; errors.request_id), successes included, so a client can quote
 it for any request it made."""
 from __future__ import annotations
@@ -8,6 +8,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import request_id
 from .metrics import ENDPOINT
+
+
+def with_head(allow: bytes) -> bytes:
+    """A 405's Allow with HEAD wherever GET is: the routes list GET only, and HEAD is answered as GET here."""
+    methods = [m.strip() for m in allow.split(b",") if m.strip()]
+    if b"GET" in methods and b"HEAD" not in methods:
+        methods.insert(methods.index(b"GET") + 1, b"HEAD")
+    return b", ".join(methods)
 
 
 class HTTPBasics:
@@ -23,10 +31,12 @@ class HTTPBasics:
 
         async def sending(message: Message) -> None:
             if message["type"] == "http.response.start":
-                headers = message.get("headers", ())
+                headers = list(message.get("headers", ()))
                 if not any(name == b"x-request-id" for name, _ in headers):  # the app's headers are lower case
-                    rid = request_id(scope).encode("latin-1", "replace")
-                    message = {**message, "headers": [*headers, (b"x-request-id", rid)]}
+                    headers.append((b"x-request-id", request_id(scope).encode("latin-1", "replace")))
+                if message["status"] == 405:
+                    headers = [(name, with_head(value) if name.lower() == b"allow" else value) for name, value in headers]
+                message = {**message, "headers": headers}
             await send(message)
 
         try:

@@ -9,7 +9,11 @@ headers) that uvicorn lacks, and its own refusals in the service's problem+json.
   connection's opening or of its first byte: a partial one is answered 408, a connection that sent nothing closed.
   So must the rest of a body the answer did not wait for (an early 413 or 415), or the connection is closed.
 - uvicorn answers a request it cannot parse (its head, or the framing of its body) with a text/plain 400; here it
-  is a problem+json 400 like every other.
+  is a problem+json 400 like every other, and so is an HTTP/1.1 request without exactly one Host header (which
+  uvicorn serves). A transfer coding other than chunked (`gzip, chunked`, which uvicorn de-chunks and hands on
+  still compressed) is a 501.
+
+Each refusal, and each connection closed having sent nothing, is reported to `on_refusal` (the app's metrics).
 
 The body has its own bounds (security.BodyLimitMiddleware: max_body_bytes, body_timeout_s).
 """
@@ -19,6 +23,7 @@ import asyncio
 import json
 import logging
 import uuid
+from collections.abc import Callable
 from http import HTTPStatus
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -33,6 +38,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     max_head_bytes: int
     head_timeout_s: float
+    on_refusal: Callable[[int | None], None] | None = None  # told the status answered, None for a silent close
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -94,6 +100,17 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         if len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers) > self.max_head_bytes:
             self._head_too_large()  # a head that came whole within a read: never handed to the app
             return
+        hosts = sum(name == b"host" for name, _ in self.headers)
+        if self.parser.get_http_version() == "1.1" and hosts != 1:  # RFC 9112 3.2: a 400
+            self._refuse(400, f"an HTTP/1.1 request has exactly one Host header, not {hosts}")
+            return
+        codings = [c.strip().lower() for name, value in self.headers if name == b"transfer-encoding"
+                   for c in value.split(b",") if c.strip()]
+        if codings and codings != [b"chunked"]:  # RFC 9112 6.1: a coding not understood is a 501
+            unknown = next(c for c in codings if c != b"chunked").decode("latin-1")[:64]
+            self._refuse(501, f"Transfer-Encoding {unknown!r} is not supported: send the body chunked or with a "
+                              "Content-Length", "not-implemented")
+            return
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
@@ -128,6 +145,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         if not self._in_head:
             self._refused = True
             self.transport.close()  # no request began: nothing to answer
+            self._report(None)
             return
         self._refuse(408, f"the request's head did not arrive within {self.head_timeout_s:g} s (head_timeout_s)")
 
@@ -162,9 +180,16 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         fields = {"request_id": rid, "client": client, "method": "-", "path": "-", "endpoint": None,
                   "status": status, "duration_ms": None}
         access_log.info("%s - - %d - request_id=%s", client, status, rid, extra=fields)
+        self._report(status)
+
+    def _report(self, status: int | None) -> None:
+        if self.on_refusal is not None:
+            self.on_refusal(status)
 
 
-def bounded_head_protocol(max_head_bytes: int, head_timeout_s: float) -> type[BoundedHeadProtocol]:
-    """The protocol class uvicorn.Config(http=...) takes, with these bounds."""
+def bounded_head_protocol(max_head_bytes: int, head_timeout_s: float,
+                          on_refusal: Callable[[int | None], None] | None = None) -> type[BoundedHeadProtocol]:
+    """The protocol class uvicorn.Config(http=...) takes, with these bounds, reporting its refusals to `on_refusal`."""
     return type("BoundedHeadProtocol", (BoundedHeadProtocol,),
-                {"max_head_bytes": max_head_bytes, "head_timeout_s": head_timeout_s})
+                {"max_head_bytes": max_head_bytes, "head_timeout_s": head_timeout_s,
+                 "on_refusal": staticmethod(on_refusal) if on_refusal else None})

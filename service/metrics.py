@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 # tens of seconds, which buckets ending at 10 s would report as 10 s at every quantile
 LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+HTTP_REFUSALS = (400, 408, 431, 501)  # the statuses service/http_protocol.py answers itself
 
 
 class _Live(Collector):
@@ -44,7 +45,22 @@ class Metrics:
         self.encoder_seconds = Histogram("vlserve_encoder_seconds", "runtime time per encoder batch", ["task"],
                                          buckets=LATENCY_BUCKETS, registry=r)
         self.ready = Gauge("vlserve_ready", "1 once models are loaded and warmed up", registry=r)
+        # the connection's own answers (service/http_protocol.py), given before a request reaches the app; each
+        # status exists from the start, so rate() counts a pod's first ones
+        self.http_refusals = Counter("vlserve_http_refusals", "requests the HTTP layer answered itself, before the "
+                                     "app: 400 unparsable, 408 head too slow, 431 head too large, 501 transfer coding not supported", ["status"], registry=r)
+        for status in HTTP_REFUSALS:
+            self.http_refusals.labels(str(status))
+        self.http_idle_closed = Counter("vlserve_http_idle_closed", "connections closed having sent no request "
+                                        "within head_timeout_s", registry=r)
         self._live: _Live | None = None
+
+    def http_refused(self, status: int | None) -> None:
+        """The HTTP layer's callback: it answered `status` itself, or (None) closed a connection that sent nothing."""
+        if status is None:
+            self.http_idle_closed.inc()
+        else:
+            self.http_refusals.labels(str(status)).inc()
 
     def expect_refusals(self, endpoints: list[str]) -> None:
         """Start each task route's 429 count at 0: Prometheus' rate() reads a counter's growth between scrapes, so the

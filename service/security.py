@@ -77,7 +77,9 @@ class BodyLimitMiddleware:
     streamed chunks); 415 for a compressed body (Content-Encoding) and for a Content-Type the route does not read
     (`body_types`);
     408 when no byte of the body arrives for timeout_s (a client that stalls or trickles nothing would hold the
-    request, its connection and its buffered bytes open for ever; a slow client that keeps sending is served).
+    request, its connection and its buffered bytes open for ever; a slow client that keeps sending is served);
+    429 when the bodies held by all requests, from their first byte to their answer, would pass max_bytes_in_flight
+    (each body's time is bounded, not how many arrive slowly at once: 40 bodies of 9 MiB trickled in held 250 MB).
 
     The body is read here (at most max_bytes of it) and replayed to the app, so the app never sees a
     partial body and the 413 is always a complete problem+json answer. A body cut short by the client's going away
@@ -86,12 +88,14 @@ class BodyLimitMiddleware:
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float, body_types: dict[str, tuple[str, ...]],
-                 endpoints: dict[str, str] | None = None):
+                 endpoints: dict[str, str] | None = None, max_bytes_in_flight: int = 0):
         self.app = app
         self.endpoints = endpoints or {}  # path -> the route template a request cut short is counted under
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         self.body_types = body_types  # path -> the media types its route reads; paths not named read any
+        self.max_bytes_in_flight = max_bytes_in_flight  # 0 = unbounded
+        self.bytes_in_flight = 0  # of the bodies requests hold now
 
     def too_large(self) -> str:
         return f"request body is over the limit of {self.max_bytes} bytes"
@@ -102,8 +106,11 @@ class BodyLimitMiddleware:
         given = scope
 
         async def refuse(status: int, detail: str, headers: dict[str, str] | None = None) -> None:
+            """Answer before the body is read whole, and close the connection: its unread rest would be read as the
+            next request, and a client that sent `Expect: 100-continue` sends no body to a refusal, so the server
+            cannot tell where the next request begins."""
             given.setdefault(ENDPOINT, self.endpoints.get(scope["path"]))  # not routed: counted under its route
-            await send_problem(scope, send, status, detail, headers=headers)
+            await send_problem(scope, send, status, detail, headers={**(headers or {}), "Connection": "close"})
 
         headers = dict(scope["headers"])
         length = headers.get(b"content-length")
@@ -127,33 +134,44 @@ class BodyLimitMiddleware:
                                 "send JSON with Content-Type: application/json")
         if allowed is not None and content_type is None:  # read as JSON: say so to the route's parser
             scope = {**scope, "headers": [*scope["headers"], (b"content-type", JSON_TYPES[0].encode())]}
-        chunks, total = [], 0
+        chunks, total, held = [], 0, 0
         loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(None) as deadline:  # one timer for the whole body, moved on at each chunk
-                while True:
-                    deadline.reschedule(loop.time() + self.timeout_s)
-                    message = await receive()
-                    if message["type"] != "http.request":  # the client went away: what came is no request
-                        given.setdefault(ENDPOINT, self.endpoints.get(given["path"]))  # not routed
-                        return client_closed(scope)
-                    total += len(message.get("body", b""))
-                    if total > self.max_bytes:
-                        break
-                    chunks.append(message)
-                    if not message.get("more_body", False):
-                        break
-        except TimeoutError:
-            return await refuse(408, f"no byte of the request body arrived for {self.timeout_s:g} s (body_timeout_s)",
-                                headers={"Connection": "close"})
-        if total > self.max_bytes:
-            return await refuse(413, self.too_large())
-        body = b"".join(m.get("body", b"") for m in chunks)
-        try:
-            await serve_while_connected(self.app, scope, body, receive, send)
+            try:
+                async with asyncio.timeout(None) as deadline:  # one timer for the whole body, moved on at each chunk
+                    while True:
+                        deadline.reschedule(loop.time() + self.timeout_s)
+                        message = await receive()
+                        if message["type"] != "http.request":  # the client went away: what came is no request
+                            given.setdefault(ENDPOINT, self.endpoints.get(given["path"]))  # not routed
+                            return client_closed(scope)
+                        size = len(message.get("body", b""))
+                        total += size
+                        if total > self.max_bytes:
+                            break
+                        if 0 < self.max_bytes_in_flight < self.bytes_in_flight + size:
+                            return await refuse(429, "the service holds as many bytes of request bodies as it may at "
+                                                     "once (max_body_bytes_in_flight); retry in 1 s",
+                                                headers={"Retry-After": "1"})
+                        self.bytes_in_flight += size
+                        held += size
+                        chunks.append(message)
+                        if not message.get("more_body", False):
+                            break
+            except TimeoutError:
+                return await refuse(408, f"no byte of the request body arrived for {self.timeout_s:g} s "
+                                         "(body_timeout_s)")
+            if total > self.max_bytes:
+                return await refuse(413, self.too_large())
+            body = b"".join(m.get("body", b"") for m in chunks)
+            chunks.clear()
+            try:
+                await serve_while_connected(self.app, scope, body, receive, send)
+            finally:
+                if scope is not given and "route" in scope:  # the route the router matched, for the metrics' label
+                    given["route"] = scope["route"]
         finally:
-            if scope is not given and "route" in scope:  # the route the router matched, for the metrics' label
-                given["route"] = scope["route"]
+            self.bytes_in_flight -= held  # the body is the request's until its answer
 
 
 WATCH_AFTER_S = 0.02  # a request answered sooner is not watched: its work is done before a disconnect could stop it

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import ipaddress
 import re
 import typing
 from collections.abc import Mapping
@@ -107,6 +108,10 @@ class Settings(BaseSettings):
     detector_max_queue_wait_s: float = Field(10.0, ge=0, le=MAX_QUEUE_WAIT_MS / 1000)
     # request limits
     max_body_bytes: int = Field(10 * MiB, gt=0)  # larger request bodies get 413
+    # the bytes of request bodies held at once, summed over requests from their first byte to their answer: a
+    # request whose body would pass it gets 429 + Retry-After (bodies arriving slowly, each within body_timeout_s,
+    # held memory without bound); 0 = unbounded, else at least max_body_bytes
+    max_body_bytes_in_flight: int = Field(256 * MiB, ge=0)
     # a request body that sends no byte for this long gets 408
     body_timeout_s: float = Field(30.0, gt=0, le=MAX_TIMEOUT_S)
     # a request's head (request line and headers) larger than this gets 431 and its connection closed
@@ -129,6 +134,10 @@ class Settings(BaseSettings):
     max_candidates: int = Field(100, ge=1, le=MAX_CANDIDATES)  # most image_ids / texts one retrieval request may rank
     # access
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)  # empty = no auth; env: comma-separated
+    # the proxies trusted to say who their client is (X-Forwarded-For, X-Forwarded-Proto), comma-separated IPs or
+    # networks, or "*": the access log's client is then the proxy's client; empty = those headers are ignored (any
+    # client could write them)
+    forwarded_allow_ips: str = ""
     # server
     host: str = "127.0.0.1"  # bind address
     port: int = Field(8000, ge=0, le=65535)  # bind port (0 = any free port)
@@ -156,6 +165,15 @@ class Settings(BaseSettings):
                              f"(chmod -R a+rX on the folder that holds them)") from None
         if not found:
             raise ValueError(f"directory not found: {value}")
+        return value
+
+    @field_validator("max_body_bytes_in_flight")
+    @classmethod
+    def _body_budget(cls, value: int, info: ValidationInfo) -> int:
+        body = info.data.get("max_body_bytes")
+        if 0 < value and body is not None and value < body:
+            raise ValueError(f"{value} is less than max_body_bytes ({body}): a body of the largest size allowed would "
+                             "always be refused; set at least that, or 0 for no bound")
         return value
 
     @field_validator("device")
@@ -215,6 +233,18 @@ class Settings(BaseSettings):
             if any(c.isspace() for c in key):
                 raise ValueError(f"API key #{i + 1} contains whitespace")
         return keys
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _proxy_addresses(cls, value: str) -> str:
+        items = [item.strip() for item in value.split(",") if item.strip()]
+        for item in items:
+            if item != "*":
+                try:
+                    ipaddress.ip_network(item, strict=False)
+                except ValueError:
+                    raise ValueError(f"{item!r} is not an IP address or network (e.g. 10.0.0.0/8), nor *") from None
+        return ",".join(items)
 
     @field_validator("log_level", "log_format", mode="before")
     @classmethod

@@ -29,13 +29,16 @@ PROBLEM_TYPES: dict[str, tuple[int, str]] = {
                              "headers) did not arrive within head_timeout_s"),
     "body-too-large": (413, "the body is over max_body_bytes"),
     "head-too-large": (431, "the request line and headers are over max_head_bytes"),
+    "not-implemented": (501, "a Transfer-Encoding other than chunked"),
     "unsupported-media-type": (415, "a compressed body (Content-Encoding), or a Content-Type the route does not read: "
                                     "JSON (application/json), and for POST /images also multipart/form-data"),
     "validation-error": (422, "the body or a query parameter breaks the schema (errors[] lists each field), or a "
                               "rule that depends on the model: a text the tokenizer reads no word of or over "
                               "max_text_tokens word pieces, or (POST /refer) an image the detector finds no region in"),
     "invalid-image": (422, "not an image of a supported format, truncated, or over max_pixels"),
-    "queue-full": (429, "the task's batch queue is full; retry after Retry-After seconds"),
+    "queue-full": (429, "the service is at capacity: the task's batch queue is full, a new image would wait too long "
+                        "for the detector, or the request bodies held at once are at max_body_bytes_in_flight; "
+                        "retry after Retry-After seconds"),
     "not-ready": (503, "loading, warming up or shutting down; retry after Retry-After seconds"),
     "store-unavailable": (503, "the feature store (Redis) cannot be reached or is busy: an image_id request, or POST "
                                "/images whose image it could not take (other pods would not find it); retry after "
@@ -95,7 +98,8 @@ def problems(*kinds: str) -> dict[int | str, dict[str, Any]]:
 
 
 # Error answers of the task routes (documented in OpenAPI as application/problem+json). The ones every route may
-# give, answered by middleware before routing (400 for a Content-Length, 401, 405, 408, 413, 415), the app's schema
+# give, answered by middleware before routing (400 for a Content-Length, 401, 405, 408, 413, 415, 429 for a body
+# over the bodies' budget), the app's schema
 # adds itself.
 PROBLEMS = problems("bad-request", "unknown-image", "no-head", "validation-error", "invalid-image", "queue-full",
                     "not-ready", "store-unavailable")

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi import APIRouter
-from fastapi.responses import FileResponse
 
 from ..security import PAGE_PATHS
+from .static_file import StaticFile
 
 STATIC = Path(__file__).resolve().parent.parent / "static"  # package data (pyproject.toml)
 MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
@@ -28,8 +28,8 @@ def file_of(path: str) -> Path:
 def _route(path: str):
     target = file_of(path)
 
-    async def serve() -> FileResponse:
-        return FileResponse(target, media_type=MEDIA_TYPES[target.suffix], headers=HEADERS)
+    async def serve() -> StaticFile:
+        return StaticFile(target, media_type=MEDIA_TYPES[target.suffix], headers=HEADERS)
 
     serve.__name__ = f"page_{target.stem.replace('-', '_')}"
     return serve

@@ -167,6 +167,28 @@ def test_a_request_that_does_not_parse_is_a_problem_400(base):
         problem_of(answer_of(sock), 400, "bad-request")
 
 
+@pytest.mark.parametrize("head", [b"GET /healthz HTTP/1.1\r\n\r\n",
+                                  b"GET /healthz HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n"])
+def test_an_http_1_1_request_without_exactly_one_host_is_a_400(base, head):
+    with connect(base) as sock:
+        sock.sendall(head)
+        problem = problem_of(answer_of(sock), 400, "bad-request")
+    assert "exactly one Host header" in problem["detail"]
+    with connect(base) as sock:  # HTTP/1.0 needs none
+        sock.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+        assert answer_of(sock).startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.parametrize("coding", [b"gzip, chunked", b"deflate,chunked", b"foo, chunked"])
+def test_a_transfer_coding_other_than_chunked_is_a_501(base, coding):
+    """uvicorn de-chunked such a body and handed it on still compressed (a misleading 400 or 422, or an answer)."""
+    with connect(base) as sock:
+        sock.sendall(b"POST /vqa HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: "
+                     + coding + b"\r\n\r\n2\r\n{}\r\n0\r\n\r\n")
+        problem = problem_of(answer_of(sock), 501, "not-implemented")
+    assert coding.split(b",")[0].decode() in problem["detail"]
+
+
 def test_many_half_sent_heads_are_all_closed_and_the_service_answers(base):
     socks = [connect(base) for _ in range(100)]
     try:
@@ -180,3 +202,31 @@ def test_many_half_sent_heads_are_all_closed_and_the_service_answers(base):
         for sock in socks:
             sock.close()
     assert httpx.get(f"{base}/healthz").status_code == 200
+
+
+def refusals(base: str) -> dict[str, float]:
+    """vlserve_http_refusals per status and vlserve_http_idle_closed, from /metrics."""
+    counts = {}
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith("vlserve_http_refusals_total{"):
+            counts[line.split('status="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vlserve_http_idle_closed_total "):
+            counts["idle"] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def test_the_connections_own_answers_are_counted_in_metrics(base):
+    before = refusals(base)
+    assert set(before) == {"400", "408", "431", "501", "idle"}  # each exists before the first: rate() counts it
+    with connect(base) as sock:
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        answer_of(sock)
+    with connect(base) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (MAX_HEAD_BYTES + 100) + b"\r\n\r\n")
+        answer_of(sock)
+    with connect(base) as sock, connect(base) as silent:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHo")
+        answer_of(sock)
+        answer_of(silent)
+    after = refusals(base)
+    assert {k: after[k] - before[k] for k in after} == {"400": 1, "408": 1, "431": 1, "501": 0, "idle": 1}

@@ -47,6 +47,42 @@ def test_head_answers_as_get_without_a_body(base, path):
     assert head.headers["content-type"] == get.headers["content-type"]
 
 
+@pytest.mark.parametrize("path,allow", [("/healthz", "GET, HEAD"), ("/", "GET, HEAD"), ("/v2/health/ready", "GET, HEAD"),
+                                        ("/vqa", "POST")])
+def test_a_405_allows_head_wherever_get_is(base, path, allow):
+    r = httpx.request("DELETE", base + path)
+    assert r.status_code == 405 and r.headers["allow"] == allow
+
+
+@pytest.mark.parametrize("path", ["/", "/page/app.js", "/docs/swagger-ui.css"])
+def test_the_services_files_answer_a_revalidation_with_304_and_a_range_with_the_whole(base, path):
+    """The page is sent no-cache, so a browser asks again at each load: an unchanged file is a 304 without its body.
+    Ranges are not served (Starlette's refusals of the ones it cannot serve were text/plain 400s and 416s, and an
+    unknown unit was refused, which RFC 9110 says to ignore): any Range gets the whole file."""
+    whole = httpx.get(base + path)
+    assert whole.status_code == 200 and whole.headers["accept-ranges"] == "none"
+    for validator in ({"If-None-Match": whole.headers["etag"]}, {"If-None-Match": f'"other", W/{whole.headers["etag"]}'},
+                      {"If-Modified-Since": whole.headers["last-modified"]}):
+        again = httpx.get(base + path, headers=validator)
+        assert again.status_code == 304 and again.content == b"" and again.headers["etag"] == whole.headers["etag"]
+    assert httpx.get(base + path, headers={"If-None-Match": '"other"'}).content == whole.content
+    for asked in ("bytes=0-3", "bytes=5-2", "bytes=abc", "items=0-1", "bytes=999999999-"):
+        ranged = httpx.get(base + path, headers={"Range": asked})
+        assert ranged.status_code == 200 and ranged.content == whole.content, asked
+
+
+@pytest.mark.parametrize("sent,instance", [(b"/a%20b", "/a%20b"), (b'/x"y', "/x%22y"), (b"/%E2%82%AC", "/%E2%82%AC")])
+def test_a_problems_instance_is_a_uri_reference(base, sent, instance):
+    """RFC 9457: `instance` is a URI reference; the decoded path ("/a b", '/x"y', "/€") is not one."""
+    with socket.create_connection(tuple(base.removeprefix("http://").split(":")), timeout=10) as sock:
+        sock.sendall(b"GET " + sent + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 404"), answer[:200]
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["instance"] == instance
+
+
 def requests_counted(base: str, **labels: str) -> float:
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     for family in text_string_to_metric_families(httpx.get(f"{base}/metrics").text):
@@ -78,16 +114,20 @@ def test_a_body_refused_before_routing_is_counted_under_its_route(base, image_id
     assert requests_counted(base, endpoint="/vqa", method="POST", status=str(status)) == before + 1
 
 
-def test_the_request_id_comes_back_as_sent_from_every_answer(base, image_id):
-    """An id of Latin-1 bytes (printable) is echoed byte for byte, by the routes and by the answers given before
-    them (415 here), not re-encoded as UTF-8."""
-    sent = [(b"x-request-id", b"req-\xe9"), (b"content-type", b"text/plain")]
-    for path, status in (("/healthz", 200), ("/vqa", 415)):
-        with httpx.Client() as client:
-            r = client.send(httpx.Request("GET" if path == "/healthz" else "POST", base + path, headers=sent,
-                                          content=None if path == "/healthz" else vqa_body(image_id)))
-        echoed = [value for name, value in r.headers.raw if name.lower() == b"x-request-id"]
-        assert r.status_code == status and echoed == [b"req-\xe9"]
+def test_a_request_id_not_in_visible_ascii_is_replaced_everywhere(base, image_id):
+    """The header is bytes and the body and the log are UTF-8, which agree on ASCII only: a UTF-8 "café" came back
+    as "café" in the header and "cafÃ©" in the body. Such an id is replaced by the service's own, the same in the
+    header and the body, by the routes and by the answers given before them (415 here)."""
+    for sent in (b"caf\xc3\xa9", b"req-\xe9"):
+        for path, status in (("/healthz", 200), ("/vqa", 415)):
+            headers = [(b"x-request-id", sent), (b"content-type", b"text/plain")]
+            with httpx.Client() as client:
+                r = client.send(httpx.Request("GET" if path == "/healthz" else "POST", base + path, headers=headers,
+                                              content=None if path == "/healthz" else vqa_body(image_id)))
+            echoed = [value for name, value in r.headers.raw if name.lower() == b"x-request-id"]
+            assert r.status_code == status and len(echoed) == 1 and len(echoed[0]) == 32 and echoed[0].isascii()
+            if status != 200:
+                assert r.json()["request_id"] == echoed[0].decode()
 
 
 def test_every_answer_carries_the_request_id(base, image_id):
@@ -171,6 +211,67 @@ def test_a_body_that_stops_arriving_is_408_and_a_slow_one_is_served(base, image_
     assert BODY_TIMEOUT_S <= waited < BODY_TIMEOUT_S + 5
     trickled = raw_request(base, head, [(BODY_TIMEOUT_S / 2, body[i:i + 40]) for i in range(0, len(body), 40)])
     assert trickled.startswith(b"HTTP/1.1 200"), trickled[:300]
+
+
+@pytest.mark.parametrize("headers,status", [
+    ("Content-Type: text/plain\r\nContent-Length: 100\r\n", 415),
+    ("Content-Type: application/json\r\nContent-Length: 99999999\r\n", 413),
+    ("Content-Type: application/json\r\nContent-Encoding: gzip\r\nContent-Length: 100\r\n", 415),
+])
+def test_a_body_refused_unread_closes_its_connection(base, headers, status):
+    """A client that sent `Expect: 100-continue` sends no body to a refusal and may reuse the connection: left
+    open, its next request was read as the refused body. The refusal closes the connection."""
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST /vqa HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n{headers}\r\n".encode())
+        answer = b""
+        while chunk := sock.recv(65536):  # until the server closes: no time-out waiting for a body
+            answer += chunk
+    assert answer.startswith(f"HTTP/1.1 {status}".encode()) and b"connection: close" in answer.lower(), answer[:300]
+    assert b"100 Continue" not in answer
+
+
+def test_bodies_held_at_once_are_bounded_and_given_back(tmp_path, tiny_checkpoint, tiny_detector, image_png):
+    """Bodies trickled in, each within body_timeout_s, held memory without bound: the bodies requests hold at once
+    are bounded by max_body_bytes_in_flight (a body that would pass it is a 429), and a request that ends, whether
+    its client left or it was answered, gives its bytes back."""
+    big = ("POST /vqa HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000000\r\n"
+           "\r\n").encode()
+    with served(tmp_path, tiny_checkpoint, tiny_detector, "--max-body-bytes", str(1 << 20),
+                "--max-body-bytes-in-flight", str(2 << 20)) as url:
+        host, port = url.removeprefix("http://").split(":")
+        held = [socket.create_connection((host, int(port)), timeout=10) for _ in range(2)]
+        for sock in held:  # 1.8 MB of 2 MiB held, neither body complete
+            sock.sendall(big + b" " * 900_000)
+        time.sleep(0.5)
+        refused = raw_request(url, big, [(0, b" " * 400_000)])
+        assert refused.startswith(b"HTTP/1.1 429"), refused[:300]
+        assert b"/problems/queue-full" in refused and b"max_body_bytes_in_flight" in refused
+        assert b"retry-after: 1" in refused.lower() and b"connection: close" in refused.lower()
+        assert httpx.get(f"{url}/healthz").status_code == 200  # no body: never refused
+        small = httpx.post(f"{url}/vqa", json={"image": base64.b64encode(image_png).decode(), "question": "what?"},
+                           timeout=60)
+        assert small.status_code == 200, small.text  # there is room for a small one
+        for sock in held:  # their clients leave: their bytes are given back
+            sock.close()
+        time.sleep(0.5)
+        for _ in range(3):  # answered requests give theirs back too
+            again = raw_request(url, big, [(0, b" " * 999_999 + b"x")])
+            assert again.startswith(b"HTTP/1.1 400"), again[:300]  # read whole: not JSON
+
+
+@pytest.mark.parametrize("trusted,logged", [("127.0.0.1", "203.0.113.7"), ("10.0.0.0/8", "127.0.0.1"), (None, "127.0.0.1")])
+def test_a_trusted_proxy_names_its_client_in_the_access_log(tmp_path, tiny_checkpoint, tiny_detector, trusted, logged):
+    """Behind a proxy every access line named the proxy. X-Forwarded-For is read from the proxies of
+    forwarded_allow_ips only: from anyone else (and by default) it is ignored, as any client could write it."""
+    options = ("--forwarded-allow-ips", trusted) if trusted else ()
+    with served(tmp_path, tiny_checkpoint, tiny_detector, "--log-level", "info", *options) as url:
+        r = httpx.get(f"{url}/healthz", headers={"X-Forwarded-For": "203.0.113.7", "X-Request-ID": "fwd-1"})
+        assert r.status_code == 200
+        time.sleep(0.3)
+    (line,) = [line for line in (tmp_path / "serve.log").read_text().splitlines() if "request_id=fwd-1" in line]
+    other = "127.0.0.1" if logged != "127.0.0.1" else "203.0.113.7"
+    assert f" {logged}:" in line and other not in line, line
 
 
 def test_a_lone_surrogate_in_a_v2_name_is_a_400_and_the_connection_lives(base, image_id):

@@ -4,6 +4,7 @@ chosen when the build has them; VLSERVE_RUNTIME=tensorrt's engine profiles (its 
 from __future__ import annotations
 
 import base64
+import logging
 
 import numpy as np
 import onnxruntime
@@ -130,6 +131,16 @@ def test_a_repository_with_the_detector_serves_it_and_answers_as_torch(repositor
         assert isinstance(c.app.state.services.pipeline.regions.detector, OnnxDetector)
         assert c.get("/readyz").json()["model"]["detector"] == torch_fingerprint  # same cache keys: same regions
         assert_same_answers(answers(c, image_png, make_png), ref)
+
+
+def test_bf16_that_changes_nothing_is_said(repositories, make_settings, caplog):
+    """--precision bf16 sets torch's arithmetic: under onnxruntime with the repository's own detector graph nothing
+    runs in torch, so the setting would silently do nothing."""
+    with caplog.at_level(logging.WARNING, logger="vlserve.app"):
+        with TestClient(create_app(make_settings(model_dir=repositories["with-detector"][1], runtime="onnxruntime",
+                                                 precision="bf16"))) as c:
+            assert c.get("/readyz").json()["model"]["precision"] == "fp32"
+    assert any("precision bf16 changes nothing here" in r.getMessage() for r in caplog.records)
 
 
 def test_runtime_batches_equal_torch_logits(repositories, tiny_detector, image_png):

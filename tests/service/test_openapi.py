@@ -19,13 +19,15 @@ from tests.service.conftest import while_the_encoder_is_held
 
 LIMITS = dict(max_body_bytes=64 * 1024, max_text_chars=40, max_text_tokens=64, max_top_k=5, max_candidates=3)
 EVERY = {"400": ["bad-request"], "405": ["method-not-allowed"], "408": ["request-timeout"], "413": ["body-too-large"],
-         "415": ["unsupported-media-type"], "431": ["head-too-large"]}  # answered before any route, on any
+         "415": ["unsupported-media-type"], "431": ["head-too-large"],
+         "429": ["queue-full"], "501": ["not-implemented"]}  # answered before any route, on any (429: to a body
+# past the bodies held at once)
 TASK = {"200": None, **EVERY, "404": ["unknown-image", "no-head"], "422": ["validation-error", "invalid-image"],
-        "429": ["queue-full"], "503": ["not-ready", "store-unavailable"]}
+        "503": ["not-ready", "store-unavailable"]}
 # Every status each operation may answer, with the problem types of each error status.
 EXPECTED = {
     ("post", "/vqa"): TASK, ("post", "/refer"): TASK, ("post", "/retrieve"): TASK, ("post", "/nlvr2"): TASK,
-    ("post", "/images"): {"200": None, **EVERY, "422": ["validation-error", "invalid-image"], "429": ["queue-full"],
+    ("post", "/images"): {"200": None, **EVERY, "422": ["validation-error", "invalid-image"],
                           "503": ["not-ready", "store-unavailable"]},
     ("get", "/healthz"): {"200": None, **EVERY},
     ("get", "/readyz"): {"200": None, **EVERY, "503": ["not-ready"]},

@@ -581,7 +581,8 @@ def test_many_regions_keep_their_labels_readable(browser, crowded):
 
 def test_the_schema_page_renders_offline(browser, server):
     """/docs loads its script and style from the service, not a CDN: with every other host unreachable (as on this
-    project's machines and air-gapped clusters) the operations are listed, and no request left."""
+    project's machines and air-gapped clusters) the operations are listed, and no request left. Its
+    Content-Security-Policy lets its own code run, and a request tried from it, and logs no refusal."""
     context = browser.new_context(extra_http_headers={"X-API-Key": KEY})
     elsewhere: list[str] = []
     origin = urlparse(server).netloc
@@ -597,10 +598,16 @@ def test_the_schema_page_renders_offline(browser, server):
     page = context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)  # CSP refusals among them
     try:
-        page.goto(f"{server}/docs")
-        expect(page.locator(".opblock-summary-path").first).to_be_visible()
+        answer = page.goto(f"{server}/docs")
+        assert "script-src 'self' 'sha256-" in answer.headers["content-security-policy"]  # no other inline script runs
+        expect(page.locator(".opblock-summary-path").first).to_be_visible()  # the inline start-up script ran
         assert "/vqa" in page.content() and "/nlvr2" in page.content()
+        page.locator(".opblock-summary-path", has_text="/healthz").first.click()
+        page.get_by_role("button", name="Try it out").click()
+        page.get_by_role("button", name="Execute").click()  # a request from the page to this origin is allowed
+        expect(page.locator(".live-responses-table tbody .response-col_status").first).to_have_text("200")
     finally:
         context.close()
     assert not elsewhere and not errors, (elsewhere, errors)
@@ -653,20 +660,37 @@ def prefix_proxy(backend: str, prefix: str = "/vlserve") -> Iterator[str]:
 def test_the_page_works_under_a_proxys_path_prefix(browser, server):
     """Served under a prefix (nginx's proxy_pass to the service's /), the page loads its files, samples and API
     requests under that prefix too (opened() fails on any of them answered the proxy's 404), and /docs is linked
-    there."""
-    with prefix_proxy(server) as base, opened(browser, base) as page:
-        assert page.url == f"{base}/"
-        shapes = upload_sample(page, "sample-shapes.png")
-        page.set_input_files("#file", files=[file_payload("more.png", sample_bytes("sample-shapes-2.png"))])
-        expect(page.locator("#gallery button")).to_have_count(2)
-        page.click(f"#gallery button[data-image-id='{shapes}']")
-        page.click("#vqa-form button[type=submit]")
-        page.wait_for_selector("#vqa-answers li")
-        answered = api(server, "POST", "/vqa", json={"image_id": shapes, "question": page.input_value("#vqa-question"),
-                                                     "top_k": 5}).json()
-        assert page.locator("#vqa-answers li .name").all_text_contents() == [a["answer"] for a in answered["answers"]]
-        assert page.is_hidden("#error")
-        assert page.evaluate("document.querySelector('footer a').href") == f"{base}/docs"
+    there and sends its "Try it out" requests there."""
+    with prefix_proxy(server) as base:
+        with opened(browser, base) as page:
+            page_under_a_prefix(page, server, base)
+        context = browser.new_context(extra_http_headers={"X-API-Key": KEY})  # /docs needs the key
+        try:
+            docs = context.new_page()
+            docs.goto(f"{base}/docs")  # its "Try it out" sends its requests under the prefix too
+            docs.locator(".opblock-summary-path", has_text="/healthz").first.click()
+            docs.get_by_role("button", name="Try it out").click()
+            docs.get_by_role("button", name="Execute").click()
+            expect(docs.locator(".live-responses-table tbody .response-col_status").first).to_have_text("200")
+            assert docs.locator(".request-url pre").first.text_content() == f"{base}/healthz"
+        finally:
+            context.close()
+
+
+def page_under_a_prefix(page, server: str, base: str) -> None:
+    """The page through the prefix: its files, samples and API requests, and the link to /docs."""
+    assert page.url == f"{base}/"
+    shapes = upload_sample(page, "sample-shapes.png")
+    page.set_input_files("#file", files=[file_payload("more.png", sample_bytes("sample-shapes-2.png"))])
+    expect(page.locator("#gallery button")).to_have_count(2)
+    page.click(f"#gallery button[data-image-id='{shapes}']")
+    page.click("#vqa-form button[type=submit]")
+    page.wait_for_selector("#vqa-answers li")
+    answered = api(server, "POST", "/vqa", json={"image_id": shapes, "question": page.input_value("#vqa-question"),
+                                                 "top_k": 5}).json()
+    assert page.locator("#vqa-answers li .name").all_text_contents() == [a["answer"] for a in answered["answers"]]
+    assert page.is_hidden("#error")
+    assert page.evaluate("document.querySelector('footer a').href") == f"{base}/docs"
 
 
 def unknown_image(image_id: str) -> str:

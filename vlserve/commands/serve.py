@@ -94,6 +94,9 @@ def serve(
                                                             "decoded, s; 0 = off " + _default("detector_max_queue_wait_s"),
                                                             "Batching")] = None,
     max_body_bytes: Annotated[int | None, _opt("larger request bodies get 413 " + _default("max_body_bytes"), "Limits")] = None,
+    max_body_bytes_in_flight: Annotated[int | None, _opt("request bodies held at once, summed over requests; a body "
+                                                         "that would pass it gets 429; 0 = unbounded "
+                                                         + _default("max_body_bytes_in_flight"), "Limits")] = None,
     body_timeout_s: Annotated[float | None, _opt("a request body that sends no byte for this long gets 408, s "
                                                  + _default("body_timeout_s"), "Limits")] = None,
     max_head_bytes: Annotated[int | None, _opt("a request head (request line and headers) larger than this gets 431 "
@@ -114,6 +117,8 @@ def serve(
     max_candidates: Annotated[int | None, _opt("most image_ids / texts one /retrieve request may rank " + _default("max_candidates"), "Limits")] = None,
     api_keys: Annotated[str | None, _opt("comma-separated API keys for X-API-Key; none = open (prefer the env variable: "
                                          "command lines are visible to other users)", "Access")] = None,
+    forwarded_allow_ips: Annotated[str | None, _opt("proxies trusted for X-Forwarded-For/-Proto: comma-separated IPs or "
+                                                    "networks, or *; none = the headers are ignored", "Access")] = None,
     host: Annotated[str | None, _opt("bind address " + _default("host"), "Server")] = None,
     port: Annotated[int | None, _opt("bind port; 0 = any free port " + _default("port"), "Server")] = None,
     shutdown_drain_s: Annotated[float | None, _opt("on SIGTERM, how long /readyz answers 503 while requests are still "
@@ -234,8 +239,10 @@ def run_server(settings, log_level: str | None = None) -> int:
         quiet_startup_failure(app), host=settings.host, port=settings.port, lifespan="on",
         log_config=logs, log_level=level, access_log=False,
         timeout_graceful_shutdown=settings.shutdown_timeout_s,
-        proxy_headers=False, server_header=False,
-        http=bounded_head_protocol(settings.max_head_bytes, settings.head_timeout_s)), app.state, settings.shutdown_drain_s)
+        proxy_headers=bool(settings.forwarded_allow_ips), forwarded_allow_ips=settings.forwarded_allow_ips or None,
+        server_header=False,
+        http=bounded_head_protocol(settings.max_head_bytes, settings.head_timeout_s, app.state.metrics.http_refused)),
+        app.state, settings.shutdown_drain_s)
     try:
         server.run()
     except SystemExit:  # uvicorn exits 3 when start-up or binding the port fails
