@@ -1,6 +1,7 @@
 """The `vlserve` console script: one entry point, one module per subcommand under vlserve/commands/."""
 from __future__ import annotations
 
+import inspect
 import logging
 
 import typer
@@ -17,7 +18,34 @@ from vlserve.commands.serve import serve
 from vlserve.commands.train import app as train_app
 from vlserve.commands.zoo import app as zoo_app
 
-app = typer.Typer(
+def reflowed(text: str | None) -> str | None:
+    """A help text with each paragraph's lines joined: the terminal wraps them (Typer's rich help keeps the source's
+    line breaks after the first paragraph, so a docstring's lines came out broken twice, at its width and the
+    terminal's). A paragraph that begins with \b (click's mark for text kept as written) is left alone."""
+    if not text:
+        return text
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(p if p.startswith("\b") else " ".join(line.strip() for line in p.splitlines())
+                       for p in paragraphs)
+
+
+def reflow_help(command) -> None:
+    """Reflow the help of `command` and of every command under it."""
+    command.help = reflowed(command.help)
+    for sub in getattr(command, "commands", {}).values():
+        reflow_help(sub)
+
+
+class App(typer.Typer):
+    """The CLI, its help texts reflowed."""
+
+    def __call__(self, *args, **kwargs):
+        command = typer.main.get_command(self)
+        reflow_help(command)
+        return command(*args, **kwargs)
+
+
+app = App(
     help="vlserve: serve VisualBERT, VL-BERT, ViLBERT, LXMERT and U-VisualBERT models.",
     no_args_is_help=True,
     add_completion=False,
