@@ -88,6 +88,11 @@ def parity_batches(model: VLModel, task: str, examples: int, seed: int = 0):
     """(shape, feed, torch logits) of each of the parity_shapes(examples) batches for `model`'s position table."""
     for i, (b, t, n) in enumerate(parity_shapes(examples, model.config.encoder.text_positions)):
         feed = synthetic_batch(model.config, task, batch=b, text_len=t, regions=n, seed=seed + i)
+        if "image_feature" not in feed:  # torch is given what the service gives it where its detector has a
+            # whole-image feature: a graph without that input must answer as torch does with it
+            rng = np.random.default_rng(seed + i)
+            feed["image_feature"] = np.abs(rng.standard_normal(feed["region_features"].shape[:-2]
+                                                               + feed["region_features"].shape[-1:])).astype(np.float32)
         yield (b, t, n), feed, torch_logits(model, task, feed)
 
 

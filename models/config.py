@@ -73,7 +73,8 @@ class EncoderConfig:
     pooler_style: str = "tanh"  # lxmert, visualbert: "tanh" = tanh(FC(h_CLS)), as BERT; "relu" = ReLU(FC(h_CLS)), as
     # VOLTA's conversion of LXMERT; "relu_mul" = ReLU(FC(h_CLS)) * ReLU(FC(h_IMG)), as VOLTA's controlled models
     whole_image_region: bool = False  # lxmert, visualbert: the whole image (the mean real-region feature, box 0 0 1 1)
-    # leads the regions, as ViLBERT's [IMG] (VOLTA's controlled models)
+    # leads the regions, as ViLBERT's [IMG] (VOLTA's controlled models); never the detector's whole-image feature,
+    # which VOLTA's feature readers do not read
     box_dims: int = 4  # lxmert: location values the object embedding reads: 4 (x1 y1 x2 y2) or 5 (and the
     # area, VOLTA's controlled LXMERT)
     geometry_dim: int = 0  # VL-BERT sin/cos box embedding width (0 = 4 * 64)
@@ -309,6 +310,9 @@ class ModelConfig:
         if not isinstance(self.heads, dict) or not all(isinstance(h, HeadConfig) for h in self.heads.values()):
             raise TypeError("heads must be a dict of task name -> HeadConfig")
         for name, head in self.heads.items():
+            if self.encoder.task_tokens and head.task_token < 0:  # its inputs would carry no task: not 12-in-1's
+                raise ValueError(f"head {name!r}: task_token={head.task_token}, but every head of an encoder with task "
+                                 f"tokens runs with one: give a task id from 0 to {self.encoder.task_tokens - 1}")
             if head.task_token >= self.encoder.task_tokens:
                 have = (f"its {self.encoder.task_tokens} task tokens" if self.encoder.task_tokens
                         else f"no task tokens (a {self.encoder.preset} encoder)" if self.encoder.preset != "vilbert"

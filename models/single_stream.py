@@ -328,9 +328,10 @@ class SingleStreamEncoder(nn.Module):
         region_features, image_feature = normalized_features(self.feature_norm, region_features, image_feature)
         n = region_features.shape[1]
         if self.config.whole_image_region:  # VOLTA's controlled VisualBERT: the whole image as one more region, after
-            # the others (VOLTA's goes first; regions share one position, so the order changes no output)
+            # the others (VOLTA's goes first; regions share one position, so the order changes no output); its
+            # feature is the mean of the regions', as VOLTA's feature readers make it, whatever the detector gives
             region_features, region_boxes, region_mask = with_whole_image(region_features, region_boxes, region_mask,
-                                                                          image_feature, last=True)
+                                                                          last=True)
         x, mask = self.embeddings(input_ids, attention_mask, token_type_ids, region_features, region_boxes, region_mask, image_feature, tag_ids)
         bias = additive_mask(mask, x.dtype)
         # the layers' token-wise work on the real tokens alone (Packing); padding positions come out as zeros

@@ -141,9 +141,8 @@ class LxmertEncoder(nn.Module):
         """Object embeddings and the NR object-relationship layers (LXMERT has no whole-image input; VOLTA's
         controlled LXMERT puts the whole image first, mask (B, 1+N))."""
         region_features, image_feature = normalized_features(self.feature_norm, region_features, image_feature)
-        if self.config.whole_image_region:
-            region_features, region_boxes, region_mask = with_whole_image(region_features, region_boxes, region_mask,
-                                                                          image_feature)
+        if self.config.whole_image_region:  # the mean of the regions', as VOLTA's feature readers make it
+            region_features, region_boxes, region_mask = with_whole_image(region_features, region_boxes, region_mask)
         visn = self.visn_fc(region_features, region_boxes)  # (B, N, H)
         visn_bias = additive_mask(region_mask, visn.dtype)
         for layer in self.r_layers:

@@ -21,7 +21,7 @@ cls.bi_seq_relationship -> itm (rows swapped: vlserve's index 1 is "matches"), c
 vil_prediction -> vqa, vil_prediction_gqa -> gqa (a second vqa-kind head), vil_binary_prediction -> nlvr2,
 vil_logit -> rank (an itm-kind head whose "matches" logit is the score and whose other logit is 0: /retrieve ranks by
 their difference), vision_logit -> refer. Each 12-in-1 head carries the task token of one of its tasks
-(vilbert_tasks.yml's task_id, TASK_TOKENS); config.json's heads.<name>.task_token picks another of the same head
+(vilbert_tasks.yml's task_id, TASK_TOKENS); the import's --task-token HEAD=ID picks another of the same head
 (e.g. refer: 9 RefCOCO, 10 RefCOCO+, 11 RefCOCOg; rank: 7 COCO, 8 Flickr30k).
 
 Listed in the manifest's import.ignored_keys, by name (unused_keys; the CLI says why: WHY_UNUSED): every co-attention layer's biOutput.q_dense1 and
@@ -245,9 +245,29 @@ def pretraining_heads(source: HFSource) -> tuple[dict[str, HeadConfig], KeyMap, 
     return heads, keymap, swapped
 
 
-def task_heads(source: HFSource, enc: EncoderConfig) -> tuple[dict[str, HeadConfig], KeyMap, dict]:
-    """VILBertForVLTasks' heads with an endpoint, each with its task token when the model has a task table."""
-    token = (lambda name: TASK_TOKENS[name]) if enc.task_tokens else (lambda name: -1)
+def chosen_tokens(source: HFSource, enc: EncoderConfig, tokens: dict[str, int] | None) -> dict[str, int]:
+    """The task token of each head: TASK_TOKENS, with those `tokens` chooses (head -> another task id of the
+    12-in-1 model's table, e.g. refer 10 for RefCOCO+); HFImportError naming a choice that cannot be."""
+    chosen = dict(TASK_TOKENS)
+    for head, task_id in (tokens or {}).items():
+        if not enc.task_tokens:
+            raise HFImportError(f"{source.weights_path}: --task-token {head}={task_id}: this model has no task tokens "
+                                "(the 12-in-1 model, multi_task_model.bin, has)")
+        if head not in chosen:
+            raise HFImportError(f"--task-token {head}={task_id}: no head {head!r}; the heads are "
+                                f"{', '.join(sorted(chosen))}")
+        if not 0 <= task_id < enc.task_tokens:
+            raise HFImportError(f"--task-token {head}={task_id}: the model's task ids are 0 to {enc.task_tokens - 1}")
+        chosen[head] = task_id
+    return chosen
+
+
+def task_heads(source: HFSource, enc: EncoderConfig,
+               tokens: dict[str, int] | None = None) -> tuple[dict[str, HeadConfig], KeyMap, dict]:
+    """VILBertForVLTasks' heads with an endpoint, each with its task token when the model has a task table
+    (TASK_TOKENS, or the one `tokens` chooses)."""
+    chosen = chosen_tokens(source, enc, tokens)
+    token = (lambda name: chosen[name]) if enc.task_tokens else (lambda name: -1)
     heads = {
         "vqa": HeadConfig(kind="vqa", num_labels=source.rows("vil_prediction.logit_fc.3.weight"), task_token=token("vqa")),
         "gqa": HeadConfig(kind="vqa", num_labels=source.rows("vil_prediction_gqa.logit_fc.3.weight"),
@@ -267,13 +287,18 @@ def task_heads(source: HFSource, enc: EncoderConfig) -> tuple[dict[str, HeadConf
     return heads, keymap, rank
 
 
-def convert(source: HFSource, answers: Path | None = None) -> tuple[ModelConfig, dict, dict, str]:
-    """Our config, tensors and labels from a vilbert-multi-task state dict, and the reference model it was saved from."""
+def convert(source: HFSource, answers: Path | None = None,
+            tokens: dict[str, int] | None = None) -> tuple[ModelConfig, dict, dict, str]:
+    """Our config, tensors and labels from a vilbert-multi-task state dict, and the reference model it was saved from.
+    `tokens`: head -> the task id it runs with, where not TASK_TOKENS' (12-in-1)."""
     check_format(source)
     encoder = build_encoder_config(source, "vilbert", encoder_fields(source))
     task_model = source.has("vil_prediction.logit_fc.0.weight")
+    if tokens and not task_model:
+        raise HFImportError(f"{source.weights_path}: --task-token: this model has no task heads (the 12-in-1 model, "
+                            "multi_task_model.bin, has)")
     if task_model:
-        heads, head_keys, built = task_heads(source, encoder)
+        heads, head_keys, built = task_heads(source, encoder, tokens)
         model = "VILBertForVLTasks"
     elif source.has("cls.predictions.bias"):
         heads, head_keys, built = pretraining_heads(source)
@@ -307,9 +332,10 @@ def convert(source: HFSource, answers: Path | None = None) -> tuple[ModelConfig,
 
 
 def import_vilbert(src: str | Path, out: str | Path, config: str | Path | None = None,
-                   answers: Path | None = None) -> Path:
+                   answers: Path | None = None, tokens: dict[str, int] | None = None) -> Path:
     """Convert a vilbert-multi-task .bin file into a vlserve checkpoint directory; returns `out`.
-    `config`: its config json (default: beside the weights); `answers`: the VQA head's answer table."""
+    `config`: its config json (default: beside the weights); `answers`: the VQA head's answer table; `tokens`: head
+    -> the 12-in-1 task id it runs with, where not the default (TASK_TOKENS)."""
     source = read_vilbert(src, config)
-    model_config, weights, labels, model = convert(source, answers)
+    model_config, weights, labels, model = convert(source, answers, tokens)
     return write_checkpoint(source, out, model_config, weights, labels, FORMAT, model, answers)

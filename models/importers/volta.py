@@ -348,6 +348,7 @@ def encoder_fields(source: HFSource, lay: Layout) -> dict:
         coattention_hidden_size=co_width,
         coattention_num_heads=co_heads,
         pooler_size=source.get("pooler_size", default=768, least=1),
+        img_from_regions=True,  # [IMG] = the mean of the regions' features, as VOLTA's feature readers make it
     )
 
 

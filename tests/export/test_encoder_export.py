@@ -56,9 +56,14 @@ def test_every_head_matches_torch_at_other_sizes(preset, make_model, tmp_path):
 @pytest.mark.parametrize("preset, fields", [
     ("u-visualbert", dict(box_embedding="normalized", embedding_style="vlserve")),  # the demo's sin/cos box embedding
     ("vl-bert", dict(vlbert_embedding="volta", whole_image_region=True)),  # VOLTA's VL-BERT (its last slot is [END])
+    # VOLTA's controlled LXMERT and VisualBERT: the whole image, the regions' mean, as one more region
+    ("lxmert", dict(whole_image_region=True, pooler_style="relu_mul", box_dims=5)),
+    ("visualbert", dict(whole_image_region=True, pooler_style="relu_mul")),
 ])
 def test_embedding_variants_match_torch(preset, fields, make_model, tmp_path):
-    """Embedding variants that imported or trained checkpoints use export with parity."""
+    """Embedding variants that imported or trained checkpoints use export with parity. The parity gives torch a
+    whole-image feature as the service does where its detector has one: a graph without that input answers as torch
+    does with it (VOLTA's whole image is the regions' mean, which torch read from the detector instead)."""
     model = make_model(preset, "vqa", "refer", **fields).eval()
     for task in model.config.heads:
         spec = export_task(model, task, tmp_path / f"{task}.onnx")

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from models import VLInputs, VLModel
+from models import ModelConfig, VLInputs, VLModel
 from models.checkpoint import load_checkpoint
 from models.importers.vilbert import TASK_TOKENS, convert
 from service.pipeline import task_specs
@@ -138,6 +138,39 @@ def test_task_token_is_required_and_changes_the_answer(tmp_path, reference):
         vqa = model.heads["vqa"](model.forward_features(x, task_token=1), x)
         other = model.heads["vqa"](model.forward_features(x, task_token=2), x)
     assert max_diff(vqa, reference["a.task1.vil_prediction"]) < ATOL and max_diff(vqa, other) > 1e-3
+
+
+def test_another_task_of_a_head_is_chosen_at_import(tmp_path, reference):
+    """`--task-token HEAD=ID` runs a head with another 12-in-1 task (editing config.json instead breaks its hash)."""
+    ckpt, _ = imported("multi_task_model.bin", tmp_path / "ours", "--task-token", "refer=10", "--task-token", "rank=8")
+    model, x = ckpt.model.eval(), batch(reference, "a")
+    assert {name: h.task_token for name, h in model.config.heads.items()} == {**TASK_TOKENS, "refer": 10, "rank": 8}
+    with torch.no_grad():
+        refer = model(x, "refer").logits
+        assert max_diff(refer, model.heads["refer"](model.forward_features(x, task_token=10), x)) == 0
+        assert max_diff(refer, model.heads["refer"](model.forward_features(x, task_token=9), x)) > 1e-4
+
+
+@pytest.mark.parametrize("name,given,message", [
+    ("multi_task_model.bin", "refer", "give HEAD=ID, e.g. refer=10"),
+    ("multi_task_model.bin", "refer=ten", "give HEAD=ID, e.g. refer=10"),
+    ("multi_task_model.bin", "caption=3", "no head 'caption'; the heads are gqa, nlvr2, rank, refer, vqa"),
+    ("multi_task_model.bin", "refer=999", "the model's task ids are 0 to"),
+    ("pretrained_model.bin", "refer=10", "this model has no task"),
+])
+def test_a_task_token_that_cannot_be_is_refused(tmp_path, name, given, message):
+    result = cli(FIXTURE / name, tmp_path / "ours", "--config", FIXTURE / CONFIGS[name], "--task-token", given)
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert not (tmp_path / "ours").exists()
+
+
+def test_a_head_without_a_task_token_on_a_task_token_model_is_refused(tmp_path):
+    """Its inputs would carry no task (the forward failed at serve's warm-up with "got None")."""
+    ckpt, _ = imported("multi_task_model.bin", tmp_path / "ours")
+    data = ckpt.model.config.to_dict()
+    data["heads"]["refer"]["task_token"] = -1
+    with pytest.raises(ValueError, match="head 'refer': task_token=-1, but every head of an encoder with task tokens"):
+        ModelConfig.from_dict(data)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -68,6 +68,20 @@ def test_every_metric_of_a_finetuned_checkpoint(trained):
         assert list(recall) == ["R@1", "R@5", "R@10"] and recall["R@1"] <= recall["R@5"] <= recall["R@10"]
 
 
+def test_a_checkpoint_of_fewer_text_positions_than_its_tokenizer_cuts_is_evaluated(trained):
+    """An imported checkpoint may place fewer text positions than its tokenizer's max_length: rows were padded past
+    its position table (a traceback); its texts are cut to its positions, as the service cuts them, and it says so."""
+    root, _ = trained
+    short = create_model("visualbert", "tiny", heads={"itm": HeadConfig(kind="itm")}, visual_feat_dim=16,
+                         max_position_embeddings=24)
+    save_checkpoint(short, root / "short", VLTokenizer.pretrained_minilm(max_length=40))
+    result = evaluate(root, "--scenes", 10, "--easy-vqa-images", 0, "--retrieval-pool", 10, "--retrieval-queries", 3,
+                      checkpoint="short")
+    assert result.exit_code == 0, result.output
+    assert "note: texts are cut to the 24 text positions" in result.stderr
+    assert 0.0 <= json.loads(result.stdout)["itm_acc"] <= 1.0
+
+
 def test_a_checkpoint_with_a_query_bank_ranks_text_to_image_by_it(trained):
     """The bank in labels.json: text -> image ranks the bank-normalised scores; the raw scores' R@K (reported beside
     them) are those of the same weights without a bank; image -> text is unchanged."""

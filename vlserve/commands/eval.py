@@ -118,6 +118,11 @@ def encoder(
         except ValueError as exc:
             fail(str(exc))
     model, tokenizer = checkpoint.model, checkpoint.tokenizer
+    if tokenizer.max_length > enc.text_positions:  # an imported checkpoint may place fewer: rows would index past
+        # its position table (the service cuts its texts the same way: app.text_token_limit)
+        typer.echo(f"note: texts are cut to the {enc.text_positions} text positions of {path} (its tokenizer's "
+                   f"max_length is {tokenizer.max_length})", err=True)
+        tokenizer.max_length = enc.text_positions
     easy_vqa_images = easy_vqa_images if head_for(model, "vqa") else 0  # extract only what some head reads
     retrieval_pool = retrieval_pool if head_for(model, "itm") else 0
     data = tagged(prepare_eval_data(detector_dir, split, scenes, easy_vqa_images, retrieval_pool, **shapes, device=device), model, tokenizer)

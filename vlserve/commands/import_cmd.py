@@ -266,12 +266,23 @@ def vilbert(
         "config/bert_base_6layer_6conect.json for the published models); default: a config.json or "
         "bert_base_6layer_6conect.json beside SRC")] = None,
     answers: Answers = None,
+    task_token: Annotated[list[str] | None, typer.Option(
+        "--task-token", help="HEAD=ID: the 12-in-1 task HEAD's inputs name (vilbert_tasks.yml's task id) instead of "
+        "its default (vqa 1, refer 9, rank 7, nlvr2 12, gqa 15), e.g. refer=10 (RefCOCO+), refer=11 (RefCOCOg), "
+        "rank=8 (Flickr30k); repeatable")] = None,
     force: Force = False,
 ) -> None:
     """Import a checkpoint of facebookresearch/vilbert-multi-task (ViLBERT, 12-in-1)."""
     from models.importers.vilbert import import_vilbert, why_unused
 
-    _run(partial(import_vilbert, config=config, answers=answers), src, out, force, (config, answers), why_unused)
+    tokens = {}
+    for given in task_token or []:
+        head, sep, task_id = given.partition("=")
+        if not sep or not head.strip() or not task_id.strip().isdigit():
+            fail(f"--task-token {given!r}: give HEAD=ID, e.g. refer=10")
+        tokens[head.strip()] = int(task_id)
+    _run(partial(import_vilbert, config=config, answers=answers, tokens=tokens), src, out, force, (config, answers),
+         why_unused)
 
 
 @app.command("u-visualbert")
