@@ -503,7 +503,7 @@ def create_app(settings: Settings, load_in_background: bool = False) -> FastAPI:
     # outermost last: metrics see every answer, keys are checked before the body is read
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s,
                        body_types=BODY_TYPES, endpoints={**{path: path for path in BODY_TYPES}, **ROUTES},
-                       max_bytes_in_flight=settings.max_body_bytes_in_flight)
+                       max_bytes_in_flight=settings.max_body_bytes_in_flight, max_s=settings.body_max_s)
     app.add_middleware(AdmissionMiddleware, state=app.state)  # after the key check, before the body is read
     app.add_middleware(APIKeyMiddleware, keys=settings.api_keys)
     app.add_middleware(CloseWhileDraining, state=app.state)

@@ -132,6 +132,11 @@ def sent_path(scope: Scope) -> str:
     return raw.decode("latin-1") if raw else scope["path"]
 
 
+def expects_continue(scope: Scope) -> bool:
+    """Whether the client waits for `100 Continue` before it sends the body (RFC 9110 10.1.1)."""
+    return dict(scope.get("headers") or []).get(b"expect", b"").strip().lower() == b"100-continue"
+
+
 def instance_of(scope: Scope) -> str:
     """A problem's `instance`: the path as sent, as a URI reference (RFC 9457 3.1.5; the decoded path may hold spaces,
     quotes or any character), cut as a quoted string is."""
@@ -163,6 +168,10 @@ async def send_problem(scope: Scope, send: Send, status: int, detail: str, kind:
     v2 = is_v2(scope["path"])
     body = json.dumps({"error": detail} if v2 else
                       problem_body(status, detail, instance_of(scope), rid, kind, title)).encode()
+    if expects_continue(scope) and not any(k.lower() == "connection" for k in headers or {}):
+        # answered before its body was asked for: the client sends none, and the connection cannot tell where its
+        # next request begins (it would read that request as this one's body)
+        headers = {**(headers or {}), "Connection": "close"}
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json" if v2 else PROBLEM_JSON.encode()),
         (b"content-length", str(len(body)).encode()), (b"x-request-id", rid.encode("latin-1", "replace")),

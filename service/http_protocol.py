@@ -13,7 +13,8 @@ headers) that uvicorn lacks, and its own refusals in the service's problem+json.
   uvicorn serves). A transfer coding other than chunked (`gzip, chunked`, which uvicorn de-chunks and hands on
   still compressed) is a 501.
 
-Each refusal, and each connection closed having sent nothing, is reported to `on_refusal` (the app's metrics).
+Each refusal, and each connection closed having sent nothing, is reported to `on_refusal` (the app's metrics); a
+refused request pipelined behind one still running is not answered: the connection closes after that one's answer.
 
 The body has its own bounds (security.BodyLimitMiddleware: max_body_bytes, body_timeout_s).
 """
@@ -160,9 +161,10 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._stop_head_timer()
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
-            if not cycle.more_body:  # a later request: after this answer, no other
+            if not cycle.more_body:  # a later request: after this answer, no other (it is counted, not answered)
                 cycle.keep_alive = False
                 self.flow.pause_reading()
+                self._report(status)
                 return
             if cycle.response_started:
                 self.transport.close()  # the app's answer cannot be finished

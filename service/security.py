@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import math
 from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -77,9 +78,10 @@ class BodyLimitMiddleware:
     streamed chunks); 415 for a compressed body (Content-Encoding) and for a Content-Type the route does not read
     (`body_types`);
     408 when no byte of the body arrives for timeout_s (a client that stalls or trickles nothing would hold the
-    request, its connection and its buffered bytes open for ever; a slow client that keeps sending is served);
-    429 when the bodies held by all requests, from their first byte to their answer, would pass max_bytes_in_flight
-    (each body's time is bounded, not how many arrive slowly at once: 40 bodies of 9 MiB trickled in held 250 MB).
+    request, its connection and its buffered bytes open for ever; a slow client that keeps sending is served) or the
+    whole body has not arrived max_s after the request began; 429 when the bodies held by all requests, from their
+    first byte to their answer, would pass max_bytes_in_flight (40 bodies of 9 MiB trickled in held 250 MB; with the
+    bound, max_s keeps a few slow clients from holding it, and every upload refused, for longer than that).
 
     The body is read here (at most max_bytes of it) and replayed to the app, so the app never sees a
     partial body and the 413 is always a complete problem+json answer. A body cut short by the client's going away
@@ -88,12 +90,13 @@ class BodyLimitMiddleware:
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float, body_types: dict[str, tuple[str, ...]],
-                 endpoints: dict[str, str] | None = None, max_bytes_in_flight: int = 0):
+                 endpoints: dict[str, str] | None = None, max_bytes_in_flight: int = 0, max_s: float = math.inf):
         self.app = app
         self.endpoints = endpoints or {}  # path -> the route template a request cut short is counted under
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         self.body_types = body_types  # path -> the media types its route reads; paths not named read any
+        self.max_s = max_s  # the whole body's time, from the request's start
         self.max_bytes_in_flight = max_bytes_in_flight  # 0 = unbounded
         self.bytes_in_flight = 0  # of the bodies requests hold now
 
@@ -106,11 +109,8 @@ class BodyLimitMiddleware:
         given = scope
 
         async def refuse(status: int, detail: str, headers: dict[str, str] | None = None) -> None:
-            """Answer before the body is read whole, and close the connection: its unread rest would be read as the
-            next request, and a client that sent `Expect: 100-continue` sends no body to a refusal, so the server
-            cannot tell where the next request begins."""
             given.setdefault(ENDPOINT, self.endpoints.get(scope["path"]))  # not routed: counted under its route
-            await send_problem(scope, send, status, detail, headers={**(headers or {}), "Connection": "close"})
+            await send_problem(scope, send, status, detail, headers=headers)
 
         headers = dict(scope["headers"])
         length = headers.get(b"content-length")
@@ -138,9 +138,10 @@ class BodyLimitMiddleware:
         loop = asyncio.get_running_loop()
         try:
             try:
+                last = loop.time() + self.max_s  # the whole body's deadline
                 async with asyncio.timeout(None) as deadline:  # one timer for the whole body, moved on at each chunk
                     while True:
-                        deadline.reschedule(loop.time() + self.timeout_s)
+                        deadline.reschedule(min(loop.time() + self.timeout_s, last))
                         message = await receive()
                         if message["type"] != "http.request":  # the client went away: what came is no request
                             given.setdefault(ENDPOINT, self.endpoints.get(given["path"]))  # not routed
@@ -159,8 +160,10 @@ class BodyLimitMiddleware:
                         if not message.get("more_body", False):
                             break
             except TimeoutError:
-                return await refuse(408, f"no byte of the request body arrived for {self.timeout_s:g} s "
-                                         "(body_timeout_s)")
+                why = (f"the request body was not complete within {self.max_s:g} s (body_max_s)"
+                       if loop.time() >= last else
+                       f"no byte of the request body arrived for {self.timeout_s:g} s (body_timeout_s)")
+                return await refuse(408, why, headers={"Connection": "close"})
             if total > self.max_bytes:
                 return await refuse(413, self.too_large())
             body = b"".join(m.get("body", b"") for m in chunks)

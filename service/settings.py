@@ -15,6 +15,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 MiB = 1 << 20
+DEFAULT_BODY_BYTES_IN_FLIGHT = 256 * MiB  # max_body_bytes_in_flight when unset (or max_body_bytes, where larger)
 ENV_PREFIX = "VLSERVE_"
 # VLSERVE_* variables that are not settings: read by the CLI (PROFILE: the model set `vlserve serve` serves without
 # model directories), by the model code (CACHE: the cache root; PACK_CPU_WEIGHTS: models/layers.py), and by the
@@ -109,11 +110,15 @@ class Settings(BaseSettings):
     # request limits
     max_body_bytes: int = Field(10 * MiB, gt=0)  # larger request bodies get 413
     # the bytes of request bodies held at once, summed over requests from their first byte to their answer: a
-    # request whose body would pass it gets 429 + Retry-After (bodies arriving slowly, each within body_timeout_s,
-    # held memory without bound); 0 = unbounded, else at least max_body_bytes
-    max_body_bytes_in_flight: int = Field(256 * MiB, ge=0)
+    # request whose body would pass it gets 429 + Retry-After, so that many bodies arriving slowly cannot hold memory
+    # without bound; 0 = unbounded, else at least max_body_bytes; unset: 256 MiB, or max_body_bytes where larger
+    max_body_bytes_in_flight: int | None = Field(None, ge=0)
     # a request body that sends no byte for this long gets 408
     body_timeout_s: float = Field(30.0, gt=0, le=MAX_TIMEOUT_S)
+    # a request body not complete this long after its request began gets 408, however steadily it trickles in: the
+    # bodies held at once are bounded (max_body_bytes_in_flight), and without a deadline a few clients sending a
+    # byte a second could hold that bound for ever and every upload would be refused (10 MiB at 100 KB/s: 105 s)
+    body_max_s: float = Field(180.0, gt=0, le=MAX_TIMEOUT_S)
     # a request's head (request line and headers) larger than this gets 431 and its connection closed
     max_head_bytes: int = Field(64 * 1024, ge=1024, le=16 * MiB)
     # a request's head not complete this long after its connection opened (on a kept-alive connection, after its
@@ -169,8 +174,10 @@ class Settings(BaseSettings):
 
     @field_validator("max_body_bytes_in_flight")
     @classmethod
-    def _body_budget(cls, value: int, info: ValidationInfo) -> int:
+    def _body_budget(cls, value: int | None, info: ValidationInfo) -> int:
         body = info.data.get("max_body_bytes")
+        if value is None:
+            return max(DEFAULT_BODY_BYTES_IN_FLIGHT, body or 0)
         if 0 < value and body is not None and value < body:
             raise ValueError(f"{value} is less than max_body_bytes ({body}): a body of the largest size allowed would "
                              "always be refused; set at least that, or 0 for no bound")
@@ -237,14 +244,20 @@ class Settings(BaseSettings):
     @field_validator("forwarded_allow_ips")
     @classmethod
     def _proxy_addresses(cls, value: str) -> str:
+        """Networks as uvicorn reads them: "10.0.0.1/8" is 10.0.0.0/8 (uvicorn would take it for a host name and
+        trust nothing), and * alone (uvicorn trusts everyone only where the value is exactly *)."""
         items = [item.strip() for item in value.split(",") if item.strip()]
+        if "*" in items:
+            if len(items) > 1:
+                raise ValueError("* trusts every address: give it alone, or addresses and networks without it")
+            return "*"
+        networks = []
         for item in items:
-            if item != "*":
-                try:
-                    ipaddress.ip_network(item, strict=False)
-                except ValueError:
-                    raise ValueError(f"{item!r} is not an IP address or network (e.g. 10.0.0.0/8), nor *") from None
-        return ",".join(items)
+            try:
+                networks.append(str(ipaddress.ip_network(item, strict=False)))
+            except ValueError:
+                raise ValueError(f"{item!r} is not an IP address or network (e.g. 10.0.0.0/8), nor *") from None
+        return ",".join(networks)
 
     @field_validator("log_level", "log_format", mode="before")
     @classmethod

@@ -19,9 +19,9 @@ from vlserve.commands.train import app as train_app
 from vlserve.commands.zoo import app as zoo_app
 
 def reflowed(text: str | None) -> str | None:
-    """A help text with each paragraph's lines joined: the terminal wraps them (Typer's rich help keeps the source's
-    line breaks after the first paragraph, so a docstring's lines came out broken twice, at its width and the
-    terminal's). A paragraph that begins with \b (click's mark for text kept as written) is left alone."""
+    """A help text with each paragraph's lines joined, for the terminal to wrap: Typer's rich help keeps the source's
+    line breaks after the first paragraph, which would break a docstring's lines twice, at its width and the
+    terminal's. A paragraph that begins with \b (click's mark for text kept as written) is left alone."""
     if not text:
         return text
     paragraphs = inspect.cleandoc(text).split("\n\n")

@@ -76,6 +76,9 @@ def test_api_keys_as_a_list_and_empty_redis_url_means_off(monkeypatch):
     ("api_keys", "good,with space", "contains whitespace"),
     ("host", " ", "must not be empty"),
     ("threads", "two", "valid integer"),
+    ("max_body_bytes_in_flight", 1024, "is less than max_body_bytes"),
+    ("forwarded_allow_ips", "*, 10.0.0.1", "give it alone"),
+    ("forwarded_allow_ips", "proxy.local", "not an IP address or network"),
 ])
 def test_invalid_values_are_rejected_naming_the_field(monkeypatch, field, value, words):
     monkeypatch.setenv(f"VLSERVE_{field.upper()}", str(value))
@@ -95,6 +98,19 @@ def test_several_errors_in_one_message_and_unknown_overrides():
     assert "VLSERVE_THREADS" in message and "VLSERVE_PORT" in message
     with pytest.raises(ValidationError, match="max_batch"):
         Settings(max_batch=3)
+
+
+def test_the_bodies_bound_follows_a_larger_body_limit_unless_set():
+    """A deployment whose max_body_bytes is over the bound's default starts as it did: the bound is then that."""
+    assert Settings().max_body_bytes_in_flight == 256 * 1024 * 1024
+    assert Settings(max_body_bytes=300 << 20).max_body_bytes_in_flight == 300 << 20
+    assert Settings(max_body_bytes_in_flight=0).max_body_bytes_in_flight == 0
+
+
+def test_trusted_proxies_are_read_as_uvicorn_reads_them():
+    """uvicorn takes "10.0.0.1/8" for a host name (trusting nothing) and trusts all only for exactly "*"."""
+    assert Settings(forwarded_allow_ips=" 10.0.0.1/8, 127.0.0.1 ").forwarded_allow_ips == "10.0.0.0/8,127.0.0.1/32"
+    assert Settings(forwarded_allow_ips=" * ").forwarded_allow_ips == "*"
 
 
 def test_device_is_normalized():

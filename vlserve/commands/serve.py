@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
+from service.settings import DEFAULT_BODY_BYTES_IN_FLIGHT, MiB
 from vlserve.commands.zoo import PROFILE_HELP
 
 _S = "Settings"  # help panel: every option is also an environment variable VLSERVE_<OPTION>
@@ -20,7 +21,7 @@ def _opt(help_text: str, panel: str = _S, **kw: Any) -> Any:
 
 def _default(name: str) -> str:
     """"(default X)" for a setting, read from service.settings.Settings, where each default is defined."""
-    from service.settings import MiB, Settings
+    from service.settings import Settings
 
     value = Settings.model_fields[name].default
     if isinstance(value, bool):
@@ -95,10 +96,13 @@ def serve(
                                                             "Batching")] = None,
     max_body_bytes: Annotated[int | None, _opt("larger request bodies get 413 " + _default("max_body_bytes"), "Limits")] = None,
     max_body_bytes_in_flight: Annotated[int | None, _opt("request bodies held at once, summed over requests; a body "
-                                                         "that would pass it gets 429; 0 = unbounded "
-                                                         + _default("max_body_bytes_in_flight"), "Limits")] = None,
+                                                         "that would pass it gets 429; 0 = unbounded (default "
+                                                         f"{DEFAULT_BODY_BYTES_IN_FLIGHT // MiB} MiB, or "
+                                                         "--max-body-bytes where larger)", "Limits")] = None,
     body_timeout_s: Annotated[float | None, _opt("a request body that sends no byte for this long gets 408, s "
                                                  + _default("body_timeout_s"), "Limits")] = None,
+    body_max_s: Annotated[float | None, _opt("a request body not complete this long after its request began gets "
+                                             "408, s " + _default("body_max_s"), "Limits")] = None,
     max_head_bytes: Annotated[int | None, _opt("a request head (request line and headers) larger than this gets 431 "
                                                + _default("max_head_bytes"), "Limits")] = None,
     head_timeout_s: Annotated[float | None, _opt("a request head not complete this long after its connection opened "
