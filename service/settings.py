@@ -140,9 +140,9 @@ class Settings(BaseSettings):
     # access
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)  # empty = no auth; env: comma-separated
     # the proxies trusted to say who their client is (X-Forwarded-For, X-Forwarded-Proto), comma-separated IPs or
-    # networks, or "*": the access log's client is then the proxy's client; empty = those headers are ignored (any
-    # client could write them)
-    forwarded_allow_ips: str = ""
+    # networks, or "*": the access log's client is then the proxy's client; unset or empty = those headers are
+    # ignored (any client could write them)
+    forwarded_allow_ips: str | None = None
     # server
     host: str = "127.0.0.1"  # bind address
     port: int = Field(8000, ge=0, le=65535)  # bind port (0 = any free port)
@@ -243,10 +243,12 @@ class Settings(BaseSettings):
 
     @field_validator("forwarded_allow_ips")
     @classmethod
-    def _proxy_addresses(cls, value: str) -> str:
+    def _proxy_addresses(cls, value: str | None) -> str | None:
         """Networks as uvicorn reads them: "10.0.0.1/8" is 10.0.0.0/8 (uvicorn would take it for a host name and
         trust nothing), and * alone (uvicorn trusts everyone only where the value is exactly *)."""
-        items = [item.strip() for item in value.split(",") if item.strip()]
+        items = [item.strip() for item in (value or "").split(",") if item.strip()]
+        if not items:
+            return None
         if "*" in items:
             if len(items) > 1:
                 raise ValueError("* trusts every address: give it alone, or addresses and networks without it")
