@@ -158,5 +158,6 @@ def train_detector(cfg: DetectorTrainConfig, progress: bool = True) -> dict:
                "batch_size": cfg.batch_size, "data": asdict(cfg.data)}
     with staged_directory(cfg.out) as staging:  # a finished detector there stays whole until the new one replaces it
         fingerprint = save_detector(detector.cpu(), staging, extra={"training": metrics})
-    (Path(cfg.out) / "metrics.json").write_text(json.dumps({**metrics, "fingerprint": fingerprint}, indent=2))
+        # in the staged directory: a detector swapped in always has its metrics (the zoo's card reads them)
+        (staging / "metrics.json").write_text(json.dumps({**metrics, "fingerprint": fingerprint}, indent=2))
     return {**metrics, "fingerprint": fingerprint}

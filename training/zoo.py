@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from models import RANK_HEAD
 from models.detector import DetectorConfig
+from models.feature_files import FileLockedError, lock_for_writing
 from models.registry import encoder_config
 
 from .data.shapes_cache import cache_root
@@ -23,6 +27,8 @@ from .detector_train import DetectorTrainConfig, train_detector
 from .finetune import (RANK_TASK, RANK_TASKS, RANK_TEXT_TASK, STATE, TRAINING_SETS, FinetuneConfig, detector_fingerprint,
                        head_of, run_data, train)
 from .pretrain import PretrainConfig, pretrain
+
+log = logging.getLogger(__name__)
 
 Recipe = dict[str, Any]  # stage name (detector, pretrain, finetune, retrieval) -> its run config, in the order they run
 MULTITASK = "multitask"  # a recipe with a retrieval stage keeps its multi-task checkpoint here (the stage's start)
@@ -139,6 +145,29 @@ def build_zoo(profile: str = "demo", root: Path | None = None, force: bool = Fal
     out = zoo_dir(profile, root)
     if is_built(out) and not force:
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with building(out):
+        if is_built(out) and not force:  # built by the run this one waited for
+            return out
+        return _build(profile, out, force, threads, progress, device)
+
+
+@contextmanager
+def building(out: Path) -> Iterator[None]:
+    """Hold the build lock of the set at `out` (a file beside it), waiting while another build holds it: two builds
+    of one set (two `make serve` at once) wrote over each other's training state, and one failed after minutes of
+    work. The lock is flock(2): a killed build leaves none behind."""
+    lock = out.parent / f".{out.name}.build.lock"
+    try:
+        held = lock_for_writing(lock)
+    except FileLockedError:
+        log.warning("another build of %s is running; waiting for it to end", out)
+        held = lock_for_writing(lock, wait=True)
+    with held:
+        yield
+
+
+def _build(profile: str, out: Path, force: bool, threads: int, progress: bool, device: str) -> Path:
     recipe = placed(PROFILES[profile], out, threads, device)
     detector, pre, first, stage = (recipe.get(name) for name in ("detector", "pretrain", "finetune", "retrieval"))
     out.mkdir(parents=True, exist_ok=True)

@@ -40,7 +40,10 @@ class App(typer.Typer):
     """The CLI, its help texts reflowed."""
 
     def __call__(self, *args, **kwargs):
-        command = typer.main.get_command(self)
+        try:
+            command = typer.main.get_command(self)
+        except KeyboardInterrupt:  # Ctrl-C before the command runs (which Typer's own handling covers)
+            raise SystemExit(130) from None
         reflow_help(command)
         return command(*args, **kwargs)
 

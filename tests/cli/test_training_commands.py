@@ -242,3 +242,17 @@ def test_pretrain_eval_examples_help_states_what_the_option_takes():
     entry = re.search(r"--eval-examples (.*?\[default: \d+\])", help_text)
     assert entry, help_text
     assert "default: all" not in entry[1] and entry[1].endswith("[default: 2000]") and "first N" in entry[1]
+
+
+@pytest.mark.parametrize("command", ["finetune", "pretrain", "detector"])
+def test_a_second_run_on_the_same_out_exits_2_while_the_first_writes(models, tmp_path, command):
+    """Two runs on one --out wrote over each other's state (one died renaming the other's train_state.tmp): the
+    second is refused while the first holds the lock beside OUT, and runs once it is gone."""
+    from models.feature_files import lock_for_writing
+
+    out = tmp_path / "run"
+    out.mkdir()
+    with lock_for_writing(tmp_path / ".run.lock"):  # the first run, writing
+        line = error_line(invoke(*commands(*models, out)[command]))
+    assert line == f"error: --out {out}: another run is writing there; wait for it to end, or choose another --out"
+    assert isinstance(invoke(*commands(*models, out)[command]).exception, WorkStarted)  # the first run has ended

@@ -418,3 +418,29 @@ def test_a_build_that_fills_its_disk_exits_2_with_one_line_and_leaves_no_scenes(
                                "left on device") and "Traceback" not in result.stderr
     assert [line for line in said if not line.startswith("shapes world:")] in ([said[-1]], ["", said[-1]])
     assert not [p for p in full_disk.rglob("*") if ".tmp-" in p.name]
+
+
+def test_a_second_build_of_a_set_waits_for_the_first(tmp_path, monkeypatch, caplog):
+    """Two builds of one set (two `make serve` at once) wrote over each other's training state and one failed after
+    minutes of work: the second waits for the first's lock, then finds the set built and builds nothing."""
+    import threading
+    import time
+
+    from models.feature_files import lock_for_writing
+
+    out = training.zoo.zoo_dir("demo", tmp_path)
+    out.parent.mkdir(parents=True)
+    built = threading.Event()
+    monkeypatch.setattr(training.zoo, "is_built", lambda path: built.is_set())
+    builds = []
+    monkeypatch.setattr(training.zoo, "_build", lambda *a: builds.append(a))
+    with lock_for_writing(out.parent / f".{out.name}.build.lock"):  # the first build
+        second = threading.Thread(target=training.zoo.build_zoo, args=("demo", tmp_path), kwargs={"progress": False})
+        with caplog.at_level("WARNING", logger="training.zoo"):
+            second.start()
+            time.sleep(1.0)
+            assert second.is_alive()  # waiting
+        built.set()  # the first build ends with the set built
+    second.join(timeout=10)
+    assert not second.is_alive() and builds == []
+    assert any("another build of" in r.getMessage() and "waiting" in r.getMessage() for r in caplog.records)

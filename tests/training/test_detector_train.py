@@ -17,13 +17,21 @@ TINY = {"min_size": 64, "max_size": 64, "rpn_pre_nms_top_n": 50, "rpn_post_nms_t
 
 
 def test_a_short_run_saves_a_detector_scored_on_the_asked_number_of_val_images(tmp_path, monkeypatch):
+    import models.checkpoint
+
     monkeypatch.setenv("VLSERVE_CACHE", str(tmp_path / "cache"))
+    swapped_in, swap = [], models.checkpoint._swap_in
+    # the metrics come in with the detector, never after it: a build killed between the two found a detector without
+    # the metrics its model card reads, and failed at every later attempt
+    monkeypatch.setattr(models.checkpoint, "_swap_in", lambda staging, out: (
+        swapped_in.append(sorted(p.name for p in staging.iterdir())), swap(staging, out)))
     out = tmp_path / "det"
     metrics = train_detector(DetectorTrainConfig(out=out, steps=2, batch_size=2, warmup=1, eval_every=1, eval_images=2,
                                                  final_eval_images=4, threads=1, data=SMALL, detector=TINY), progress=False)
     assert [h["images"] for h in metrics["history"]] == [2]  # the periodic evaluation at step 1
     assert metrics["val"]["images"] == 4 and 0.0 <= metrics["val"]["map50"] <= 1.0
     assert json.loads((out / "metrics.json").read_text())["fingerprint"] == metrics["fingerprint"]
+    assert "metrics.json" in swapped_in[0] and "manifest.json" in swapped_in[0]
     detector, fingerprint = load_detector(out)
     assert fingerprint == metrics["fingerprint"] and detector.config.num_boxes == 4
     # without a limit the whole val split is scored

@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
@@ -67,6 +69,22 @@ def check_cache_root(root: Path | None = None) -> None:
         check_writable_dir(cache_root(), f"VLSERVE_CACHE={os.environ['VLSERVE_CACHE']}")
     else:
         check_writable_dir(cache_root(), f"cache root {cache_root()}")
+
+
+@contextmanager
+def writing(out: Path) -> Iterator[None]:
+    """Hold the lock of a training run's OUT (a file beside it) while the run writes there, or exit 2 when another
+    run holds it: two runs on one OUT would write over each other's state (one died renaming a train_state.tmp the
+    other had moved). The lock is flock(2), so a killed run leaves none behind."""
+    from models.feature_files import FileLockedError, lock_for_writing
+
+    target = Path(out).resolve()
+    try:
+        held = lock_for_writing(target.parent / f".{target.name}.lock")
+    except FileLockedError:
+        fail(f"--out {out}: another run is writing there; wait for it to end, or choose another --out")
+    with held:
+        yield
 
 
 def check_out(out: Path, *, reads: dict[str, Path | None] | None = None, resumes: bool = False,

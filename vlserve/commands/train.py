@@ -9,7 +9,7 @@ import typer
 
 from training.run_config import (FinetuneConfig, PretrainConfig, RunConfig, config_command, embedding_override,
                                  field_choices, finite_within)
-from vlserve.commands.checks import check_cache_root, check_out, fail
+from vlserve.commands.checks import check_cache_root, check_out, fail, writing
 from vlserve.commands.termination import unwinding
 
 # the detector's sane bounds: region features up to 8x the 1024/2048-d of the published bottom-up-attention models,
@@ -56,10 +56,11 @@ def detector(
     data = ShapesConfig(splits=(("train", train_scenes), ("val", val_scenes), ("test", test_scenes)))
     cfg = DetectorTrainConfig(out=out, steps=steps, batch_size=batch_size, lr=lr, eval_every=eval_every, seed=seed, threads=threads,
                               device=device, attribute_weight=attribute_weight, data=data, detector={"feature_dim": feature_dim, "num_boxes": num_boxes})
-    try:
-        metrics = unwinding(train_detector, cfg)
-    except TrainingError as exc:  # diverged: nothing written
-        fail(str(exc))
+    with writing(out):
+        try:
+            metrics = unwinding(train_detector, cfg)
+        except TrainingError as exc:  # diverged: nothing written
+            fail(str(exc))
     typer.echo(json.dumps({"out": str(out), "val": metrics["val"], "train_seconds": metrics["train_seconds"],
                            "fingerprint": metrics["fingerprint"]}, indent=2))
 
@@ -76,10 +77,11 @@ def finetune(cfg: FinetuneConfig) -> None:
         fail(str(exc))
     check_out(cfg.out, reads={"--detector": cfg.detector_dir, "--init-from": cfg.init_from}, resumes=True, force=cfg.force)
     check_cache_root()
-    try:
-        metrics = unwinding(train, cfg)
-    except TrainingError as exc:  # diverged, or a train_state.pt of another run: nothing written
-        fail(str(exc))
+    with writing(cfg.out):
+        try:
+            metrics = unwinding(train, cfg)
+        except TrainingError as exc:  # diverged, or a train_state.pt of another run: nothing written
+            fail(str(exc))
     typer.echo(json.dumps({"out": str(cfg.out), "final": metrics["final"], "train_seconds": metrics["train_seconds"]}, indent=2))
 
 
@@ -92,10 +94,11 @@ def pretrain(cfg: PretrainConfig) -> None:
 
     check_out(cfg.out, reads={"--detector": cfg.detector_dir}, resumes=True, force=cfg.force)
     check_cache_root()
-    try:
-        metrics = unwinding(run_pretrain, cfg)  # validates the config, then the data, before the first step
-    except PretrainConfigError as exc:
-        fail(str(exc))
+    with writing(cfg.out):
+        try:
+            metrics = unwinding(run_pretrain, cfg)  # validates the config, then the data, before the first step
+        except PretrainConfigError as exc:
+            fail(str(exc))
     typer.echo(json.dumps({"out": str(cfg.out), "objectives": list(cfg.objectives), "final": metrics["final"],
                            "last": metrics["history"][-1], "train_seconds": metrics["train_seconds"]}, indent=2))
 
