@@ -444,3 +444,30 @@ def test_a_second_build_of_a_set_waits_for_the_first(tmp_path, monkeypatch, capl
     second.join(timeout=10)
     assert not second.is_alive() and builds == []
     assert any("another build of" in r.getMessage() and "waiting" in r.getMessage() for r in caplog.records)
+
+
+def test_sigterm_during_a_build_removes_its_half_written_scenes(tmp_path, monkeypatch):
+    """SIGTERM (docker stop, a pod's end, `timeout`) while the scenes are written: the build unwinds as on Ctrl-C,
+    removes them (a SIGTERMed build left its shapes/<hash>.tmp-<pid> of tens of MB for good) and ends by the signal."""
+    import signal
+
+    import training.data.shapes_cache as shapes_cache
+
+    use_tiny_recipe(monkeypatch, tmp_path)
+
+    def then_terminated(config, tmp, workers, progress):
+        (tmp / "train").mkdir(parents=True)
+        (tmp / "train" / "scene-0.png").write_bytes(b"\0" * 1024)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(shapes_cache, "_generate", then_terminated)
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        result = CliRunner().invoke(app, ["zoo", "build", "--profile", "tiny", "--root", str(tmp_path / "cache"),
+                                          "--threads", "1"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert result.exit_code == 128 + signal.SIGTERM, result.output
+    assert result.stderr.endswith("error: terminated (SIGTERM)\n") and received == [signal.SIGTERM]
+    assert not [p for p in (tmp_path / "cache").rglob("*.tmp-*")]

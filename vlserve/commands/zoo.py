@@ -9,6 +9,7 @@ import typer
 
 from training.run_config import RunConfig, config_command
 from vlserve.commands.checks import check_cache_root, check_writable_dir, fail, os_error
+from vlserve.commands.termination import unwinding
 
 app = typer.Typer(help="Build the model sets the service runs on.", no_args_is_help=True)
 
@@ -52,7 +53,8 @@ def build(
     if force or not is_built(model_set):  # a writable cache root may hold a read-only zoo/
         check_writable_dir(model_set, f"model set {model_set}")
     try:
-        path = build_zoo(profile, root, force=force, threads=threads, device=device)
+        # SIGTERM (docker stop, a pod's end) unwinds as Ctrl-C does: half-written scenes are removed, not left
+        path = unwinding(build_zoo, profile, root, force=force, threads=threads, device=device)
     except (TrainingError, PretrainConfigError) as exc:  # diverged, or a train_state.pt of another recipe's run
         fail(str(exc))
     except OSError as exc:  # the cache's disk full, say (the writability check passes on a full disk)
