@@ -1,7 +1,7 @@
 """HTTP behaviour every route shares, as pure ASGI middleware: HEAD answered as GET without its body (RFC 9110
-9.3.2: uptime checks and load balancers probe with HEAD; a 405's Allow says so), and the request id on every answer (X-Request-ID: the
-client's when it sent a sane one, else the service's; errors.request_id), successes included, so a client can quote
-it for any request it made."""
+9.3.2: uptime checks and load balancers probe with HEAD; a 405's Allow says so), and the request id on every answer
+(X-Request-ID: the client's when it sent a sane one, else the service's; errors.request_id), successes included, so
+a client can quote it for any request it made."""
 from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send

@@ -48,7 +48,8 @@ class Metrics:
         # the connection's own answers (service/http_protocol.py), given before a request reaches the app; each
         # status exists from the start, so rate() counts a pod's first ones
         self.http_refusals = Counter("vlserve_http_refusals", "requests the HTTP layer answered itself, before the "
-                                     "app: 400 unparsable, 408 head too slow, 431 head too large, 501 transfer coding not supported", ["status"], registry=r)
+                                     "app: 400 unparsable, 408 head too slow, 431 head too large, 501 transfer "
+                                     "coding not supported", ["status"], registry=r)
         for status in HTTP_REFUSALS:
             self.http_refusals.labels(str(status))
         self.http_idle_closed = Counter("vlserve_http_idle_closed", "connections closed having sent no request "
